@@ -1,0 +1,1 @@
+"""jmp_train benchmarks: ``python -m benchmarks`` (see ``benchmarks/README.md``)."""

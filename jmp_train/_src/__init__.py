@@ -1,0 +1,1 @@
+"""Implementation of jmp_train. The public surface is ``jmp_train``."""

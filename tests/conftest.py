@@ -1,0 +1,27 @@
+"""Test configuration: 8 simulated CPU devices, set before jax is imported."""
+
+import os
+
+# Must happen before the first `import jax` anywhere in the test session.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+def pytest_configure(config):
+  del config
+  # Fail loudly (not skip) when the simulated devices are missing.
+  assert jax.device_count() == NUM_DEVICES, (
+      f"expected {NUM_DEVICES} simulated CPU devices, got {jax.devices()}"
+  )
+
+
+@pytest.fixture
+def num_devices():
+  return NUM_DEVICES
