@@ -3,7 +3,10 @@
 Each ``benchmarks/bench_*.py`` module defines ``NAME``, an optional
 ``COLUMNS`` and ``run(quick: bool) -> list[dict]``. Results go to
 ``benchmarks/results/<NAME>-<device>.json`` (with machine, device, versions
-and date) and a table is printed per benchmark.
+and date; ``<NAME>-quick-<device>.json`` for ``--quick``) and a table is
+printed per benchmark. A benchmark that cannot run here returns
+``_harness.skipped(reason)``; one that raises is reported, the others still
+run, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -11,38 +14,90 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pathlib
 import sys
+import time
+import traceback
 
 
 def discover() -> list[str]:
+  """The benchmark module names (``bench_*``), sorted."""
   here = pathlib.Path(__file__).parent
   return sorted(p.stem for p in here.glob("bench_*.py"))
 
 
+def _simulate_cpu_devices(count: int) -> None:
+  """Asks XLA for ``count`` host devices, if JAX has not started yet.
+
+  Only the CPU platform is affected: on a GPU machine the GPUs stay the
+  default devices. Once ``jax`` is imported (the test suite, a notebook) the
+  flag can no longer take effect, and it is left alone.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "jax" in sys.modules or "xla_force_host_platform_device_count" in flags:
+    return
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
+  """Runs the selected benchmarks; returns the process exit status."""
   modules = discover()
   names = [m.removeprefix("bench_") for m in modules]
-  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke test)")
-  parser.add_argument("--only", nargs="*", choices=names, help="run only these benchmarks")
-  parser.add_argument("--out", type=pathlib.Path, default=None, help="results folder")
+  parser.add_argument("--only", nargs="*", choices=names, metavar="NAME",
+                      help=f"run only these benchmarks (of: {', '.join(names)})")
+  parser.add_argument("--out", type=pathlib.Path, default=None,
+                      help="results folder (default: benchmarks/results)")
   parser.add_argument("--json", action="store_true", help="print the JSON records too")
+  parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+  parser.add_argument("--cpu-devices", type=int, default=8, metavar="N",
+                      help="simulated CPU devices for the multi-device benchmarks "
+                           "(sets XLA_FLAGS before JAX starts; default 8; a count "
+                           "already in XLA_FLAGS wins)")
   args = parser.parse_args(argv)
+  if args.cpu_devices < 1:
+    parser.error(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
+  _simulate_cpu_devices(args.cpu_devices)
+
+  if args.list:
+    print("\n".join(names))
+    return 0
 
   from benchmarks import _harness
 
+  info = _harness.machine_info()
+  print(f"# {info['device_kind']} x{info['device_count']} ({info['backend']}), "
+        f"jax {info['versions']['jax']}, {info['date']}", flush=True)
+  failed = []
   for module_name, name in zip(modules, names):
     if args.only and name not in args.only:
       continue
-    module = importlib.import_module(f"benchmarks.{module_name}")
-    print(f"\n## {module.NAME}", flush=True)
-    records = module.run(quick=args.quick)
+    print(f"\n## {name}", flush=True)
+    start = time.perf_counter()
+    try:
+      module = importlib.import_module(f"benchmarks.{module_name}")
+      records = module.run(quick=args.quick)
+      if not records:
+        raise RuntimeError(f"benchmark {name!r} returned no records")
+    except Exception:  # pylint: disable=broad-except  # Report, run the rest.
+      traceback.print_exc()
+      print(f"(benchmark {name!r} FAILED)", flush=True)
+      failed.append(name)
+      continue
     path = _harness.save_results(module.NAME + ("-quick" if args.quick else ""), records, args.out)
-    print(_harness.format_table(records, getattr(module, "COLUMNS", None)))
+    if _harness.is_skipped(records):
+      print(f"skipped: {records[0]['reason']}")
+    else:
+      print(_harness.format_table(records, getattr(module, "COLUMNS", None)))
     if args.json:
       print(json.dumps(records, indent=2, default=str))
-    print(f"(written to {path})", flush=True)
+    print(f"(written to {path} in {time.perf_counter() - start:.1f} s)", flush=True)
+  if failed:
+    print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr, flush=True)
+    return 1
   return 0
 
 

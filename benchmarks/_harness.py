@@ -7,7 +7,9 @@ ratios of figures taken in the same process.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import platform
@@ -28,7 +30,24 @@ def block(tree: Any) -> Any:
 def median_seconds(
     fn: Callable[..., Any], *args: Any, warmup: int = 2, repeats: int = 10
 ) -> float:
-  """Median wall-clock seconds of ``fn(*args)`` after ``warmup`` calls."""
+  """Median wall-clock seconds of ``fn(*args)`` after ``warmup`` calls.
+
+  Each call is timed until its outputs are ready (``jax.block_until_ready``),
+  so asynchronous dispatch does not hide device time.
+
+  Args:
+    fn: the function to time (typically jitted).
+    *args: its arguments.
+    warmup: untimed calls first (compilation, caches).
+    repeats: timed calls; the median of these is returned.
+
+  Returns:
+    The median in seconds.
+
+  Raises:
+    ValueError: if ``warmup < 0`` or ``repeats < 1``.
+  """
+  _check_counts(warmup, repeats)
   for _ in range(warmup):
     block(fn(*args))
   times = []
@@ -46,7 +65,19 @@ def interleaved_median_seconds(
 
   Interleaving spreads machine noise (other processes, turbo) evenly over
   the candidates, so their ratios are fairer than back-to-back blocks.
+
+  Args:
+    fns: name -> zero-argument callable.
+    warmup: untimed calls of each first.
+    repeats: timed rounds; each round calls every candidate once.
+
+  Returns:
+    name -> median seconds.
+
+  Raises:
+    ValueError: if ``warmup < 0`` or ``repeats < 1``.
   """
+  _check_counts(warmup, repeats)
   for fn in fns.values():
     for _ in range(warmup):
       block(fn())
@@ -59,8 +90,98 @@ def interleaved_median_seconds(
   return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _check_counts(warmup: int, repeats: int) -> None:
+  if warmup < 0:
+    raise ValueError(f"warmup must be >= 0, got {warmup}.")
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}.")
+
+
+def skipped(reason: str) -> list[dict[str, Any]]:
+  """The records of a benchmark that cannot run here (e.g. it needs a GPU).
+
+  A skipped benchmark returns exactly one record ``{"skipped": True,
+  "reason": reason}``; the runner prints it as such and the test suite
+  accepts it in place of the benchmark's columns.
+
+  Args:
+    reason: why, for a reader of the results file.
+
+  Returns:
+    A one-record list.
+  """
+  return [{"skipped": True, "reason": reason}]
+
+
+def is_skipped(records: Sequence[dict[str, Any]]) -> bool:
+  """Whether ``records`` is the output of :func:`skipped`."""
+  return len(records) == 1 and records[0].get("skipped") is True
+
+
+def tree_bytes(tree: Any) -> int:
+  """Total bytes of the array leaves of ``tree`` (arrays or shape structs)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      size = 1
+      for d in leaf.shape:
+        size *= int(d)
+      total += size * leaf.dtype.itemsize
+  return total
+
+
+def compiled_memory(compiled: Any) -> dict[str, int | None]:
+  """Byte counts of a compiled executable's ``memory_analysis()``.
+
+  Args:
+    compiled: ``jax.jit(f).lower(*args).compile()``.
+
+  Returns:
+    ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs that
+    reuse donated arguments), ``temp_bytes`` (XLA's scratch buffers, where
+    the activations kept for the backward pass live in a train step) and
+    ``code_bytes``; all ``None`` where the backend gives no analysis.
+  """
+  keys = {
+      "argument_bytes": "argument_size_in_bytes",
+      "output_bytes": "output_size_in_bytes",
+      "alias_bytes": "alias_size_in_bytes",
+      "temp_bytes": "temp_size_in_bytes",
+      "code_bytes": "generated_code_size_in_bytes",
+  }
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except  # Unsupported backend.
+    stats = None
+  if stats is None:
+    return {k: None for k in keys}
+  return {k: int(getattr(stats, v)) for k, v in keys.items()}
+
+
+def compiled_flops(compiled: Any) -> float | None:
+  """XLA's count of floating-point operations per call, or ``None``."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except  # Unsupported backend.
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if not cost or "flops" not in cost:
+    return None
+  flops = float(cost["flops"])
+  return flops if flops > 0 else None
+
+
 def machine_info() -> dict[str, Any]:
-  """Machine, device, versions and date, recorded with every result."""
+  """Machine, device, versions and date, recorded with every result.
+
+  Returns:
+    A JSON-ready dict: ``date`` (UTC, ISO 8601), ``platform``,
+    ``processor``, ``cpu_count``, ``python``, ``backend``, ``device_kind``,
+    ``device_count``, ``device_memory_bytes`` (``None`` where the backend
+    does not say), ``xla_flags`` and ``versions`` (jax, jaxlib, flax, optax,
+    chex, numpy, jmp if installed, jmp_train).
+  """
   import flax
   import numpy as np
   import optax
@@ -68,6 +189,16 @@ def machine_info() -> dict[str, Any]:
   import jmp_train
 
   devices = jax.devices()
+  versions = {
+      "jax": jax.__version__,
+      "jaxlib": _version("jaxlib"),
+      "flax": flax.__version__,
+      "optax": optax.__version__,
+      "chex": _version("chex"),
+      "numpy": np.__version__,
+      "jmp": _version("jmp"),
+      "jmp_train": jmp_train.__version__,
+  }
   return {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"
@@ -79,14 +210,28 @@ def machine_info() -> dict[str, Any]:
       "backend": jax.default_backend(),
       "device_kind": devices[0].device_kind,
       "device_count": len(devices),
-      "versions": {
-          "jax": jax.__version__,
-          "flax": flax.__version__,
-          "optax": optax.__version__,
-          "numpy": np.__version__,
-          "jmp_train": jmp_train.__version__,
-      },
+      "device_memory_bytes": _device_memory(devices[0]),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "versions": versions,
   }
+
+
+def _version(package: str) -> str | None:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _device_memory(device: Any) -> int | None:
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  # Not every backend has it.
+    return None
+  if not stats:
+    return None
+  limit = stats.get("bytes_limit")
+  return int(limit) if limit is not None else None
 
 
 def device_tag() -> str:
@@ -104,8 +249,21 @@ def save_results(
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / f"{name}-{device_tag()}.json"
   payload = {"benchmark": name, "machine": machine_info(), "records": list(records)}
-  path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+  # Round-trip through the encoder so NumPy scalars become Python numbers,
+  # then write NaN/inf as null: strict JSON, readable by any tool.
+  plain = json.loads(json.dumps(payload, default=_jsonable))
+  path.write_text(json.dumps(_finite_or_none(plain), indent=2, allow_nan=False) + "\n")
   return path
+
+
+def _finite_or_none(x: Any) -> Any:
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  if isinstance(x, dict):
+    return {k: _finite_or_none(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_finite_or_none(v) for v in x]
+  return x
 
 
 def _jsonable(x: Any) -> Any:
@@ -117,13 +275,28 @@ def _jsonable(x: Any) -> Any:
 
 
 def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-  """A GitHub-markdown table of ``rows`` (floats to 4 significant digits)."""
+  """A GitHub-markdown table of ``rows``.
+
+  Floats are printed to 4 significant digits, ``None`` as ``-`` and booleans
+  as ``yes``/``no``; a row missing a column gets an empty cell.
+
+  Args:
+    rows: the records.
+    columns: which keys, in order (default: the first row's keys).
+
+  Returns:
+    The table as one string.
+  """
   rows = list(rows)
   if not rows:
     return "(no rows)"
   columns = list(columns or rows[0].keys())
 
   def fmt(v: Any) -> str:
+    if v is None:
+      return "-"
+    if isinstance(v, bool):
+      return "yes" if v else "no"
     if isinstance(v, float):
       return f"{v:.4g}"
     return str(v)

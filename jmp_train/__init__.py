@@ -13,16 +13,66 @@ from jmp_train._src.policy import get_policy
 from jmp_train._src.policy import half_dtype
 
 # --- loss scaling (issue 3) ---
+from jmp_train._src.loss_scale import DynamicLossScale
+from jmp_train._src.loss_scale import NoOpLossScale
+from jmp_train._src.loss_scale import StaticLossScale
+from jmp_train._src.loss_scale import all_finite
+from jmp_train._src.loss_scaling import LossScaledState
+from jmp_train._src.loss_scaling import get_loss_scale
+from jmp_train._src.loss_scaling import loss_scale_metrics
+from jmp_train._src.loss_scaling import loss_scaled
+from jmp_train._src.loss_scaling import scaled_value_and_grad
 
 # --- half-precision weight updates (issue 4) ---
+from jmp_train._src.low_precision import KahanCompensationState
+from jmp_train._src.low_precision import ModifiedMomentumState
+from jmp_train._src.low_precision import StochasticRoundingState
+from jmp_train._src.low_precision import kahan_compensation
+from jmp_train._src.low_precision import modified_momentum_sgd
+from jmp_train._src.low_precision import stochastic_rounding
 
 # --- 1-bit SGD with error feedback (issue 5) ---
+from jmp_train._src.hlo import collective_bytes
+from jmp_train._src.hlo import collective_ops
+from jmp_train._src.sign_compression import SignCompressionState
+from jmp_train._src.sign_compression import sign_compression
+from jmp_train._src.sign_compression import sign_compression_specs
 
 # --- train-step builder (issue 7) ---
+from jmp_train._src.train import TrainState
+from jmp_train._src.train import TrainStep
+from jmp_train._src.train import make_train_step
+from jmp_train._src.train import restore_checkpoint
+from jmp_train._src.train import save_checkpoint
 
 __all__ = (
     "Policy",
     "cast_floating",
     "get_policy",
     "half_dtype",
+    "DynamicLossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "all_finite",
+    "LossScaledState",
+    "get_loss_scale",
+    "loss_scale_metrics",
+    "loss_scaled",
+    "scaled_value_and_grad",
+    "KahanCompensationState",
+    "ModifiedMomentumState",
+    "StochasticRoundingState",
+    "kahan_compensation",
+    "modified_momentum_sgd",
+    "stochastic_rounding",
+    "collective_bytes",
+    "collective_ops",
+    "SignCompressionState",
+    "sign_compression",
+    "sign_compression_specs",
+    "TrainState",
+    "TrainStep",
+    "make_train_step",
+    "restore_checkpoint",
+    "save_checkpoint",
 )

@@ -3,8 +3,13 @@
 import os
 
 # Must happen before the first `import jax` anywhere in the test session.
+# The long collective timeouts keep XLA:CPU from aborting a collective whose
+# 8 simulated participants arrive slowly on a loaded 2-core CI machine.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+    + " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+    + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

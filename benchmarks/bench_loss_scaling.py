@@ -1,0 +1,306 @@
+"""Step time of dynamic loss scaling: ``loss_scaled(adamw)`` against its peers.
+
+One model, five ways to write the same jitted AdamW train step:
+
+* ``adamw``: no loss scaling (the baseline);
+* ``jmp_train``: :func:`jmp_train.loss_scaled` around ``optax.adamw`` with a
+  :class:`jmp_train.DynamicLossScale`, gradients from
+  :func:`jmp_train.scaled_value_and_grad`, the scale read from the optimizer
+  state with :func:`jmp_train.get_loss_scale`;
+* ``jmp``: ``jmp.DynamicLossScale`` by hand (scale the loss, unscale,
+  ``jmp.all_finite``, ``adjust``, ``jmp.select_tree`` over the new and old
+  parameters and optimizer state), as in jmp's README;
+* ``flax``: ``flax.training.dynamic_scale.DynamicScale.value_and_grad`` and
+  a ``jnp.where`` over the new and old parameters and optimizer state, as in
+  Flax's examples;
+* ``optax``: ``optax.apply_if_finite(adamw)`` for the skipping; optax has no
+  loss scale, so the step multiplies the loss by a fixed 2**15 and the
+  gradients by 2**-15 by hand.
+
+The model is a float32 MLP 64-1024-1024-10 (1.1M parameters) on batches of
+128 and 1,024 real images from :func:`jmp_train._src.data.load_digits`
+(float32 on every backend, so the figures compare loss-scaling overhead
+only, not half-precision arithmetic). The overhead is a fixed cost per
+parameter (a few memory passes over the gradients), so its share of the
+step shrinks as the batch, and with it the forward and backward work,
+grows. Each step takes and returns the whole training state (parameters and
+optimizer state donated), as in a training loop; all steps see finite
+gradients, which is the case that costs time (a skipped step does less
+work).
+
+Two parts are timed: ``step`` (forward, backward and update; the issue's
+target: at most 2% over ``adamw``, and no slower than any peer) and
+``update`` (the optimizer update alone on fixed gradients, where the
+overhead is not diluted by the forward and backward passes). Figures are
+interleaved medians (candidates timed round-robin); ``ratio_to_adamw`` and
+``ratio_to_jmp_train`` are ratios of those medians in the same process.
+``min_ms`` and ``min_ratio_to_adamw`` are the fastest call of each and their
+ratio: on a shared machine the minimum is the least disturbed estimate of
+what a step costs, the median what it costs under the load at the time
+(``load_average``: the machine's 1-minute load average around the timing,
+the larger of before and after).
+``quick=True`` times the ``step`` part only, on a 64-256-10 MLP with few
+repeats (a smoke test; its ratios mean little).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_train
+from benchmarks import _harness
+from jmp_train._src.data import load_digits
+
+NAME = "loss_scaling"
+COLUMNS = (
+    "part", "variant", "params", "batch", "median_ms", "ratio_to_adamw",
+    "ratio_to_jmp_train", "min_ms", "min_ratio_to_adamw", "repeats",
+)
+VARIANTS = ("adamw", "jmp_train", "jmp", "flax", "optax")
+_STATIC_SCALE = 2.0**15
+
+
+def _init_mlp(sizes: tuple[int, ...], seed: int = 0) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(seed)
+  params = {}
+  for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"w{i}"] = jnp.asarray(
+        rng.normal(0, 1 / np.sqrt(m), (m, n)), jnp.float32)
+    params[f"b{i}"] = jnp.zeros((n,), jnp.float32)
+  return params
+
+
+def _loss(params: dict[str, jax.Array], x: jax.Array, y: jax.Array):
+  n = len(params) // 2
+  h = x
+  for i in range(n):
+    h = h @ params[f"w{i}"] + params[f"b{i}"]
+    if i < n - 1:
+      h = jax.nn.relu(h)
+  return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+
+def _steps(lr: float = 1e-3) -> dict[str, tuple[Callable[..., Any], Any]]:
+  """Each variant: (step(carry, x, y) -> carry, init(params) -> carry)."""
+  adamw = optax.adamw(lr)
+  steps = {}
+
+  def bare(carry, x, y):
+    params, opt_state = carry
+    _, grads = jax.value_and_grad(_loss)(params, x, y)
+    updates, opt_state = adamw.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  steps["adamw"] = (bare, lambda p: (p, adamw.init(p)))
+
+  ls_tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale())
+  grad_fn = jmp_train.scaled_value_and_grad(_loss)
+
+  def ours(carry, x, y):
+    params, opt_state = carry
+    _, grads = grad_fn(jmp_train.get_loss_scale(opt_state), params, x, y)
+    updates, opt_state = ls_tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  steps["jmp_train"] = (ours, lambda p: (p, ls_tx.init(p)))
+
+  import jmp
+
+  def with_jmp(carry, x, y):
+    params, opt_state, loss_scale = carry
+    grads = jax.grad(lambda p: loss_scale.scale(_loss(p, x, y)))(params)
+    grads = loss_scale.unscale(grads)
+    finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(finite)
+    updates, new_opt_state = adamw.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp.select_tree(
+        finite, (new_params, new_opt_state), (params, opt_state))
+    return params, opt_state, loss_scale
+
+  steps["jmp"] = (
+      with_jmp,
+      lambda p: (p, adamw.init(p),
+                 jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))),
+  )
+
+  from flax.training.dynamic_scale import DynamicScale
+
+  def with_flax(carry, x, y):
+    params, opt_state, dynamic_scale = carry
+    dynamic_scale, is_finite, _, grads = dynamic_scale.value_and_grad(_loss)(
+        params, x, y)
+    updates, new_opt_state = adamw.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    select = lambda new, old: jax.tree.map(
+        lambda a, b: jnp.where(is_finite, a, b), new, old)
+    return (select(new_params, params), select(new_opt_state, opt_state),
+            dynamic_scale)
+
+  steps["flax"] = (with_flax, lambda p: (p, adamw.init(p), DynamicScale()))
+
+  guarded = optax.apply_if_finite(adamw, max_consecutive_errors=10**9)
+
+  def with_optax(carry, x, y):
+    params, opt_state = carry
+    grads = jax.grad(lambda p: _loss(p, x, y) * _STATIC_SCALE)(params)
+    grads = jax.tree.map(lambda g: g * (1.0 / _STATIC_SCALE), grads)
+    updates, opt_state = guarded.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  steps["optax"] = (with_optax, lambda p: (p, guarded.init(p)))
+  return steps
+
+
+def _update_only(step_name: str, lr: float = 1e-3):
+  """The optimizer update alone (on given scaled gradients) per variant."""
+  adamw = optax.adamw(lr)
+  if step_name == "adamw":
+    return (lambda c, g: _apply(adamw, c, g), lambda p: (p, adamw.init(p)))
+  if step_name == "jmp_train":
+    tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale())
+    return (lambda c, g: _apply(tx, c, g), lambda p: (p, tx.init(p)))
+  if step_name == "jmp":
+    import jmp
+
+    def upd(carry, grads):
+      params, opt_state, loss_scale = carry
+      grads = loss_scale.unscale(grads)
+      finite = jmp.all_finite(grads)
+      loss_scale = loss_scale.adjust(finite)
+      new = _apply(adamw, (params, opt_state), grads)
+      return (*jmp.select_tree(finite, new, (params, opt_state)), loss_scale)
+
+    return upd, lambda p: (p, adamw.init(p), jmp.DynamicLossScale(
+        jnp.asarray(2.0**15, jnp.float32)))
+  if step_name == "flax":
+    from flax.training.dynamic_scale import DynamicScale
+
+    def upd(carry, grads):
+      # DynamicScale.value_and_grad fuses its unscale and finiteness check
+      # into the gradient call; here the same operations, written out.
+      params, opt_state, ds = carry
+      grads = jax.tree.map(lambda g: g / ds.scale, grads)
+      finite = jnp.array(True)
+      for g in jax.tree.leaves(grads):
+        finite &= jnp.all(jnp.isfinite(g))
+      new_params, new_opt = _apply(adamw, (params, opt_state), grads)
+      sel = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y),
+                                      a, b)
+      return sel(new_params, params), sel(new_opt, opt_state), ds
+
+    return upd, lambda p: (p, adamw.init(p), DynamicScale())
+  guarded = optax.apply_if_finite(adamw, max_consecutive_errors=10**9)
+
+  def upd(carry, grads):
+    grads = jax.tree.map(lambda g: g * (1.0 / _STATIC_SCALE), grads)
+    return _apply(guarded, carry, grads)
+
+  return upd, lambda p: (p, guarded.init(p))
+
+
+def _apply(tx, carry, grads):
+  params, opt_state = carry
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def _runner(step, carry, *args):
+  """A zero-argument callable running one donated step on a held carry."""
+  jitted = jax.jit(step, donate_argnums=0)
+  holder = [carry]
+
+  def run():
+    holder[0] = jitted(holder[0], *args)
+    return holder[0]
+
+  return run
+
+
+def _interleaved_times(
+    fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int
+) -> dict[str, list[float]]:
+  """Per-call seconds of each candidate, timed round-robin.
+
+  The same protocol as ``_harness.interleaved_median_seconds``, keeping every
+  time so that the minimum can be reported next to the median.
+  """
+  for fn in fns.values():
+    for _ in range(warmup):
+      _harness.block(fn())
+  times: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      _harness.block(fn())
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def _load_average() -> float | None:
+  """The 1-minute load average, where the platform has one."""
+  getloadavg = getattr(os, "getloadavg", None)
+  return getloadavg()[0] if getloadavg is not None else None
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+  sizes = (64, 256, 10) if quick else (64, 1024, 1024, 10)
+  # (part, batch, repeats): the update alone does not depend on the batch.
+  plan = ([("step", 32, 5)] if quick else
+          [("step", 128, 300), ("update", 128, 300), ("step", 1024, 60)])
+  warmup = 1 if quick else 10
+  data = load_digits()
+  params = _init_mlp(sizes)
+  n_params = sum(int(p.size) for p in jax.tree.leaves(params))
+  copy = lambda: jax.tree.map(jnp.copy, params)
+
+  records = []
+  for part, batch, repeats in plan:
+    x = jnp.asarray(data.x_train[:batch], jnp.float32)
+    y = jnp.asarray(data.y_train[:batch], jnp.int32)
+    candidates = {}
+    if part == "step":
+      for name, (step, init) in _steps().items():
+        candidates[name] = _runner(step, init(copy()), x, y)
+    else:
+      grads = jax.tree.map(lambda g: g * _STATIC_SCALE,
+                           jax.grad(_loss)(params, x, y))
+      for name in VARIANTS:
+        upd, init = _update_only(name)
+        candidates[name] = _runner(upd, init(copy()), grads)
+    load_before = _load_average()
+    times = _interleaved_times(candidates, warmup=warmup, repeats=repeats)
+    load_after = _load_average()
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    mins = {k: min(v) for k, v in times.items()}
+    for name in VARIANTS:
+      records.append({
+          "part": part,
+          "variant": name,
+          "params": n_params,
+          "batch": batch,
+          "median_ms": medians[name] * 1e3,
+          "ratio_to_adamw": medians[name] / medians["adamw"],
+          "ratio_to_jmp_train": medians[name] / medians["jmp_train"],
+          "min_ms": mins[name] * 1e3,
+          "min_ratio_to_adamw": mins[name] / mins["adamw"],
+          "repeats": repeats,
+          # 1-minute load average of the machine around the timing.
+          "load_average": (None if load_before is None
+                           else round(max(load_before, load_after), 2)),
+      })
+    if part == "step":
+      # The loss-scaled run really ran with its scale and never skipped.
+      state = candidates["jmp_train"]()[1]
+      metrics = jmp_train.loss_scale_metrics(state)
+      assert int(metrics["total_skipped"]) == 0, metrics
+      assert float(metrics["loss_scale"]) == 2.0**15, metrics
+  return records

@@ -1,0 +1,585 @@
+"""The demo behind ``jmp-train``: the seeds' comparisons on a real task.
+
+Trains one model, from the same initial weights, on the same batches, in
+each configuration of :data:`CONFIGS` (float32; mixed float16 without and
+with dynamic loss scaling; mixed bfloat16; float16 weights with momentum SGD
+that keeps the learning rate in its buffer, and with the modified momentum
+SGD; data-parallel float32 SGD over 8 devices, uncompressed and 1-bit with
+error feedback), and reports one table: final train and validation loss and
+accuracy, steps per second, skipped steps, final loss scale, the share of
+gradients that would underflow float16 without loss scaling, bytes of
+parameters + optimizer state, and wire bytes per step read from the
+compiled HLO. Writes ``results.json`` and ``results.png`` (learning curves
+and a gradient histogram).
+
+The task is a character-level Transformer language model on the Python
+standard library's own source (:func:`jmp_train._src.data.load_text_corpus`),
+or an MLP on scikit-learn's 8x8 digits (``--task digits``).
+
+The process must have 8 CPU devices before JAX starts its backend;
+:func:`jmp_train.__main__.main` sees to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jmp_train._src import data as data_lib
+from jmp_train._src import train as train_lib
+
+__all__ = [
+    "CONFIGS", "COLUMNS", "DemoError", "DemoSettings", "RunConfig", "format_table", "run_demo",
+]
+
+NUM_DEVICES = 8
+
+
+class DemoError(Exception):
+  """A user-facing error: printed as one line by the CLI, no traceback."""
+
+
+class RunConfig(NamedTuple):
+  """One row of the demo.
+
+  Attributes:
+    name: short name (``--configs`` takes these).
+    description: what the row shows.
+    policy: the dtype policy spec.
+    loss_scale: ``"none"`` or ``"dynamic"``.
+    optimizer: ``"momentum"`` (optax SGD with momentum, which accumulates
+      gradients; plain SGD for the 8-device configurations), ``"momentum-lr-in-buffer"`` (``H ← mH − λg; W ← W + H``,
+      the plain form of the seeds) or ``"modified-momentum"``
+      (:func:`jmp_train.modified_momentum_sgd`).
+    devices: 1 (``jit``) or 8 (``shard_map`` over a data-parallel mesh).
+    compression: 1-bit SGD with error feedback (:func:`jmp_train.sign_compression`).
+  """
+
+  name: str
+  description: str
+  policy: str
+  loss_scale: str = "none"
+  optimizer: str = "momentum"
+  devices: int = 1
+  compression: bool = False
+
+
+_F16_WEIGHTS = "params=float16,compute=float16,output=float32"
+
+CONFIGS: dict[str, RunConfig] = {
+    c.name: c
+    for c in (
+        RunConfig("f32", "float32", "float32"),
+        RunConfig("f16", "mixed float16, no loss scaling", "mixed_float16"),
+        RunConfig("f16-dls", "mixed float16, dynamic loss scaling", "mixed_float16", "dynamic"),
+        RunConfig("bf16", "mixed bfloat16", "mixed_bfloat16"),
+        RunConfig("f16w-sgd", "float16 weights, momentum SGD with lr in buffer",
+                  _F16_WEIGHTS, "dynamic", "momentum-lr-in-buffer"),
+        RunConfig("f16w-mmsgd", "float16 weights, modified momentum SGD",
+                  _F16_WEIGHTS, "dynamic", "modified-momentum"),
+        RunConfig("8dev-f32", "8 devices, float32 all-reduce", "float32", devices=NUM_DEVICES),
+        RunConfig("8dev-1bit", "8 devices, 1-bit SGD + error feedback", "float32",
+                  devices=NUM_DEVICES, compression=True),
+    )
+}
+
+COLUMNS = (
+    "config", "train_loss", "val_loss", "val_acc", "steps_per_s", "skipped",
+    "loss_scale", "underflow_f16", "underflow_f16_logits", "state_bytes",
+    "wire_bytes_per_step",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings:
+  """The demo's knobs (the CLI flags)."""
+
+  task: str = "text"
+  steps: int = 200
+  batch: int = 32
+  seq_len: int = 64
+  d_model: int = 64
+  layers: int = 1
+  hidden: int = 128
+  learning_rate: float = 0.15
+  dp_learning_rate: float = 0.5
+  momentum: float = 0.9
+  configs: tuple[str, ...] = tuple(CONFIGS)
+  out: str = "jmp_train_output"
+  seed: int = 0
+  eval_batches: int = 4
+  num_processes: int = 1
+  plot: bool = True
+  progress: bool = True
+
+
+# ----------------------------------------------------------------------------
+# Tasks: deterministic, resumable batches (batch ``i`` depends on (seed, i)).
+
+
+class Task(NamedTuple):
+  model: Any
+  example_input: np.ndarray
+  train_batch: Callable[[int], tuple[np.ndarray, np.ndarray]]
+  eval_sets: dict[str, list[tuple[np.ndarray, np.ndarray]]]
+
+
+def _loss_fn(logits, targets):
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  accuracy = jnp.mean((jnp.argmax(logits, -1) == targets).astype(jnp.float32))
+  return loss, {"accuracy": accuracy}
+
+
+def _text_task(s: DemoSettings) -> Task:
+  from jmp_train._src.models import TransformerBlock  # pylint: disable=g-import-not-at-top
+
+  corpus = data_lib.load_text_corpus(1_000_000)
+  split = int(len(corpus) * 0.9)
+  train, val = corpus[:split], corpus[split:]
+  offsets = np.arange(s.seq_len + 1)
+
+  def windows(source, rng, n):
+    starts = rng.integers(0, len(source) - s.seq_len - 1, size=n)
+    w = source[starts[:, None] + offsets].astype(np.int32)
+    return w[:, :-1], w[:, 1:]
+
+  def train_batch(i):
+    return windows(train, np.random.default_rng((s.seed, i)), s.batch)
+
+  def eval_set(source, seed):
+    rng = np.random.default_rng((s.seed, seed, 7))
+    return [windows(source, rng, s.batch) for _ in range(s.eval_batches)]
+
+  model = TransformerBlock(
+      vocab_size=data_lib.TEXT_VOCAB_SIZE,
+      d_model=s.d_model,
+      num_heads=max(1, s.d_model // 16),
+      mlp_dim=4 * s.d_model,
+      num_layers=s.layers,
+      max_len=s.seq_len,
+  )
+  return Task(
+      model,
+      np.zeros((1, s.seq_len), np.int32),
+      train_batch,
+      {"train": eval_set(train, 1), "val": eval_set(val, 2)},
+  )
+
+
+def _digits_task(s: DemoSettings) -> Task:
+  from jmp_train._src.models import MLP  # pylint: disable=g-import-not-at-top
+
+  try:
+    ds = data_lib.load_digits(seed=s.seed)
+  except ImportError as e:
+    raise DemoError(f"{e} (or use --task text)") from None
+
+  def train_batch(i):
+    idx = np.random.default_rng((s.seed, i)).integers(0, len(ds.x_train), s.batch)
+    return ds.x_train[idx], ds.y_train[idx]
+
+  def eval_set(x, y):
+    n = (len(x) // s.batch) * s.batch
+    return [(x[j:j + s.batch], y[j:j + s.batch]) for j in range(0, n, s.batch)]
+
+  model = MLP(features=(s.hidden,) * max(1, s.layers), num_classes=10)
+  return Task(
+      model,
+      np.zeros((1, 64), np.float32),
+      train_batch,
+      {"train": eval_set(ds.x_train, ds.y_train)[: s.eval_batches * 4],
+       "val": eval_set(ds.x_test, ds.y_test)},
+  )
+
+
+TASKS = {"text": _text_task, "digits": _digits_task}
+
+
+# ----------------------------------------------------------------------------
+# One configuration.
+
+
+def _optimizer(cfg: RunConfig, s: DemoSettings) -> optax.GradientTransformation:
+  lr, m = s.learning_rate, s.momentum
+  if cfg.devices > 1:
+    # The 8-device pair runs plain SGD: 1-bit SGD with momentum 0.9 diverged
+    # within 200 steps at learning rates 0.15 and 0.3, where float32
+    # momentum SGD trains well, while plain SGD at 0.5 trains stably,
+    # compressed or not.
+    return optax.sgd(s.dp_learning_rate)
+  if cfg.optimizer == "momentum":
+    return optax.sgd(lr, momentum=m)
+  if cfg.optimizer == "momentum-lr-in-buffer":
+    # H <- m H - lr g ; W <- W + H, with H in the parameters' dtype.
+    return optax.chain(optax.scale(-lr), optax.trace(decay=m))
+  if cfg.optimizer == "modified-momentum":
+    from jmp_train._src.low_precision import modified_momentum_sgd  # pylint: disable=g-import-not-at-top
+
+    return modified_momentum_sgd(lr, momentum=m)
+  raise ValueError(f"Unknown optimizer {cfg.optimizer!r}.")
+
+
+def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> train_lib.TrainStep:
+  from jmp_train._src.flax_policy import apply_policy  # pylint: disable=g-import-not-at-top
+
+  model = apply_policy(task.model, cfg.policy)
+  loss_scale = None
+  if cfg.loss_scale == "dynamic":
+    from jmp_train._src.loss_scale import DynamicLossScale  # pylint: disable=g-import-not-at-top
+
+    # Growth every 100 good steps (2000 is the usual default for long runs;
+    # a short demo would never see it grow).
+    loss_scale = DynamicLossScale(2.0**15, growth_interval=100)
+  compression = None
+  if cfg.compression:
+    from jmp_train._src.sign_compression import sign_compression  # pylint: disable=g-import-not-at-top
+
+    compression = sign_compression("batch")
+  return train_lib.make_train_step(
+      functools.partial(model.apply, train=True),
+      _loss_fn,
+      _optimizer(cfg, s),
+      policy=cfg.policy,
+      loss_scale=loss_scale,
+      compression=compression,
+      mode="shard_map" if cfg.devices > 1 else "single",
+      mesh=_data_parallel_mesh() if cfg.devices > 1 else None,
+      has_aux=True,
+      # apply_policy casts inside the model, keeping normalisation in float32.
+      cast_params=False,
+      eval_apply_fn=functools.partial(model.apply, train=False),
+  )
+
+
+def _data_parallel_devices() -> list[Any]:
+  """8 devices for the data-parallel pair: the default backend's, else CPUs.
+
+  On a one-GPU machine the 8-device configurations run on the 8 simulated
+  CPU devices while the others use the GPU.
+  """
+  devices = jax.devices()
+  if len(devices) < NUM_DEVICES:
+    try:
+      devices = jax.devices("cpu")
+    except RuntimeError:
+      pass
+  return devices[:NUM_DEVICES]
+
+
+def _data_parallel_mesh() -> Mesh:
+  return Mesh(np.asarray(_data_parallel_devices()), ("batch",))
+
+
+def _local_rows(batch, step: train_lib.TrainStep):
+  """This process's rows of a global batch (all rows on one process)."""
+  if step.mode == "single" or jax.process_count() == 1:
+    return batch
+  n, i = jax.process_count(), jax.process_index()
+  return jax.tree.map(lambda x: x[i * len(x) // n:(i + 1) * len(x) // n], batch)
+
+
+def _make_probe(task: Task):
+  """Float32 gradients (parameters and logits) and their float16 underflow."""
+  from jmp_train._src.diagnostics import underflow_fraction  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def probe(params, batch):
+    inputs, targets = batch
+    logits, vjp = jax.vjp(lambda p: task.model.apply({"params": p}, inputs), params)
+    g_logits = jax.grad(lambda z: _loss_fn(z, targets)[0])(logits)
+    (g_params,) = vjp(g_logits)
+    return {
+        "params": g_params,
+        "logits": g_logits,
+        "underflow_f16": underflow_fraction(g_params, jnp.float16),
+        "underflow_f16_logits": underflow_fraction(g_logits, jnp.float16),
+    }
+
+  return probe
+
+
+def run_config(
+    cfg: RunConfig,
+    task: Task,
+    s: DemoSettings,
+    init_params: Any,
+    probe: Callable[..., Any],
+    progress: Callable[[int, dict[str, float]], None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Trains one configuration; returns its table row and its curves."""
+  step = _build_step(cfg, task, s)
+  state = step.init(init_params)
+  first = step.shard_batch(_local_rows(task.train_batch(0), step))
+  t0 = time.perf_counter()
+  compiled = step.lower(state, first).compile()
+  compile_s = time.perf_counter() - t0
+  wire = 0
+  if cfg.devices > 1:
+    from jmp_train._src.hlo import collective_bytes  # pylint: disable=g-import-not-at-top
+
+    wire = collective_bytes(compiled, wire=True)["total"]
+  state_bytes = train_lib.tree_bytes(step.unreplicate((state.params, state.opt_state)))
+
+  losses = []
+  start = None
+  for i in range(s.steps):
+    batch = first if i == 0 else step.shard_batch(_local_rows(task.train_batch(i), step))
+    state, metrics = compiled(state, batch)
+    losses.append(metrics["loss"])
+    if i == 0:
+      jax.block_until_ready(metrics)
+      start = time.perf_counter()
+    if (i + 1) % 10 == 0 or i + 1 == s.steps:
+      progress(i + 1, {"loss": float(metrics["loss"])})
+  jax.block_until_ready(state)
+  elapsed = time.perf_counter() - start
+  steps_per_s = (s.steps - 1) / elapsed if s.steps > 1 and elapsed > 0 else float("nan")
+
+  evals = {}
+  for split, batches in task.eval_sets.items():
+    results = [
+        jax.device_get(step.evaluate(state, step.shard_batch(_local_rows(b, step))))
+        for b in batches
+    ]
+    evals[split] = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+  params = jax.tree.map(
+      lambda x: np.asarray(x, np.float32), step.unreplicate(state.params)
+  )
+  probed = jax.device_get(probe(params, task.eval_sets["val"][0]))
+  row = {
+      "config": cfg.name,
+      "description": cfg.description,
+      "policy": cfg.policy,
+      "train_loss": evals["train"]["loss"],
+      "val_loss": evals["val"]["loss"],
+      "train_acc": evals["train"]["accuracy"],
+      "val_acc": evals["val"]["accuracy"],
+      "steps_per_s": steps_per_s,
+      "compile_s": compile_s,
+      "skipped": int(metrics["skipped_steps"]),
+      "loss_scale": float(metrics["loss_scale"]),
+      "underflow_f16": float(probed["underflow_f16"]),
+      "underflow_f16_logits": float(probed["underflow_f16_logits"]),
+      "state_bytes": state_bytes,
+      "wire_bytes_per_step": int(wire),
+      "devices": cfg.devices,
+      "processes": jax.process_count() if cfg.devices > 1 else 1,
+  }
+  curves = {
+      "loss": np.asarray(jax.device_get(jnp.stack(losses))).tolist(),
+      "grads": {"params": probed["params"], "logits": probed["logits"]},
+  }
+  return row, curves
+
+
+# ----------------------------------------------------------------------------
+# The whole demo.
+
+
+def _init_params(task: Task, s: DemoSettings):
+  variables = task.model.init(jax.random.PRNGKey(s.seed), task.example_input)
+  return jax.device_get(variables["params"])
+
+
+def run_configs(s: DemoSettings, names: Sequence[str], bar=None) -> tuple[list[dict], dict]:
+  """Runs ``names`` in this process; returns rows and curves."""
+  task = TASKS[s.task](s)
+  params = _init_params(task, s)
+  probe = _make_probe(task)
+  rows, curves = [], {}
+  for name in names:
+    cfg = CONFIGS[name]
+    done = [0]
+
+    def progress(i, postfix, cfg=cfg, done=done):
+      if bar is not None:
+        bar.update(i - done[0])
+        bar.set_postfix(config=cfg.name, **postfix)
+      done[0] = i
+
+    row, curve = run_config(cfg, task, s, params, probe, progress)
+    rows.append(row)
+    curves[name] = curve
+  return rows, curves
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) -> tuple[list[dict], dict]:
+  """Runs ``names`` in ``s.num_processes`` local processes (jax.distributed)."""
+  port = _free_port()
+  with tempfile.TemporaryDirectory(prefix="jmp_train_mp_") as tmp:
+    procs = []
+    for pid in range(s.num_processes):
+      cmd = [
+          sys.executable, "-m", "jmp_train", *argv_base,
+          "--configs", ",".join(names), "--out", tmp, "--no-plot", "--no-progress",
+          "--num-processes", "1",
+          "--_process", f"{pid},{s.num_processes},{port}",
+      ]
+      env = dict(os.environ)
+      env.pop("XLA_FLAGS", None)
+      procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate()[0] for p in procs]
+    for pid, (p, log) in enumerate(zip(procs, logs)):
+      if p.returncode != 0:
+        last = [l for l in log.strip().splitlines() if l.strip()][-1:] or ["(no output)"]
+        raise DemoError(f"process {pid} of {s.num_processes} failed: {last[0]}")
+    payload = json.loads((pathlib.Path(tmp) / "worker.json").read_text())
+  return payload["rows"], payload["curves"]
+
+
+def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = False) -> list[dict]:
+  """Runs the demo; writes ``results.json`` (and ``results.png``) to ``s.out``.
+
+  Args:
+    s: the settings.
+    argv_base: the CLI flags that describe ``s`` (passed on to worker
+      processes with ``--num-processes``).
+    worker: this process is one of ``--num-processes`` workers.
+
+  Returns:
+    The table rows.
+  """
+  if (len(_data_parallel_devices()) < NUM_DEVICES
+      and any(CONFIGS[n].devices > 1 for n in s.configs)):
+    raise DemoError(
+        f"the 8-device configurations need {NUM_DEVICES} devices, JAX has "
+        f"{jax.device_count()}; run through `jmp-train` (it sets them up), or "
+        "leave 8dev-f32 and 8dev-1bit out of --configs."
+    )
+  out = pathlib.Path(s.out)
+  out.mkdir(parents=True, exist_ok=True)
+  if worker:
+    rows, curves = run_configs(s, s.configs)
+    if jax.process_index() == 0:
+      (out / "worker.json").write_text(json.dumps(
+          {"rows": rows, "curves": {k: {"loss": v["loss"]} for k, v in curves.items()}}))
+    return rows
+
+  local = [n for n in s.configs if s.num_processes == 1 or CONFIGS[n].devices == 1]
+  remote = [n for n in s.configs if n not in local]
+  bar = None
+  if s.progress:
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+
+    bar = tqdm(total=s.steps * len(local), desc="jmp-train", unit="step",
+               dynamic_ncols=True, file=sys.stderr)
+  try:
+    rows, curves = run_configs(s, local, bar)
+  finally:
+    if bar is not None:
+      bar.close()
+  if remote:
+    if s.progress:
+      print(f"running {', '.join(remote)} in {s.num_processes} processes "
+            "(jax.distributed, gloo on 127.0.0.1)...", file=sys.stderr, flush=True)
+    more_rows, more_curves = _run_processes(s, remote, list(argv_base))
+    rows += more_rows
+    curves.update(more_curves)
+  order = {n: i for i, n in enumerate(s.configs)}
+  rows.sort(key=lambda r: order[r["config"]])
+
+  payload = {
+      "settings": dataclasses.asdict(s),
+      "machine": {
+          "backend": jax.default_backend(),
+          "devices": jax.device_count(),
+          "cpu_count": os.cpu_count(),
+          "jax": jax.__version__,
+      },
+      "columns": list(COLUMNS),
+      "rows": rows,
+      "curves": {k: {"loss": v["loss"]} for k, v in curves.items()},
+  }
+  (out / "results.json").write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+  if s.plot:
+    _plot(out / "results.png", curves, s)
+  return rows
+
+
+def _jsonable(x: Any) -> Any:
+  if isinstance(x, dict):
+    return {k: _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  return x
+
+
+def _plot(path: pathlib.Path, curves: dict, s: DemoSettings) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  from jmp_train._src.diagnostics_plot import plot_gradient_histogram  # pylint: disable=g-import-not-at-top
+
+  fig, (ax_curve, ax_hist) = plt.subplots(1, 2, figsize=(14, 5))
+  window = max(1, s.steps // 20)
+  for name, curve in curves.items():
+    loss = np.asarray(curve["loss"], np.float64)
+    # A diverged run (inf/NaN) is drawn up to its last finite value.
+    finite = np.isfinite(loss)
+    if not finite.all():
+      loss = loss[: np.argmin(finite)]
+    if len(loss) < window:
+      continue
+    smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+    ax_curve.plot(np.arange(len(smooth)) + window, smooth, label=name)
+  ax_curve.set_xlabel("step")
+  ax_curve.set_ylabel(f"train loss (moving mean over {window} steps)")
+  ax_curve.set_title(f"Learning curves ({s.task}, batch {s.batch})")
+  ax_curve.legend()
+  grads = next((c["grads"] for n, c in curves.items() if "grads" in c and n == "f32"), None)
+  if grads is None:
+    grads = next((c["grads"] for c in curves.values() if "grads" in c), None)
+  if grads is not None:
+    plot_gradient_histogram(
+        {"params": grads["params"], "logits": grads["logits"]},
+        scales=(1.0, 2.0**15),
+        target_dtype="float16",
+        ax=ax_hist,
+        title="float32 gradients at the end of training vs float16's range",
+    )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
+  """The rows as a GitHub-markdown table."""
+
+  def fmt(v: Any) -> str:
+    if isinstance(v, float):
+      if not np.isfinite(v):
+        return str(v)
+      return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3g}"
+    return str(v)
+
+  cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+  line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
+  sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+  return "\n".join([line(columns), sep, *(line(r) for r in cells)])

@@ -1,0 +1,563 @@
+"""Dtype policies on Flax modules, linen and NNX.
+
+:func:`apply_policy` makes a model built from standard Flax layers compute in
+the policy's ``compute_dtype`` while its parameters stay in ``param_dtype``
+and its fragile numerics stay in float32, using Flax's own mechanisms:
+
+* every layer's ``dtype`` (computation) and ``param_dtype`` (storage) fields;
+* ``force_float32_reductions`` of the linen norms (float32 statistics and
+  float32 batch statistics; the NNX norms always reduce in float32);
+* the layers' ``attention_fn`` hook, set to :func:`dot_product_attention`,
+  which runs both attention matmuls in the compute dtype and the softmax in
+  float32 (see the function for why Flax's ``force_fp32_for_softmax`` is not
+  enough on its own).
+
+Modules kept in float32 (by class, :data:`DEFAULT_FLOAT32_MODULES`, or by
+path) run entirely in float32: their floating inputs are cast to float32 on
+entry, their layers get ``dtype=float32``, and their outputs are float32; the
+next half-precision layer casts its inputs itself.
+
+References:
+  Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+  https://arxiv.org/abs/1710.03740
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+from typing import Any, Callable, Iterable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmp_train._src import policy as policy_lib
+
+__all__ = [
+    "DEFAULT_FLOAT32_MODULES",
+    "apply_policy",
+    "dot_product_attention",
+    "LinenPolicyWrapper",
+    "NNXPolicyWrapper",
+]
+
+# Normalization layers, linen and NNX: their statistics (mean, variance,
+# rsqrt) lose too much precision in float16/bfloat16 (NNabla's and NVIDIA's
+# AMP lists keep batch-norm and reductions in float32). Softmax and the loss
+# are covered elsewhere: attention through `dot_product_attention`, the loss
+# by the model's float32 `output_dtype`.
+DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (
+    nn.BatchNorm,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.GroupNorm,
+    nn.InstanceNorm,
+    nnx.BatchNorm,
+    nnx.LayerNorm,
+    nnx.RMSNorm,
+    nnx.GroupNorm,
+    nnx.InstanceNorm,
+)
+
+_F32 = np.dtype(jnp.float32)
+
+
+# --------------------------------------------------------------------------
+# Attention: half-precision matmuls, float32 softmax.
+# --------------------------------------------------------------------------
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    force_fp32_for_softmax: bool = True,
+    is_causal: bool = False,
+) -> jax.Array:
+  r"""Dot-product attention with matmuls in ``dtype`` and softmax in float32.
+
+  .. math::
+
+    \mathrm{out} = \mathrm{cast}_{d}\big(\mathrm{softmax}_{f32}(
+      \mathrm{cast}_{f32}(q k^\top / \sqrt{d_k}) + b)\big)\, v
+
+  A drop-in ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention``
+  and ``flax.nnx.MultiHeadAttention`` (it takes the keyword arguments of
+  both). Flax's ``force_fp32_for_softmax=True`` (linen only) computes the
+  softmax in float32 but leaves the weights in float32, so the
+  weights-times-values matmul then runs in float32 too; here the weights go
+  back to ``dtype`` first, so both matmuls use half-precision Tensor Cores
+  and only the ``exp``/``sum`` of the softmax run in float32. The logits are
+  rounded to ``dtype`` before the softmax, as with Flax's flag: keeping the
+  matmul's float32 accumulator (``preferred_element_type``) would give the
+  backward pass a float32 operand, a float32 matmul.
+
+  Args:
+    query: ``[batch..., q_length, num_heads, head_dim]``.
+    key: ``[batch..., kv_length, num_heads, head_dim]``.
+    value: ``[batch..., kv_length, num_heads, v_dim]``.
+    bias: optional additive bias, broadcastable to
+      ``[batch..., num_heads, q_length, kv_length]``.
+    mask: optional boolean mask of the same broadcast shape (``False``:
+      masked out).
+    broadcast_dropout: share the dropout mask over batch and head dims.
+    dropout_rng: PRNG key for dropout.
+    dropout_rate: attention-weight dropout rate.
+    deterministic: disable dropout.
+    dtype: dtype of the two matmuls (default: promoted from the inputs).
+    precision: ``jax.lax.Precision`` of the matmuls.
+    module: a linen or NNX module to sow the float32 attention weights into
+      (``intermediates`` / ``nnx.Intermediate``), or ``None``.
+    force_fp32_for_softmax: softmax in float32 (the point of this function;
+      ``False`` computes it in ``dtype`` like Flax's default).
+    is_causal: apply a causal mask as well.
+
+  Returns:
+    ``[batch..., q_length, num_heads, v_dim]`` in ``dtype``.
+
+  Examples:
+    >>> q = k = v = jnp.ones((2, 8, 4, 16), jnp.bfloat16)
+    >>> dot_product_attention(q, k, v).dtype
+    dtype(bfloat16)
+  """
+  if dtype is None:
+    dtype = jnp.result_type(query, key, value)
+  dtype = np.dtype(dtype)
+  query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
+  depth = query.shape[-1]
+  query = query / jnp.sqrt(depth).astype(dtype)
+  logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+  # At least float32 (float64 stays float64), without jnp.promote_types,
+  # which strict dtype promotion forbids for bfloat16/float32.
+  widen = force_fp32_for_softmax and dtype.itemsize < _F32.itemsize
+  softmax_dtype = _F32 if widen else dtype
+  logits = logits.astype(softmax_dtype)
+  if bias is not None:
+    logits = logits + jnp.asarray(bias, softmax_dtype)
+  if is_causal:
+    q_len, kv_len = logits.shape[-2:]
+    causal = jnp.tril(jnp.ones((q_len, kv_len), bool), kv_len - q_len)
+    mask = causal if mask is None else jnp.logical_and(mask, causal)
+  if mask is not None:
+    big_neg = jnp.finfo(softmax_dtype).min
+    logits = jnp.where(mask, logits, jnp.asarray(big_neg, softmax_dtype))
+  weights = jax.nn.softmax(logits, axis=-1)
+  if module is not None:
+    if isinstance(module, nn.Module):
+      module.sow("intermediates", "attention_weights", weights)
+    else:
+      module.sow(nnx.Intermediate, "attention_weights", weights)
+  weights = weights.astype(dtype)
+  if not deterministic and dropout_rate > 0.0:
+    keep_prob = 1.0 - dropout_rate
+    if broadcast_dropout:
+      shape = (1,) * (key.ndim - 2) + weights.shape[-2:]
+    else:
+      shape = weights.shape
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
+  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+
+
+# The attention functions we replace: Flax's defaults. A user's own
+# `attention_fn` is left alone.
+_FLAX_DEFAULT_ATTENTION_FNS = (
+    nn.dot_product_attention,
+    nnx.dot_product_attention,
+)
+
+
+# --------------------------------------------------------------------------
+# Argument checking.
+# --------------------------------------------------------------------------
+
+
+def _check_float32_modules(float32_modules: Any) -> tuple[type, ...]:
+  if isinstance(float32_modules, type):
+    float32_modules = (float32_modules,)
+  try:
+    classes = tuple(float32_modules)
+  except TypeError:
+    raise ValueError(
+        f"float32_modules must be a tuple of module classes, got "
+        f"{float32_modules!r}."
+    ) from None
+  for c in classes:
+    if not (isinstance(c, type) and issubclass(c, (nn.Module, nnx.Module))):
+      raise ValueError(
+          f"float32_modules must hold flax.linen.Module or flax.nnx.Module "
+          f"subclasses, got {c!r}."
+      )
+  return classes
+
+
+def _check_float32_paths(float32_paths: Any) -> tuple[str, ...]:
+  if isinstance(float32_paths, str):
+    float32_paths = (float32_paths,)
+  out = []
+  for p in float32_paths:
+    if isinstance(p, (tuple, list)):
+      p = "/".join(str(k) for k in p)
+    if not isinstance(p, str):
+      raise ValueError(
+          f"float32_paths must hold strings such as 'head' or 'blocks/*/conv1' "
+          f"(or tuples of path keys), got {p!r}."
+      )
+    out.append(p.strip("/"))
+  return tuple(out)
+
+
+def _path_str(path: Iterable[Any]) -> str:
+  return "/".join(str(k) for k in path)
+
+
+def _path_matches(path: Sequence[Any], patterns: tuple[str, ...]) -> bool:
+  """Whether a module path is named by a pattern (glob on '/'-joined keys)."""
+  if not patterns:
+    return False
+  text = _path_str(path)
+  return any(fnmatch.fnmatchcase(text, p) for p in patterns)
+
+
+# --------------------------------------------------------------------------
+# Linen.
+# --------------------------------------------------------------------------
+
+
+def _linen_field_names(module: nn.Module) -> frozenset[str]:
+  return frozenset(f.name for f in dataclasses.fields(module))
+
+
+def _layer_overrides(
+    fields: frozenset[str] | set[str],
+    current: Callable[[str], Any],
+    dtype: np.dtype,
+    param_dtype: np.dtype,
+) -> dict[str, Any]:
+  """The attribute values a policy gives one layer (linen or NNX)."""
+  overrides: dict[str, Any] = {}
+  if "dtype" in fields:
+    overrides["dtype"] = dtype
+  if "param_dtype" in fields:
+    overrides["param_dtype"] = param_dtype
+  if "force_float32_reductions" in fields:
+    overrides["force_float32_reductions"] = True
+  if "force_fp32_for_softmax" in fields:
+    overrides["force_fp32_for_softmax"] = True
+  # Flax's default attention only: a custom `attention_fn`, or custom
+  # (e.g. quantized) attention einsums that only Flax's function uses, stay.
+  custom_einsums = any(
+      name in fields and current(name) is not None
+      for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
+  )
+  if (
+      "attention_fn" in fields
+      and not custom_einsums
+      and any(current("attention_fn") is f for f in _FLAX_DEFAULT_ATTENTION_FNS)
+  ):
+    overrides["attention_fn"] = dot_product_attention
+  return overrides
+
+
+class LinenPolicyWrapper(nn.Module):
+  """A linen module run under a dtype policy; see :func:`apply_policy`.
+
+  The wrapped module shares this module's scope (``nn.share_scope``), so the
+  variables are exactly those of the unwrapped module: checkpoints load into
+  either.
+
+  Attributes:
+    module: the wrapped linen module.
+    policy: the :class:`~jmp_train.Policy`.
+    float32_modules: module classes run in float32.
+    float32_paths: glob patterns of module paths run in float32.
+    cast_inputs: cast the floating inputs to the compute dtype on entry.
+  """
+
+  module: nn.Module
+  policy: policy_lib.Policy
+  float32_modules: tuple[type, ...] = DEFAULT_FLOAT32_MODULES
+  float32_paths: tuple[str, ...] = ()
+  cast_inputs: bool = True
+
+  def setup(self):
+    nn.share_scope(self, self.module)
+
+  def __call__(self, *args, **kwargs):
+    if self.cast_inputs:
+      args, kwargs = self.policy.cast_to_compute((args, kwargs))
+    with nn.intercept_methods(self._interceptor):
+      out = self.module(*args, **kwargs)
+    return self.policy.cast_to_output(out)
+
+  @nn.nowrap
+  def _float32(self, module: nn.Module, root: tuple[Any, ...]) -> tuple[bool, bool]:
+    """Whether a bound module runs in float32, and whether it is named itself.
+
+    A module runs in float32 when it, or an ancestor up to the wrapped
+    module, is an instance of ``float32_modules`` or has a path matching
+    ``float32_paths``.
+    """
+
+    def named(m: nn.Module) -> bool:
+      rel = tuple(m.scope.path)[len(root):]
+      return isinstance(m, self.float32_modules) or _path_matches(
+          rel, self.float32_paths
+      )
+
+    if named(module):
+      return True, True
+    node = module
+    while tuple(node.scope.path) != root:
+      node = node.parent
+      if not isinstance(node, nn.Module) or node.scope is None:
+        break
+      if named(node):
+        return True, False
+    return False, False
+
+  @nn.nowrap
+  def _interceptor(self, next_fun, args, kwargs, context):
+    # Why an interceptor that sets fields for the duration of each call:
+    # linen submodules are usually created inside their parent's
+    # `@nn.compact` method (`nn.Dense(8)(x)`), so cloning the top module with
+    # new fields cannot reach them, and casting parameters from outside
+    # (`nn.map_variables`, the Haiku way) would bypass Flax's own
+    # `dtype`/`force_float32_reductions`/`attention_fn` mechanisms. Every
+    # method call of every submodule (including `setup`) passes through
+    # here while the wrapper runs, and layers read their fields at call
+    # time, so giving the (bound, per-`apply`) instance the policy's fields
+    # during the call, and restoring them afterwards, works for compact and
+    # setup modules alike and leaves the variable tree unchanged.
+    module = context.module
+    root = tuple(self.scope.path)
+    if module.scope is None or tuple(module.scope.path)[: len(root)] != root:
+      return next_fun(*args, **kwargs)
+    in_f32, named_f32 = self._float32(module, root)
+    dtype = _F32 if in_f32 else self.policy.compute_dtype
+    fields = _linen_field_names(module)
+    overrides = _layer_overrides(
+        fields,
+        lambda name: getattr(module, name),
+        dtype,
+        self.policy.param_dtype,
+    )
+    if named_f32 and context.method_name != "setup":
+      # Float32 on entry: linen norms normalize their input as given (only
+      # their statistics are promoted), so a half input would make them
+      # mix dtypes (an error under strict promotion).
+      args, kwargs = policy_lib.cast_floating((args, kwargs), _F32)
+    saved = {name: getattr(module, name) for name in overrides}
+    for name, value in overrides.items():
+      object.__setattr__(module, name, value)
+    try:
+      return next_fun(*args, **kwargs)
+    finally:
+      for name, value in saved.items():
+        object.__setattr__(module, name, value)
+
+
+# --------------------------------------------------------------------------
+# NNX.
+# --------------------------------------------------------------------------
+
+
+class NNXPolicyWrapper(nnx.Module):
+  """An NNX module under a dtype policy; see :func:`apply_policy`.
+
+  Calling it casts the floating inputs to the compute dtype (when
+  ``cast_inputs``), calls ``module`` (a policy-configured copy of the
+  caller's module), and casts the floating outputs to ``output_dtype``.
+  The variables live under ``module``.
+
+  Attributes:
+    module: the policy-configured module.
+    policy: the :class:`~jmp_train.Policy` (static).
+    cast_inputs: cast the floating inputs to the compute dtype on entry.
+  """
+
+  def __init__(self, module: nnx.Module, policy: policy_lib.Policy, cast_inputs: bool):
+    self.module = module
+    self.policy = policy
+    self.cast_inputs = cast_inputs
+
+  def __call__(self, *args, **kwargs):
+    if self.cast_inputs:
+      args, kwargs = self.policy.cast_to_compute((args, kwargs))
+    return self.policy.cast_to_output(self.module(*args, **kwargs))
+
+
+def _apply_policy_nnx(
+    module: nnx.Module,
+    policy: policy_lib.Policy,
+    float32_modules: tuple[type, ...],
+    float32_paths: tuple[str, ...],
+    cast_inputs: bool,
+) -> NNXPolicyWrapper:
+  # NNX layers are created eagerly with their fields as plain attributes,
+  # read at call time: a deep copy (`nnx.clone`, so the caller's module is
+  # untouched) whose layers get new attributes and whose parameters are
+  # cast to `param_dtype` is the whole job. Batch statistics stay float32.
+  model = nnx.clone(module)
+  modules = dict(nnx.iter_modules(model))
+  f32_paths = set()
+  for path, m in modules.items():
+    if isinstance(m, float32_modules) or _path_matches(path, float32_paths):
+      f32_paths.add(path)
+  for path, m in modules.items():
+    in_f32 = any(path[:i] in f32_paths for i in range(len(path) + 1))
+    dtype = _F32 if in_f32 else policy.compute_dtype
+    attrs = set(vars(m))
+    for name, value in _layer_overrides(
+        attrs, lambda name: getattr(m, name), dtype, policy.param_dtype
+    ).items():
+      setattr(m, name, value)
+  params = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.tree.map(functools.partial(_cast_param, policy), params))
+  return NNXPolicyWrapper(model, policy, cast_inputs)
+
+
+def _cast_param(policy: policy_lib.Policy, x: Any) -> Any:
+  # Abstract models (`nnx.eval_shape`) hold ShapeDtypeStructs: cast those too.
+  if isinstance(x, jax.ShapeDtypeStruct):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jax.ShapeDtypeStruct(x.shape, policy.param_dtype, sharding=x.sharding)
+    return x
+  return policy.cast_to_param(x)
+
+
+# --------------------------------------------------------------------------
+# The entry point.
+# --------------------------------------------------------------------------
+
+
+def apply_policy(
+    module: nn.Module | nnx.Module,
+    policy: policy_lib.Policy | str,
+    *,
+    float32_modules: Sequence[type] = DEFAULT_FLOAT32_MODULES,
+    float32_paths: Sequence[str] = (),
+    cast_inputs: bool = True,
+) -> LinenPolicyWrapper | NNXPolicyWrapper:
+  """Runs a Flax (linen or NNX) module under a mixed-precision policy.
+
+  For a model built from standard Flax layers (``Dense``/``Linear``,
+  ``Conv``, ``Embed``, ``BatchNorm``, ``LayerNorm``, ``RMSNorm``,
+  ``GroupNorm``, multi-head attention, ``Dropout``, and any module with
+  Flax's ``dtype``/``param_dtype`` fields):
+
+  * parameters are created (linen) or cast (NNX) and stored in
+    ``policy.param_dtype``; batch statistics stay float32;
+  * every matmul and convolution of the forward and backward pass runs in
+    ``policy.compute_dtype`` (the layers' ``dtype``);
+  * modules in ``float32_modules`` (default: the normalization layers) and
+    modules whose path matches ``float32_paths`` run in float32, together
+    with their submodules: inputs cast to float32 on entry, ``dtype``
+    float32, float32 outputs;
+  * attention runs :func:`dot_product_attention` (softmax in float32) in
+    place of Flax's default ``attention_fn``;
+  * floating inputs are cast to ``compute_dtype`` on entry (``cast_inputs``),
+    and floating outputs to ``policy.output_dtype``, so the loss is computed
+    in float32 with a float32 output dtype;
+  * gradients with respect to the parameters come back in ``param_dtype``.
+
+  Integer inputs (token ids, labels) pass through untouched. Layers' own
+  ``dtype`` settings are overridden: to keep a layer in float32, name it in
+  ``float32_paths``. A layer kept in float32 that reads the model's raw
+  input sees it already rounded to ``compute_dtype`` unless
+  ``cast_inputs=False`` (the other layers cast their inputs themselves).
+
+  Linen: returns a :class:`LinenPolicyWrapper`, a linen module with the usual
+  ``init``/``apply`` and exactly the wrapped module's variables (shared
+  scope). Each layer gets the policy's fields while it runs, through
+  ``nn.intercept_methods``; ``module`` itself is not changed.
+
+  NNX: returns an :class:`NNXPolicyWrapper` around a copy (``nnx.clone``) of
+  ``module`` whose layers have the policy's ``dtype``/``param_dtype`` and
+  attention function and whose ``nnx.Param`` values are cast to
+  ``param_dtype``; the caller's module is not changed (the copy shares
+  array buffers where no cast was needed, so do not donate both to ``jit``).
+  NNX has no method interceptors: the layers of a float32 module cast their
+  inputs themselves (Flax's ``promote_dtype``), but a custom module's own
+  code (outside its layers) sees its inputs as given. An abstract model
+  (``nnx.eval_shape``) works too: its parameter shapes take the new dtype.
+
+  Paths are '/'-joined attribute names (NNX, e.g. ``"blocks/0/conv"``) or
+  module names (linen, e.g. ``"Dense_0"`` or an explicit ``name=``), relative
+  to ``module``, matched with shell-style globs (``fnmatch``): ``"head"``,
+  ``"stem*"``, ``"*/attn"``. A match covers the module's submodules.
+
+  Args:
+    module: a ``flax.linen.Module`` or ``flax.nnx.Module``.
+    policy: a :class:`~jmp_train.Policy` or a spec for
+      :func:`~jmp_train.get_policy`, e.g. ``"mixed_bfloat16"``.
+    float32_modules: module classes run in float32.
+    float32_paths: path patterns of modules run in float32, e.g.
+      ``("stem", "head")`` to keep the first convolution and the classifier
+      head in float32.
+    cast_inputs: cast the model's floating inputs to the compute dtype.
+
+  Returns:
+    The wrapped module.
+
+  Raises:
+    ValueError: if ``module`` is not a Flax module, ``policy`` is not a
+      valid policy or spec, or the overrides are malformed.
+
+  Examples:
+    >>> import flax.linen as nn
+    >>> model = apply_policy(nn.Dense(8), "mixed_bfloat16")
+    >>> variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+    >>> variables["params"]["kernel"].dtype
+    dtype('float32')
+    >>> model.apply(variables, jnp.ones((2, 4))).dtype
+    dtype('float32')
+
+  References:
+    Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+    https://arxiv.org/abs/1710.03740
+  """
+  if isinstance(policy, policy_lib.Policy):
+    pass
+  elif isinstance(policy, str):
+    policy = policy_lib.get_policy(policy)
+  else:
+    raise ValueError(
+        f"policy must be a jmp_train.Policy or a spec string such as "
+        f"'mixed_bfloat16' or 'params=float32,compute=float16,output=float32', "
+        f"got {policy!r}."
+    )
+  classes = _check_float32_modules(float32_modules)
+  paths = _check_float32_paths(float32_paths)
+  if isinstance(module, nn.Module):
+    return LinenPolicyWrapper(
+        module=module,
+        policy=policy,
+        float32_modules=classes,
+        float32_paths=paths,
+        cast_inputs=bool(cast_inputs),
+    )
+  if isinstance(module, nnx.Module):
+    return _apply_policy_nnx(module, policy, classes, paths, bool(cast_inputs))
+  if isinstance(module, type) and issubclass(module, (nn.Module, nnx.Module)):
+    raise ValueError(
+        f"apply_policy needs a module instance, got the class {module.__name__}; "
+        f"construct it first, e.g. {module.__name__}(...)."
+    )
+  raise ValueError(
+      f"apply_policy needs a flax.linen.Module or flax.nnx.Module instance, "
+      f"got {type(module).__name__}: {module!r}."
+  )

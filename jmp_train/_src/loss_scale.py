@@ -1,0 +1,479 @@
+"""Loss-scale values (no-op, static, dynamic) and a replica-aware finite test.
+
+Loss scaling (Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+section 3.2) multiplies the loss by a factor ``S`` before backpropagation so
+that small float16 gradients do not flush to zero, and multiplies the
+gradients by ``1/S`` before anything else touches them. Dynamic loss scaling
+picks ``S`` online: it halves ``S`` (and the step is skipped) whenever a
+gradient overflowed, and doubles it after ``growth_interval`` consecutive
+finite steps.
+
+The three loss-scale classes here are immutable pytrees. Their array fields
+(``loss_scale`` and, for :class:`DynamicLossScale`, ``counter``) are leaves,
+so a new scale value never retraces a jitted step; their configuration
+(``growth_interval``, ``growth_factor``, ``backoff_factor``, ``min_scale``,
+``max_scale``) is static pytree metadata that survives ``jax.jit``,
+``jax.tree.map`` and checkpoint round trips. Flattening is derived from the
+dataclass fields themselves, so no field can be forgotten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = [
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "DynamicLossScale",
+    "all_finite",
+]
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _static(**kwargs: Any) -> Any:
+  """A dataclass field that is static pytree metadata (not a leaf)."""
+  return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+def _register(cls: type) -> type:
+  """Registers a frozen dataclass as a pytree with keyed children.
+
+  Children are the fields without ``static`` metadata, auxiliary data the
+  others, both read off ``dataclasses.fields`` so no field can be dropped.
+  Unflattening bypasses ``__init__``: JAX and orbax rebuild pytrees with
+  placeholder leaves (tracers, ``ShapeDtypeStruct``, ``object()``) that must
+  not be validated or converted.
+  """
+  fields = dataclasses.fields(cls)
+  data_names = tuple(f.name for f in fields if not f.metadata.get("static"))
+  meta_names = tuple(f.name for f in fields if f.metadata.get("static"))
+  keys = tuple(jax.tree_util.GetAttrKey(name) for name in data_names)
+
+  def flatten_with_keys(x):
+    children = tuple((k, getattr(x, n)) for k, n in zip(keys, data_names))
+    return children, tuple(getattr(x, n) for n in meta_names)
+
+  def flatten(x):
+    return (
+        tuple(getattr(x, n) for n in data_names),
+        tuple(getattr(x, n) for n in meta_names),
+    )
+
+  def unflatten(meta, children):
+    obj = object.__new__(cls)
+    for name, value in zip(meta_names, meta):
+      object.__setattr__(obj, name, value)
+    for name, value in zip(data_names, children):
+      object.__setattr__(obj, name, value)
+    return obj
+
+  jax.tree_util.register_pytree_with_keys(
+      cls, flatten_with_keys, unflatten, flatten_func=flatten
+  )
+  return cls
+
+
+def _is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _as_scale_array(value: Any, name: str) -> jax.Array:
+  """Converts ``value`` to a float32 scalar, validating it when concrete."""
+  arr = jnp.asarray(value, dtype=jnp.float32)
+  if arr.shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {arr.shape}.")
+  if _is_concrete(arr):
+    v = float(arr)
+    if not (math.isfinite(v) and v > 0):
+      raise ValueError(
+          f"{name} must be finite and > 0, got {value!r}; valid values lie in "
+          f"(0, {_F32_MAX:.4g}]."
+      )
+  return arr
+
+
+def _is_float(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  try:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+  except TypeError:
+    return False
+
+
+def _multiply(tree: Any, factor: jax.Array) -> Any:
+  """Multiplies floating leaves by a float32 scalar, keeping their dtypes.
+
+  The product is formed in float32 for half-precision leaves (so ``1/S``
+  and large intermediate values are representable), in the leaf's own
+  dtype for float32 and float64 leaves, and cast back to the leaf's dtype.
+  Non-floating leaves are returned as they are; Python floats are treated as
+  float32 scalars.
+  """
+
+  def mul(x):
+    if isinstance(x, float):  # a Python float loss, e.g. from a constant
+      x = jnp.asarray(x, jnp.float32)
+    if not _is_float(x):
+      return x
+    # Explicit (not jnp.promote_types, which strict promotion forbids).
+    compute = x.dtype if x.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
+    return (x.astype(compute) * factor.astype(compute)).astype(x.dtype)
+
+  return jax.tree.map(mul, tree)
+
+
+class LossScale:
+  """Base class of loss-scale values: ``scale``, ``unscale``, ``adjust``.
+
+  Subclasses are frozen dataclasses registered as pytrees; ``loss_scale`` is
+  the current scale as a float32 scalar array.
+  """
+
+  loss_scale: jax.Array
+
+  def scale(self, tree: Any) -> Any:
+    """Multiplies the floating leaves of ``tree`` by the loss scale.
+
+    Args:
+      tree: a pytree, typically the loss (a scalar).
+
+    Returns:
+      ``tree * S`` with every leaf in its own dtype (computed in float32 or
+      wider, then cast back).
+    """
+    return _multiply(tree, self.loss_scale)
+
+  def unscale(self, tree: Any) -> Any:
+    """Multiplies the floating leaves of ``tree`` by ``1 / S``.
+
+    ``1/S`` is computed in float32 and each leaf is multiplied in float32
+    (or wider) before being cast back to its dtype, so float16 gradients
+    scaled up to near 65504 come back without an intermediate overflow.
+
+    Args:
+      tree: a pytree, typically the scaled gradients.
+
+    Returns:
+      ``tree / S`` with every leaf in its own dtype.
+    """
+    return _multiply(tree, jnp.float32(1.0) / self.loss_scale)
+
+  def adjust(self, grads_finite: jax.typing.ArrayLike) -> "LossScale":
+    """Returns the loss scale to use after a step (see subclasses)."""
+    raise NotImplementedError
+
+  def replace(self, **changes: Any) -> "LossScale":
+    """Returns a copy with some fields replaced, without validation.
+
+    Meant for leaves (``loss_scale``, ``counter``) inside traced code; build
+    a new value with the constructor to change the configuration.
+
+    Raises:
+      ValueError: if a name is not a field of this class.
+    """
+    return _replace_fields(self, changes)
+
+
+@_register
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoOpLossScale(LossScale):
+  """A loss scale of 1 that does nothing: for float32 or bfloat16 training.
+
+  ``scale`` and ``unscale`` return their input unchanged; ``adjust`` returns
+  ``self``. It has no leaves.
+
+  Examples:
+    >>> ls = NoOpLossScale()
+    >>> float(ls.loss_scale), float(ls.scale(jnp.float32(3.0)))
+    (1.0, 3.0)
+  """
+
+  @property
+  def loss_scale(self) -> jax.Array:  # type: ignore[override]
+    """The constant scale 1 as a float32 scalar."""
+    return jnp.ones((), jnp.float32)
+
+  def scale(self, tree: Any) -> Any:
+    return tree
+
+  def unscale(self, tree: Any) -> Any:
+    return tree
+
+  def adjust(self, grads_finite: jax.typing.ArrayLike) -> "NoOpLossScale":
+    del grads_finite
+    return self
+
+
+@_register
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
+class StaticLossScale(LossScale):
+  """A fixed loss scale ``S``.
+
+  Attributes:
+    loss_scale: the scale as a float32 scalar array (a pytree leaf, so
+      changing it does not retrace a jitted function).
+
+  Examples:
+    >>> ls = StaticLossScale(2.0 ** 10)
+    >>> float(ls.unscale(ls.scale(jnp.float16(0.5))))
+    0.5
+  """
+
+  loss_scale: jax.Array
+
+  def __init__(self, scale: jax.typing.ArrayLike):
+    """Builds a static loss scale.
+
+    Args:
+      scale: the scale ``S``, finite and > 0.
+
+    Raises:
+      ValueError: if ``scale`` is not a finite positive scalar.
+    """
+    object.__setattr__(self, "loss_scale", _as_scale_array(scale, "scale"))
+
+  def adjust(self, grads_finite: jax.typing.ArrayLike) -> "StaticLossScale":
+    """Returns ``self``: a static scale never changes."""
+    del grads_finite
+    return self
+
+
+@_register
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
+class DynamicLossScale(LossScale):
+  r"""A loss scale that backs off on overflow and grows after good steps.
+
+  With ``S`` the scale and ``c`` the count of consecutive finite steps,
+  :meth:`adjust` does, for a step whose gradients were finite or not:
+
+  .. math::
+
+    \text{non-finite:}\quad & S \leftarrow \max(S \cdot b, S_{min}),
+        \quad c \leftarrow 0 \\
+    \text{finite},\ c + 1 = N:\quad & S \leftarrow \min(S \cdot g, S_{max}),
+        \quad c \leftarrow 0 \\
+    \text{finite, otherwise:}\quad & c \leftarrow c + 1
+
+  with ``N = growth_interval``, ``g = growth_factor``, ``b =
+  backoff_factor``. Growth happens on exactly the ``N``-th consecutive finite
+  step, as in PyTorch's ``torch.amp.GradScaler`` (whose trajectory this
+  matches for the same settings while ``S`` stays inside ``[S_min,
+  S_max]``); ``S`` never leaves ``[S_min, S_max]`` and ``S_min`` may be below
+  1. The scale is a float32 scalar as in PyTorch; the factors are rounded to
+  float32, so for factors exact in float32 (2, 0.5, 1.5, 0.25, ...) every
+  product is rounded once, exactly as PyTorch rounds its float64 product.
+
+  Attributes:
+    loss_scale: current scale, float32 scalar (pytree leaf).
+    counter: consecutive finite steps since the last change, int32 scalar
+      (pytree leaf).
+    growth_interval: ``N`` (static).
+    growth_factor: ``g > 1`` (static).
+    backoff_factor: ``b`` in (0, 1) (static).
+    min_scale: ``S_min > 0`` (static).
+    max_scale: ``S_max >= S_min``, finite (static).
+
+  Examples:
+    >>> ls = DynamicLossScale(2.0 ** 15, growth_interval=2)
+    >>> ls = ls.adjust(jnp.array(False))
+    >>> float(ls.loss_scale)
+    16384.0
+    >>> ls = ls.adjust(jnp.array(True)).adjust(jnp.array(True))
+    >>> float(ls.loss_scale), int(ls.counter)
+    (32768.0, 0)
+
+  References:
+    Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+    https://arxiv.org/abs/1710.03740
+
+    PyTorch ``torch.amp.GradScaler`` (``_amp_update_scale_``).
+    https://pytorch.org/docs/stable/amp.html#gradient-scaling
+  """
+
+  loss_scale: jax.Array
+  counter: jax.Array
+  growth_interval: int = _static()
+  growth_factor: float = _static()
+  backoff_factor: float = _static()
+  min_scale: float = _static()
+  max_scale: float = _static()
+
+  def __init__(
+      self,
+      scale: jax.typing.ArrayLike = 2.0**15,
+      growth_interval: int = 2000,
+      growth_factor: float = 2.0,
+      backoff_factor: float = 0.5,
+      min_scale: float = 1.0,
+      max_scale: float = 2.0**24,
+      counter: jax.typing.ArrayLike = 0,
+  ):
+    """Builds a dynamic loss scale.
+
+    Args:
+      scale: initial scale, finite, in ``[min_scale, max_scale]``.
+      growth_interval: number of consecutive finite steps after which the
+        scale grows, an integer >= 1.
+      growth_factor: factor the scale grows by, > 1.
+      backoff_factor: factor the scale shrinks by on overflow, in (0, 1).
+      min_scale: floor of the scale, > 0 (may be below 1).
+      max_scale: ceiling of the scale, finite, >= ``min_scale``.
+      counter: initial count of consecutive finite steps (to resume), in
+        ``[0, growth_interval)``.
+
+    Raises:
+      ValueError: naming the bad argument and its valid range.
+    """
+    try:
+      growth_interval = operator.index(growth_interval)
+    except TypeError:
+      raise ValueError(
+          f"growth_interval must be an integer >= 1, got {growth_interval!r}."
+      ) from None
+    if growth_interval < 1:
+      raise ValueError(
+          f"growth_interval must be an integer >= 1, got {growth_interval!r}."
+      )
+    growth_factor = _static_float(growth_factor, "growth_factor")
+    backoff_factor = _static_float(backoff_factor, "backoff_factor")
+    min_scale = _static_float(min_scale, "min_scale")
+    max_scale = _static_float(max_scale, "max_scale")
+    if not growth_factor > 1.0:
+      raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}.")
+    if not 0.0 < backoff_factor < 1.0:
+      raise ValueError(
+          f"backoff_factor must lie in (0, 1), got {backoff_factor!r}."
+      )
+    if not _F32_TINY <= min_scale <= _F32_MAX:
+      raise ValueError(
+          f"min_scale must be > 0 (at least {_F32_TINY:.4g}, the smallest "
+          f"normal float32), got {min_scale!r}."
+      )
+    if not max_scale <= _F32_MAX:
+      raise ValueError(
+          f"max_scale must be finite (at most {_F32_MAX:.4g}), got "
+          f"{max_scale!r}."
+      )
+    if min_scale > max_scale:
+      raise ValueError(
+          f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r})."
+      )
+    loss_scale = _as_scale_array(scale, "scale")
+    if _is_concrete(loss_scale) and not (
+        np.float32(min_scale) <= float(loss_scale) <= np.float32(max_scale)
+    ):
+      raise ValueError(
+          f"scale must lie in [min_scale, max_scale] = [{min_scale!r}, "
+          f"{max_scale!r}], got {scale!r}."
+      )
+    counter = jnp.asarray(counter, dtype=jnp.int32)
+    if counter.shape != ():
+      raise ValueError(f"counter must be a scalar, got shape {counter.shape}.")
+    if _is_concrete(counter) and not 0 <= int(counter) < growth_interval:
+      raise ValueError(
+          f"counter must lie in [0, growth_interval) = [0, {growth_interval}),"
+          f" got {int(counter)}."
+      )
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    set_("loss_scale", loss_scale)
+    set_("counter", counter)
+    set_("growth_interval", growth_interval)
+    set_("growth_factor", growth_factor)
+    set_("backoff_factor", backoff_factor)
+    set_("min_scale", min_scale)
+    set_("max_scale", max_scale)
+
+  def adjust(self, grads_finite: jax.typing.ArrayLike) -> "DynamicLossScale":
+    """Returns the scale for the next step (see the class docstring).
+
+    Args:
+      grads_finite: a boolean scalar, whether this step's gradients were all
+        finite (see :func:`all_finite`).
+
+    Returns:
+      A new :class:`DynamicLossScale` with the same configuration; its leaves
+      keep their dtypes (float32 scale, int32 counter).
+    """
+    finite = jnp.asarray(grads_finite, dtype=jnp.bool_)
+    scale = self.loss_scale.astype(jnp.float32)
+    counter = self.counter.astype(jnp.int32)
+    next_count = optax.safe_increment(counter)
+    grow = finite & (next_count >= self.growth_interval)
+    grown = jnp.minimum(scale * jnp.float32(self.growth_factor), self.max_scale)
+    shrunk = jnp.maximum(
+        scale * jnp.float32(self.backoff_factor), self.min_scale
+    )
+    new_scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
+    new_counter = jnp.where(finite & ~grow, next_count, jnp.zeros_like(counter))
+    return self.replace(loss_scale=new_scale, counter=new_counter)
+
+
+def _replace_fields(obj: Any, changes: dict[str, Any]) -> Any:
+  names = {f.name for f in dataclasses.fields(obj)}
+  if unknown := set(changes) - names:
+    raise ValueError(
+        f"Unknown field(s) {sorted(unknown)} for {type(obj).__name__}; "
+        f"fields: {sorted(names)}."
+    )
+  new = object.__new__(type(obj))
+  for name in names:
+    object.__setattr__(new, name, changes.get(name, getattr(obj, name)))
+  return new
+
+
+def _static_float(value: Any, name: str) -> float:
+  try:
+    out = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a number, got {value!r}.") from None
+  if not math.isfinite(out):
+    raise ValueError(f"{name} must be finite, got {value!r}.")
+  return out
+
+
+def all_finite(
+    tree: Any, axis_name: str | Sequence[str] | None = None
+) -> jax.Array:
+  """Whether every floating-point leaf of ``tree`` is free of inf and NaN.
+
+  Each leaf is tested on its own (``all(isfinite(leaf))``) rather than by
+  summing, so large finite float16 values never add up to a false overflow.
+  Python floats count as float32; non-floating leaves (integers, ``float0``
+  gradients of integer inputs, ``None``) are ignored.
+
+  Args:
+    tree: a pytree of arrays, typically gradients.
+    axis_name: name (or names) of a mapped axis (``pmap``, ``shard_map``,
+      ``vmap``). When given, the answer is reduced with ``lax.pmin`` over the
+      axis, so every replica gets the same answer: all replicas skip if any
+      replica overflowed.
+
+  Returns:
+    A boolean scalar array.
+
+  Examples:
+    >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+    False
+  """
+  leaves = [jnp.asarray(x, jnp.float32) if isinstance(x, float) else x
+            for x in jax.tree.leaves(tree)]
+  leaves = [x for x in leaves if _is_float(x)]
+  finite = jnp.array(True)
+  for leaf in leaves:
+    finite = finite & jnp.all(jnp.isfinite(leaf))
+  if axis_name is not None:
+    finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+  return finite

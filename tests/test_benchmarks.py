@@ -1,0 +1,331 @@
+"""The benchmark suite keeps working: every benchmark runs once, tiny.
+
+Benchmarks are not tests (their figures are not asserted here); this file
+runs each ``benchmarks/bench_*.py`` (discovered, so new ones are covered)
+through the real entry point with ``--quick`` and checks the JSON it
+writes, and tests the harness and the pieces of the benchmarks that compute
+something (residual classification, peak table, the GPU code path on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import io
+import json
+import pathlib
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # `pytest` run without `python -m`.
+  sys.path.insert(0, str(_ROOT))
+
+from benchmarks import __main__ as bench_main  # noqa: E402
+from benchmarks import _harness  # noqa: E402
+from jmp_train import get_policy  # noqa: E402
+
+BENCHMARKS = [m.removeprefix("bench_") for m in bench_main.discover()]
+MACHINE_KEYS = {
+    "date", "platform", "processor", "cpu_count", "python", "backend",
+    "device_kind", "device_count", "device_memory_bytes", "xla_flags", "versions",
+}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+  """Runs a benchmark once (``--quick``) per module; returns its output."""
+  cache: dict[str, tuple[int, str, dict | None]] = {}
+
+  def get(name: str) -> tuple[int, str, dict | None]:
+    if name not in cache:
+      out_dir = tmp_path_factory.mktemp(f"bench_{name}")
+      buf_out, buf_err = io.StringIO(), io.StringIO()
+      with contextlib.redirect_stdout(buf_out), contextlib.redirect_stderr(buf_err):
+        rc = bench_main.main(["--quick", "--only", name, "--out", str(out_dir)])
+      files = sorted(out_dir.glob("*.json"))
+      payload = json.loads(files[0].read_text()) if len(files) == 1 else None
+      cache[name] = (rc, buf_out.getvalue() + buf_err.getvalue(), payload)
+    return cache[name]
+
+  return get
+
+
+def test_discover_finds_every_bench_file():
+  files = sorted(p.stem for p in (_ROOT / "benchmarks").glob("bench_*.py"))
+  assert bench_main.discover() == files
+  assert "activation_memory" in BENCHMARKS and "gpu" in BENCHMARKS
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_runs_quick(name, quick_run):
+  rc, output, payload = quick_run(name)
+  assert rc == 0, output[-4000:]
+  module = importlib.import_module(f"benchmarks.bench_{name}")
+  assert f"## {name}" in output
+  assert payload is not None, f"expected one JSON file; output:\n{output[-2000:]}"
+  assert payload["benchmark"] == f"{module.NAME}-quick"
+
+  machine = payload["machine"]
+  assert MACHINE_KEYS <= machine.keys()
+  assert machine["backend"] == jax.default_backend()
+  assert machine["device_count"] == jax.device_count()
+  assert machine["versions"]["jax"] == jax.__version__
+  assert datetime.datetime.fromisoformat(machine["date"]).tzinfo is not None
+
+  records = payload["records"]
+  assert isinstance(records, list) and records
+  assert all(isinstance(r, dict) and r for r in records)
+  if _harness.is_skipped(records):
+    assert isinstance(records[0]["reason"], str) and records[0]["reason"]
+    assert f"skipped: {records[0]['reason']}" in output
+    return
+  columns = list(getattr(module, "COLUMNS", None) or records[0])
+  # The first column names the row, so every record has it; every other
+  # column is in some record (a benchmark in parts leaves the other part's
+  # cells empty). Values may be None or NaN: "not applicable" and
+  # "diverged" are results too.
+  for record in records:
+    assert columns[0] in record, f"record lacks {columns[0]!r}: {record}"
+  present = set().union(*(r.keys() for r in records))
+  assert not set(columns) - present, (
+      f"columns in no record: {sorted(set(columns) - present)}")
+  header = "| " + " | ".join(columns)
+  assert any(line.replace(" ", "").startswith(header.replace(" ", ""))
+             for line in output.splitlines()), output[-2000:]
+
+
+# --------------------------------------------------------------------------
+# The entry point.
+# --------------------------------------------------------------------------
+
+
+def test_main_lists_benchmarks(capsys):
+  assert bench_main.main(["--list"]) == 0
+  assert capsys.readouterr().out.split() == BENCHMARKS
+
+
+def test_main_rejects_unknown_benchmark(capsys):
+  with pytest.raises(SystemExit):
+    bench_main.main(["--only", "no_such_benchmark"])
+  assert "no_such_benchmark" in capsys.readouterr().err
+
+
+def test_main_reports_a_failing_benchmark_and_runs_the_rest(
+    monkeypatch, tmp_path, capsys):
+  def failing_run(quick):
+    raise RuntimeError("boom in the benchmark")
+
+  fake = {
+      "bench_zz_fails": types.SimpleNamespace(NAME="zz_fails", run=failing_run),
+      "bench_zz_works": types.SimpleNamespace(
+          NAME="zz_works", COLUMNS=("a",), run=lambda quick: [{"a": 1.5, "b": None}]),
+  }
+  for module_name, module in fake.items():
+    monkeypatch.setitem(sys.modules, f"benchmarks.{module_name}", module)
+  monkeypatch.setattr(bench_main, "discover", lambda: sorted(fake))
+  rc = bench_main.main(["--quick", "--out", str(tmp_path)])
+  out = capsys.readouterr()
+  assert rc == 1
+  assert "boom in the benchmark" in out.err and "FAILED: zz_fails" in out.err
+  assert [p.name for p in tmp_path.glob("*.json")] == [
+      f"zz_works-quick-{_harness.device_tag()}.json"]
+  assert "| 1.5 |" in out.out
+
+
+# --------------------------------------------------------------------------
+# The harness.
+# --------------------------------------------------------------------------
+
+
+def test_median_seconds_calls_warmup_plus_repeats():
+  calls = []
+  t = _harness.median_seconds(lambda x: calls.append(x) or jnp.ones(2), 7,
+                              warmup=2, repeats=5)
+  assert calls == [7] * 7
+  assert t >= 0.0
+
+
+def test_interleaved_median_seconds_round_robin():
+  order = []
+  fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+  times = _harness.interleaved_median_seconds(fns, warmup=1, repeats=3)
+  assert set(times) == {"a", "b"} and all(t >= 0.0 for t in times.values())
+  assert order == ["a", "b"] + ["a", "b"] * 3
+
+
+@pytest.mark.parametrize("warmup,repeats", [(-1, 3), (0, 0)])
+def test_timing_rejects_bad_counts(warmup, repeats):
+  with pytest.raises(ValueError, match="warmup|repeats"):
+    _harness.median_seconds(lambda: None, warmup=warmup, repeats=repeats)
+  with pytest.raises(ValueError, match="warmup|repeats"):
+    _harness.interleaved_median_seconds({"f": lambda: None}, warmup=warmup,
+                                        repeats=repeats)
+
+
+def test_format_table():
+  table = _harness.format_table(
+      [{"name": "x", "v": 1.234567, "ok": True, "n": None},
+       {"name": "longer", "v": 2.0, "ok": False}],
+      ["name", "v", "ok", "n"])
+  lines = table.splitlines()
+  assert lines[0].split("|")[1:-1] == [" name   ", " v     ", " ok  ", " n "]
+  assert lines[2] == "| x      | 1.235 | yes | - |"
+  assert lines[3] == "| longer | 2     | no  |   |"
+  assert _harness.format_table([]) == "(no rows)"
+
+
+def test_tree_bytes_and_compiled_analysis():
+  tree = {"a": jnp.ones((3, 4), jnp.bfloat16), "b": jax.ShapeDtypeStruct((5,), jnp.float32),
+          "c": None}
+  assert _harness.tree_bytes(tree) == 3 * 4 * 2 + 5 * 4
+  n = 8
+  compiled = jax.jit(lambda a, b: a @ b).lower(
+      jnp.ones((n, n)), jnp.ones((n, n))).compile()
+  memory = _harness.compiled_memory(compiled)
+  assert memory["argument_bytes"] == 2 * n * n * 4
+  assert memory["output_bytes"] == n * n * 4
+  assert _harness.compiled_flops(compiled) == 2 * n**3
+
+
+def test_skipped_records():
+  records = _harness.skipped("no GPU here")
+  assert _harness.is_skipped(records) and records[0]["reason"] == "no GPU here"
+  assert not _harness.is_skipped([{"skipped": True}, {"skipped": True}])
+  assert not _harness.is_skipped([{"a": 1}])
+
+
+# --------------------------------------------------------------------------
+# Activation memory: residual classification and what the quick run shows.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def activation_memory():
+  return importlib.import_module("benchmarks.bench_activation_memory")
+
+
+def test_residuals_are_classified(activation_memory):
+  def f(w, x):
+    h = jnp.tanh(x @ w.astype(jnp.bfloat16))
+    return jnp.sum(jax.nn.relu(h).astype(jnp.float32) ** 2)
+
+  w = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  x = jax.ShapeDtypeStruct((2, 4), jnp.bfloat16)
+  res = activation_memory.residuals(f, w, x)
+  by_kind: dict[str, list] = {}
+  for r in res:
+    by_kind.setdefault(r.kind, []).append(r.shape_dtype)
+  # x is kept as is; w's bfloat16 copy is what the backward matmul reads.
+  assert by_kind["argument"] == [x]
+  assert by_kind["cast_copy"] == [jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)]
+  # relu's derivative selects against broadcast zeros: not real memory.
+  assert all(s.shape == (2, 8) for s in by_kind["constant"])
+  assert by_kind["activation"]
+  assert all(s.shape == (2, 8) for s in by_kind["activation"])
+  assert {s.dtype for s in by_kind["activation"]} <= {
+      jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(bool)}
+
+
+def test_residuals_of_a_remat_function_are_only_its_inputs(activation_memory):
+  f = jax.checkpoint(lambda w, x: jnp.sum(jnp.sin(x @ w) ** 2),
+                     policy=jax.checkpoint_policies.nothing_saveable)
+  w = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  x = jax.ShapeDtypeStruct((2, 4), jnp.float32)
+  res = activation_memory.residuals(f, w, x)
+  assert sorted(r.kind for r in res) == ["argument", "argument"]
+
+
+def test_activation_memory_rejects_unknown_remat(activation_memory):
+  case = activation_memory._cases(quick=True)[0]
+  with pytest.raises(ValueError, match="'everything'.*none, dots"):
+    activation_memory.measure(case, get_policy("float32"), "everything")
+
+
+def test_activation_memory_quick_records(quick_run):
+  rc, output, payload = quick_run("activation_memory")
+  assert rc == 0, output[-4000:]
+  records = payload["records"]
+  models = {r["model"] for r in records}
+  assert len(models) == 3
+  assert len(records) == 3 * 2 * 3  # models x remat x policies
+  for r in records:
+    assert r["residual_bytes"] > 0
+    if r["policy"] == "float32":
+      assert r["residual_ratio"] == 1.0 and r["meets_target"] is None
+      assert r["half_residual_share"] == 0.0 and r["cast_copy_bytes"] == 0
+    else:
+      # Normalization layers keep float32 residuals: never all half.
+      assert 0.0 < r["half_residual_share"] < 1.0
+      assert r["meets_target"] == (r["residual_ratio"] <= 0.55)
+    if r["remat"] == "dots" and r["policy"] != "float32":
+      # Only matmul/conv outputs saved, in half precision: about half.
+      assert 0.45 < r["residual_ratio"] < 0.6, r
+      assert r["half_residual_share"] > 0.7, r
+  # The quick run compiles only the first model's plain step.
+  compiled = [r for r in records if r["temp_bytes"] is not None]
+  assert {r["model"] for r in compiled} == {records[0]["model"]}
+  assert all(r["remat"] == "none" and r["argument_bytes"] > 0 for r in compiled)
+
+
+# --------------------------------------------------------------------------
+# GPU benchmark: the peak table, and its code path run on CPU.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_bench():
+  return importlib.import_module("benchmarks.bench_gpu")
+
+
+@pytest.mark.parametrize("kind,mode,peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+    ("NVIDIA H100 PCIe", "fp16", 756.0),
+    ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+    ("Tesla V100-SXM2-16GB", "bf16", None),
+    ("NVIDIA L4", "fp16", 121.0),
+    ("NVIDIA L40S", "bf16", None),
+    ("cpu", "bf16", None),
+])
+def test_peak_tflops(gpu_bench, kind, mode, peak):
+  assert gpu_bench.peak_tflops(kind, mode) == peak
+
+
+def test_peak_tflops_rejects_unknown_mode(gpu_bench):
+  with pytest.raises(ValueError, match="'int8'.*fp32, tf32, bf16, fp16"):
+    gpu_bench.peak_tflops("NVIDIA H100 80GB HBM3", "int8")
+
+
+def test_gpu_benchmark_skips_without_gpu(gpu_bench):
+  if jax.default_backend() == "gpu":
+    pytest.fail("this test suite runs on simulated CPU devices")
+  records = gpu_bench.run(quick=True)
+  assert _harness.is_skipped(records)
+  assert "GPU" in records[0]["reason"] and "'cpu'" in records[0]["reason"]
+
+
+def test_gpu_benchmark_code_path_on_cpu(gpu_bench):
+  setups = ("float32 (highest)", "mixed_float16")
+  rows = gpu_bench.measure(True, models=("mlp",), setups=setups)
+  steps = [r for r in rows if r["kind"] == "step"]
+  matmuls = [r for r in rows if r["kind"] == "matmul"]
+  assert [r["policy"] for r in steps] == list(setups)
+  assert steps[0]["speedup"] == 1.0
+  for r in steps:
+    assert r["median_ms"] > 0 and r["items_per_s"] > 0 and r["tflops"] > 0
+  assert [r["policy"] for r in matmuls] == [
+      "float32 (highest)", "float32 (default/TF32)", "bfloat16", "float16"]
+  for r in matmuls:
+    assert r["tflops"] > 0
+    assert r["peak_tflops"] is None and r["peak_source"] == "unknown"
+    assert r["fraction_of_peak"] is None
+  assert all(r["device_kind"] == jax.devices()[0].device_kind for r in rows)
+  with pytest.raises(ValueError, match="'resnet'"):
+    gpu_bench.measure(True, models=("resnet",))

@@ -1,0 +1,170 @@
+"""Tests for the ``jmp-train`` demo (jmp_train/__main__.py, jmp_train/_src/demo.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jmp_train import __main__ as cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _env():
+  # A fresh process: the CLI must set up its 8 devices itself.
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+  """``jmp-train --quick --task digits``, every configuration, once per module.
+
+  The digits MLP compiles in a fraction of the Transformer's time; the text
+  task runs in ``test_quick_text_demo`` (one configuration).
+  """
+  out = tmp_path_factory.mktemp("demo")
+  done = subprocess.run(
+      [sys.executable, "-m", "jmp_train", "--quick", "--task", "digits", "--no-progress",
+       "--out", str(out)],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+  return out, done
+
+
+def test_quick_demo_writes_table_json_and_png(quick_run):
+  out, done = quick_run
+  assert done.returncode == 0, done.stderr[-3000:]
+  payload = json.loads((out / "results.json").read_text())
+  rows = {r["config"]: r for r in payload["rows"]}
+  assert list(rows) == ["f32", "f16", "f16-dls", "bf16", "f16w-sgd", "f16w-mmsgd",
+                        "8dev-f32", "8dev-1bit"]
+  for name, row in rows.items():
+    for column in payload["columns"]:
+      assert column in row, (name, column)
+    assert np.isfinite(row["train_loss"]) and np.isfinite(row["steps_per_s"]), name
+    assert 0.0 <= row["underflow_f16"] <= 1.0
+    assert len(payload["curves"][name]["loss"]) == payload["settings"]["steps"]
+  # The printed table has one line per configuration plus header and rule.
+  table = [l for l in done.stdout.splitlines() if l.startswith("|")]
+  assert len(table) == 2 + len(rows)
+  assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # Something was learned (chance: ln 10 = 2.30).
+  assert rows["f32"]["train_loss"] < np.log(10) - 0.3
+  assert rows["f32"]["val_acc"] > 0.3
+
+
+def test_quick_text_demo_in_process(tmp_path, capsys):
+  """The default task, one configuration, through main() in this process."""
+  assert cli.main(["--quick", "--configs", "f16-dls", "--no-progress", "--no-plot",
+                   "--out", str(tmp_path)]) == 0
+  assert "| f16-dls" in capsys.readouterr().out
+  (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+  # Something was learned from the stdlib source (uniform over bytes: ln 256).
+  assert row["train_loss"] < np.log(256) - 1.0 and row["loss_scale"] >= 1.0
+
+
+def test_quick_demo_figures_make_sense(quick_run):
+  out, _ = quick_run
+  rows = {r["config"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+  # Loss scaling lives only where it was asked for.
+  assert rows["f32"]["loss_scale"] == rows["f16"]["loss_scale"] == 1.0
+  assert rows["f16-dls"]["loss_scale"] >= 1.0
+  # float16 weights halve the bytes of parameters and optimizer state.
+  assert rows["f16w-mmsgd"]["state_bytes"] < 0.6 * rows["f32"]["state_bytes"]
+  # Single-device steps move nothing; 1-bit moves far fewer bytes than float32.
+  assert rows["f32"]["wire_bytes_per_step"] == 0
+  assert 0 < rows["8dev-1bit"]["wire_bytes_per_step"] < 0.5 * rows["8dev-f32"]["wire_bytes_per_step"]
+  # The 8-device pair runs plain SGD (no momentum buffer: half of f32's state
+  # bytes); 1-bit SGD adds its error-feedback residuals.
+  assert rows["8dev-f32"]["devices"] == rows["8dev-1bit"]["devices"] == 8
+  assert 2 * rows["8dev-f32"]["state_bytes"] == rows["f32"]["state_bytes"]
+  assert rows["8dev-1bit"]["state_bytes"] > rows["8dev-f32"]["state_bytes"]
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+        (["--batch", "12"], "--batch 12 must be a multiple of 8"),
+        (["--configs", "f32,f99"], "unknown configuration(s) 'f99'"),
+        (["--configs", "f32,f32"], "lists a configuration twice"),
+        (["--num-processes", "3"], "must divide 8: 1, 2, 4 or 8"),
+        (["--task", "mnist"], "invalid choice: 'mnist'"),
+        (["--d-model", "24"], "--d-model 24 must be a multiple of 16"),
+        (["--lr", "-1"], "--lr: expected a positive number"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_flags_one_line_and_exit_2(capsys, argv, fragment):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("jmp-train: error:"), err
+  assert fragment in err
+  assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "module, argv, fragment",
+    [
+        ("matplotlib", [], "pip install 'jmp_train[plot]'"),
+        ("sklearn", ["--task", "digits", "--no-plot"], "pip install 'jmp_train[examples]'"),
+    ],
+)
+def test_missing_optional_dependency_one_line_and_exit_1(capsys, monkeypatch, module, argv,
+                                                         fragment):
+  monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
+  assert cli.main(argv) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and fragment in err, err
+
+
+def test_console_script_is_declared():
+  text = (ROOT / "pyproject.toml").read_text()
+  assert 'jmp-train = "jmp_train.__main__:main"' in text
+
+
+def test_two_processes_run_the_data_parallel_configs(tmp_path, capsys):
+  """``--num-processes 2``: 1-bit SGD over 2 worker processes x 4 devices (gloo)."""
+  status = cli.main(["--quick", "--task", "digits", "--no-progress", "--no-plot",
+                     "--steps", "4", "--configs", "8dev-1bit", "--num-processes", "2",
+                     "--out", str(tmp_path)])
+  assert status == 0, capsys.readouterr().err
+  (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+  assert row["config"] == "8dev-1bit" and row["processes"] == 2 and row["devices"] == 8
+  assert np.isfinite(row["train_loss"]) and row["wire_bytes_per_step"] > 0
+
+
+def _readme_quick_start() -> str:
+  text = (ROOT / "README.md").read_text()
+  section = text.split("## Quick start", 1)[1]
+  return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_has_the_sections_the_issue_asks_for():
+  text = (ROOT / "README.md").read_text()
+  for heading in ("## What and why", "## Two commands", "## Quick start",
+                  "## The public API at a glance", "### Measured results", "## Notebooks"):
+    assert heading in text, heading
+  assert "make test" in text and "make demo" in text
+  for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+    assert f"notebooks/{notebook.name}" in text, notebook.name
+
+
+def test_readme_quick_start_runs_as_written(capsys):
+  code = _readme_quick_start()
+  assert len(code.strip().splitlines()) <= 15
+  namespace = {"__name__": "__readme__"}
+  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  assert "'loss_scale'" in capsys.readouterr().out
+  metrics = {k: float(v) for k, v in namespace["metrics"].items()}
+  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "grad_norm"}
+  # Each skipped (overflowing) step halved the scale from its 2**15 start.
+  assert metrics["loss_scale"] * 2 ** metrics["skipped_steps"] == 2.0**15
+  assert np.isfinite(metrics["loss"]) and metrics["skipped_steps"] < 3

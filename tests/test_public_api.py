@@ -1,0 +1,47 @@
+"""Every public name is importable, documented and exercised by a test."""
+
+import inspect
+import pathlib
+import re
+
+import pytest
+
+import jmp_train
+import jmp_train.diagnostics
+import jmp_train.flax
+
+TESTS = pathlib.Path(__file__).parent
+PUBLIC_MODULES = [jmp_train, jmp_train.flax, jmp_train.diagnostics]
+PUBLIC = [(m, name) for m in PUBLIC_MODULES for name in m.__all__]
+
+
+def _test_sources() -> str:
+  own = pathlib.Path(__file__).name
+  return "\n".join(
+      p.read_text() for p in sorted(TESTS.glob("*.py")) if p.name != own
+  )
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES, ids=lambda m: m.__name__)
+def test_all_is_sorted_free_of_duplicates_and_importable(module):
+  names = list(module.__all__)
+  assert len(names) == len(set(names)), names
+  for name in names:
+    assert hasattr(module, name), f"{module.__name__}.{name} is in __all__ but missing"
+
+
+def test_version():
+  assert re.fullmatch(r"\d+\.\d+\.\d+", jmp_train.__version__)
+
+
+@pytest.mark.parametrize(
+    "module, name", PUBLIC, ids=[f"{m.__name__}.{n}" for m, n in PUBLIC]
+)
+def test_public_name_is_documented_and_tested(module, name):
+  obj = getattr(module, name)
+  if inspect.isclass(obj) or callable(obj):
+    doc = inspect.getdoc(obj) or ""
+    assert len(doc.split()) >= 5, f"{module.__name__}.{name} needs a docstring"
+  assert re.search(rf"\b{re.escape(name)}\b", _test_sources()), (
+      f"{module.__name__}.{name} is not used by any test"
+  )

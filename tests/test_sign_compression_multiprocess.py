@@ -1,0 +1,72 @@
+"""sign_compression across processes: 2 processes x 2 CPU devices vs 4 devices.
+
+Two Python processes join a ``jax.distributed`` job on the loopback interface
+(gloo CPU collectives), the same code path as several hosts, and train with
+1-bit compressed gradients; the parameters must equal, bit for bit, those of
+the same training on 4 devices of this one process.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+import _multiprocess_worker as worker
+
+HERE = pathlib.Path(__file__).parent
+NUM_PROCESSES = 2
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_process(tmp_path):
+  port = _free_port()
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+  env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+  outs = [tmp_path / f"params_{i}.npz" for i in range(NUM_PROCESSES)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(HERE / "_multiprocess_worker.py"), str(i), str(NUM_PROCESSES), str(port), str(out)],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i, out in enumerate(outs)
+  ]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=240)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-4000:]
+
+  collectives = {}
+  expected = worker.train(jax.devices()[: 2 * NUM_PROCESSES], collectives=collectives)
+  # The training step moves packed bits, not float gradients.
+  assert collectives["all-reduce"] == 0 and collectives["all-to-all:u8"] > 0
+  for out in outs:
+    got = np.load(out)
+    assert set(got.files) == set(expected)
+    for name, value in expected.items():
+      np.testing.assert_array_equal(got[name], value, err_msg=name)
+  # The run did train: parameters moved from their initial values.
+  initial = worker.initial_params()
+  for name in expected:
+    assert not np.array_equal(initial[name], expected[name]), name
