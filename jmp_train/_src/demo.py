@@ -41,6 +41,7 @@ import optax
 from jax.sharding import Mesh
 
 from jmp_train._src import data as data_lib
+from jmp_train._src import tables
 from jmp_train._src import train as train_lib
 
 __all__ = [
@@ -569,17 +570,6 @@ def _plot(path: pathlib.Path, curves: dict, s: DemoSettings) -> None:
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
-  """The rows as a GitHub-markdown table."""
+  """The rows as a GitHub-markdown table, in the demo's column order."""
+  return tables.format_table(rows, columns)
 
-  def fmt(v: Any) -> str:
-    if isinstance(v, float):
-      if not np.isfinite(v):
-        return str(v)
-      return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3g}"
-    return str(v)
-
-  cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-  line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
-  sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-  return "\n".join([line(columns), sep, *(line(r) for r in cells)])

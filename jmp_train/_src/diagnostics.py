@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_train._src import policy as policy_lib
+from jmp_train._src.policy import is_floating_array
 
 __all__ = [
     "ISSUE_KINDS",
@@ -103,20 +104,10 @@ def _check_positive(name: str, value: Any, *, minimum: float = 0.0, inclusive: b
     raise ValueError(f"{name} must be finite and {bound}, got {value!r}.")
 
 
-def _is_floating_leaf(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  if dtype is None or not hasattr(x, "shape"):
-    return False
-  try:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:  # typed PRNG keys and other extended dtypes
-    return False
-
-
 def _floating_leaves(tree: Any, fn_name: str) -> list[tuple[str, Any]]:
   """``(path, leaf)`` for the floating-point array leaves of ``tree``."""
   with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
-  out = [(jax.tree_util.keystr(p) or "<root>", x) for p, x in with_path if _is_floating_leaf(x)]
+  out = [(jax.tree_util.keystr(p) or "<root>", x) for p, x in with_path if is_floating_array(x)]
   if not out:
     kinds = sorted({type(x).__name__ + (f"[{x.dtype}]" if hasattr(x, "dtype") else "")
                     for _, x in with_path})
@@ -797,7 +788,7 @@ def _walk(
 
 def _split_args(args: tuple) -> tuple[list, list, list[bool], Any]:
   leaves, treedef = jax.tree.flatten(args)
-  is_float = [_is_floating_leaf(x) for x in leaves]
+  is_float = [is_floating_array(x) for x in leaves]
   floats = [x for x, f in zip(leaves, is_float) if f]
   others = [x for x, f in zip(leaves, is_float) if not f]
   return floats, others, is_float, treedef
@@ -831,7 +822,7 @@ def _trace(fn: Callable, args: tuple, backward: bool) -> list[tuple[str, Any]]:
   out_shape, pullback_shape = jax.eval_shape(forward_and_pullback, floats, others)
   res_leaves, pullback_def = jax.tree.flatten(pullback_shape)
   out_leaves, out_def = jax.tree.flatten(out_shape)
-  out_float = [_is_floating_leaf(o) for o in out_leaves]
+  out_float = [is_floating_array(o) for o in out_leaves]
   if not any(out_float):
     raise ValueError("backward=True needs a function with a floating-point output.")
 

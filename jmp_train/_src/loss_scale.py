@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_train._src.policy import is_floating_array
+
 __all__ = [
     "LossScale",
     "NoOpLossScale",
@@ -103,16 +105,6 @@ def _as_scale_array(value: Any, name: str) -> jax.Array:
   return arr
 
 
-def _is_float(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
-    return False
-  try:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:
-    return False
-
-
 def _multiply(tree: Any, factor: jax.Array) -> Any:
   """Multiplies floating leaves by a float32 scalar, keeping their dtypes.
 
@@ -126,7 +118,7 @@ def _multiply(tree: Any, factor: jax.Array) -> Any:
   def mul(x):
     if isinstance(x, float):  # a Python float loss, e.g. from a constant
       x = jnp.asarray(x, jnp.float32)
-    if not _is_float(x):
+    if not is_floating_array(x):
       return x
     # Explicit (not jnp.promote_types, which strict promotion forbids).
     compute = x.dtype if x.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
@@ -470,7 +462,7 @@ def all_finite(
   """
   leaves = [jnp.asarray(x, jnp.float32) if isinstance(x, float) else x
             for x in jax.tree.leaves(tree)]
-  leaves = [x for x in leaves if _is_float(x)]
+  leaves = [x for x in leaves if is_floating_array(x)]
   finite = jnp.array(True)
   for leaf in leaves:
     finite = finite & jnp.all(jnp.isfinite(leaf))

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_train._src.policy import is_floating_array
+
 __all__ = [
     "KahanCompensationState",
     "ModifiedMomentumState",
@@ -41,16 +43,6 @@ __all__ = [
     "modified_momentum_sgd",
     "stochastic_rounding",
 ]
-
-
-def _is_floating(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
-    return False
-  try:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:  # typed PRNG keys
-    return False
 
 
 def _accumulation_dtype(dtype: Any) -> np.dtype:
@@ -300,7 +292,7 @@ def kahan_compensation(
 
   def init_fn(params):
     def zeros(p):
-      if not _is_floating(p):
+      if not is_floating_array(p):
         return jnp.zeros([], jnp.float32)  # placeholder, never read
       dtype = p.dtype if compensation_dtype is None else compensation_dtype
       return jnp.zeros(jnp.shape(p), dtype)
@@ -312,7 +304,7 @@ def kahan_compensation(
     _check_structure(updates, params, "kahan_compensation")
 
     def leaf(u, c, p):
-      if not (_is_floating(p) and _is_floating(u)):
+      if not (is_floating_array(p) and is_floating_array(u)):
         return u, c
       acc = _accumulation_dtype(p.dtype)
       p_acc = p.astype(acc)
@@ -472,7 +464,7 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
     out = []
     for i, (u, p) in enumerate(zip(leaves_u, leaves_p)):
       if not (
-          _is_floating(p) and _is_floating(u) and _is_narrower_than_float32(p.dtype)
+          is_floating_array(p) and is_floating_array(u) and _is_narrower_than_float32(p.dtype)
       ):
         out.append(u)
         continue

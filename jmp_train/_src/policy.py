@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Policy", "get_policy", "half_dtype", "cast_floating", "parse_dtype"]
+__all__ = [
+    "Policy",
+    "get_policy",
+    "half_dtype",
+    "cast_floating",
+    "parse_dtype",
+    "is_floating_array",
+]
 
 # Names accepted for floating dtypes. "half" resolves per backend at parse time.
 _DTYPE_ALIASES: dict[str, str] = {
@@ -116,15 +123,19 @@ def parse_dtype(value: Any) -> np.dtype:
   return dtype
 
 
-def _is_floating_array(x: Any) -> bool:
-  # Typed PRNG keys have a dtype that is not a NumPy floating type, so they
-  # fail this check; Python scalars have no dtype and pass through.
+def is_floating_array(x: Any) -> bool:
+  """Whether ``x`` is a floating-point array (or tracer, or shape struct).
+
+  The one leaf predicate of the library: Python scalars have no dtype, and
+  typed PRNG keys have an extended dtype that is not floating, so both are
+  left alone wherever the library casts, scales or inspects leaves.
+  """
   dtype = getattr(x, "dtype", None)
-  if dtype is None or not hasattr(x, "astype"):
+  if dtype is None or not hasattr(x, "shape"):
     return False
   try:
     return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:
+  except TypeError:  # extended dtypes (typed PRNG keys)
     return False
 
 
@@ -151,7 +162,7 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
   dtype = parse_dtype(dtype)
 
   def cast(x):
-    if _is_floating_array(x) and x.dtype != dtype:
+    if is_floating_array(x) and hasattr(x, "astype") and x.dtype != dtype:
       return x.astype(dtype)
     return x
 

@@ -1,0 +1,50 @@
+"""Plain-text tables for the demo's and the benchmarks' results."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+__all__ = ["format_table"]
+
+
+def _cell(v: Any) -> str:
+  if v is None:
+    return "-"
+  if isinstance(v, bool):
+    return "yes" if v else "no"
+  if isinstance(v, float):
+    if not math.isfinite(v):
+      return str(v)
+    return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3g}"
+  return str(v)
+
+
+def format_table(
+    rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None
+) -> str:
+  """A GitHub-markdown table of ``rows``.
+
+  Floats are printed to 4 significant digits (3 from 1e5 on), ``None`` as
+  ``-`` and booleans as ``yes``/``no``; a row missing a column gets an empty
+  cell.
+
+  Args:
+    rows: the records.
+    columns: which keys, in order (default: the first row's keys).
+
+  Returns:
+    The table as one string (``"(no rows)"`` for no rows).
+  """
+  rows = list(rows)
+  if not rows:
+    return "(no rows)"
+  columns = list(columns or rows[0].keys())
+  cells = [[_cell(r[c]) if c in r else "" for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+
+  def line(values):
+    return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+  sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+  return "\n".join([line(columns), sep, *(line(r) for r in cells)])
