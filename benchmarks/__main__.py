@@ -40,6 +40,30 @@ def _simulate_cpu_devices(count: int) -> None:
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+def summary(results_dir: pathlib.Path | None = None) -> str:
+  """The stored full-size results as markdown: one table per result file."""
+  from benchmarks import _harness
+
+  results_dir = pathlib.Path(results_dir or _harness.RESULTS_DIR)
+  parts = []
+  for path in sorted(results_dir.glob("*.json")):
+    payload = json.loads(path.read_text())
+    name = payload["benchmark"]
+    if name.endswith("-quick"):
+      continue
+    m = payload["machine"]
+    try:
+      columns = getattr(importlib.import_module(f"benchmarks.bench_{name}"), "COLUMNS", None)
+    except ImportError:
+      columns = None
+    parts.append(
+        f"#### {name}\n\n{m['device_kind']} x{m['device_count']} ({m['backend']}, "
+        f"{m.get('cpu_count')} CPU cores), jax {m['versions']['jax']}, {m['date']}\n\n"
+        + _harness.format_table(payload["records"], columns)
+    )
+  return "\n\n".join(parts) if parts else f"(no results in {results_dir})"
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the selected benchmarks; returns the process exit status."""
   modules = discover()
@@ -53,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="results folder (default: benchmarks/results)")
   parser.add_argument("--json", action="store_true", help="print the JSON records too")
   parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+  parser.add_argument("--summary", action="store_true",
+                      help="print the stored results (of --out) as markdown, with the "
+                           "machine each came from, and exit (this is how the README's "
+                           "tables are made)")
   parser.add_argument("--cpu-devices", type=int, default=8, metavar="N",
                       help="simulated CPU devices for the multi-device benchmarks "
                            "(sets XLA_FLAGS before JAX starts; default 8; a count "
@@ -64,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
   if args.list:
     print("\n".join(names))
+    return 0
+  if args.summary:
+    print(summary(args.out))
     return 0
 
   from benchmarks import _harness

@@ -110,6 +110,20 @@ def test_main_lists_benchmarks(capsys):
   assert capsys.readouterr().out.split() == BENCHMARKS
 
 
+def test_summary_renders_stored_results_and_skips_quick_ones(tmp_path, capsys):
+  from benchmarks import _harness
+  _harness.save_results("weight_memory", [{"setup": "a", "total_per_param": 14.0}], tmp_path)
+  _harness.save_results("weight_memory-quick", [{"setup": "q", "total_per_param": 1.0}], tmp_path)
+  assert bench_main.main(["--summary", "--out", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("#### weight_memory\n")
+  assert "| a " in out and "| q " not in out
+  assert "jax " + jax.__version__ in out
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  assert "no results" in bench_main.summary(empty)
+
+
 def test_main_rejects_unknown_benchmark(capsys):
   with pytest.raises(SystemExit):
     bench_main.main(["--only", "no_such_benchmark"])

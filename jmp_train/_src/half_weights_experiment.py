@@ -9,7 +9,10 @@ stored and updated:
 
 * ``"float32 master"``: float32 parameters, cast to the half dtype for the
   forward pass (the classic mixed-precision recipe);
-* half parameters with a plain optimizer (updates rounded to nearest);
+* half parameters with a plain optimizer (updates rounded to nearest),
+  including momentum SGD in the plain "H" form that keeps the learning rate
+  inside a half-precision buffer (:func:`plain_momentum_sgd`, the baseline of
+  the modified momentum SGD);
 * half parameters with :func:`~jmp_train._src.low_precision.kahan_compensation`,
   :func:`~jmp_train._src.low_precision.stochastic_rounding` or
   :func:`~jmp_train._src.low_precision.modified_momentum_sgd`.
@@ -33,7 +36,9 @@ from jmp_train._src import low_precision
 __all__ = [
     "DigitsResult",
     "init_mlp",
+    "make_momentum_setups",
     "make_setups",
+    "plain_momentum_sgd",
     "relative_gap",
     "run_all",
     "train_digits",
@@ -103,6 +108,36 @@ def with_float32_state(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def plain_momentum_sgd(
+    learning_rate: float, momentum: float = 0.9
+) -> optax.GradientTransformation:
+  r"""Momentum SGD with the learning rate inside the buffer (the "H" form).
+
+  The Caffe-style rule that :func:`~jmp_train._src.low_precision.
+  modified_momentum_sgd` replaces, :math:`H \leftarrow m H - \lambda g,\
+  W \leftarrow W + H`, computed as a framework computes it on half-precision
+  tensors: ``optax.chain(optax.scale(-lambda), optax.trace(m))``, so
+  :math:`\lambda g`, :math:`m H` and their sum are each rounded to the
+  parameters' dtype and ``H`` is stored in it. In float16, :math:`\lambda g`
+  falls below ``2^-14`` (subnormal: fewer bits) or ``2^-25`` (flushed to
+  zero) long before ``g`` does, and below ``2^-14`` :math:`m H` rounds back to
+  ``H`` whenever ``(1 - m)|H| < 2^-25`` (the buffer stops decaying). The
+  damage is done by these roundings, not by storing ``H``: computing
+  :math:`m H - \lambda g` in float32 and rounding once into a float16 ``H``
+  follows the modified form to within 0.02% of test loss on digits (lr 1e-4,
+  m 0.99, with Kahan). Not public API: the seed's baseline in this
+  experiment only.
+
+  Args:
+    learning_rate: the learning rate ``lambda`` (a scalar).
+    momentum: the decay ``m``.
+
+  Returns:
+    An ``optax.GradientTransformation`` (state: ``optax.TraceState``).
+  """
+  return optax.chain(optax.scale(-learning_rate), optax.trace(decay=momentum))
+
+
 def make_setups(
     learning_rate: float,
     half: Any = jnp.bfloat16,
@@ -137,6 +172,7 @@ def make_setups(
           optax.chain(sgd(), low_precision.stochastic_rounding(seed)),
       ),
       "momentum sgd / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
+      f"momentum sgd / {h} plain (H form)": (half, plain_momentum_sgd(learning_rate, momentum)),
       f"momentum sgd / {h} + modified momentum": (
           half,
           low_precision.modified_momentum_sgd(learning_rate, momentum),
@@ -165,6 +201,43 @@ def make_setups(
         ),
     })
   return setups
+
+
+def make_momentum_setups(
+    learning_rate: float = 1e-4,
+    momentum: float = 0.99,
+    half: Any = jnp.float16,
+) -> dict[str, tuple[Any, optax.GradientTransformation]]:
+  """Modified momentum SGD against the seed's baseline, plain (H-form) momentum.
+
+  The default regime is where the two differ in float16: a small learning
+  rate with a long momentum (effective step ``1e-4 / (1 - 0.99) = 0.01``, the
+  learning rate of :func:`make_setups`), so that every ``lr * g`` is a
+  float16 subnormal and 10-17% of them flush to zero. The group name (before
+  ``" / "``) carries the hyperparameters; its reference is the
+  ``"float32 master"`` row.
+
+  Args:
+    learning_rate: the learning rate.
+    momentum: the momentum.
+    half: the half dtype.
+
+  Returns:
+    An ordered dict name -> (parameter dtype, optimizer).
+  """
+  h = np.dtype(half).name
+  g = f"momentum sgd lr={learning_rate:g} m={momentum:g}"
+  mm = lambda: low_precision.modified_momentum_sgd(learning_rate, momentum)
+  plain = lambda: plain_momentum_sgd(learning_rate, momentum)
+  return {
+      f"{g} / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
+      f"{g} / {h} plain (H form)": (half, plain()),
+      f"{g} / {h} + modified momentum": (half, mm()),
+      f"{g} / {h} plain (H form) + kahan": (
+          half, optax.chain(plain(), low_precision.kahan_compensation())),
+      f"{g} / {h} + modified momentum + kahan": (
+          half, optax.chain(mm(), low_precision.kahan_compensation())),
+  }
 
 
 def train_digits(
