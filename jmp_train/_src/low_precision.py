@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from jmp_train._src.policy import is_floating_array
+from jmp_train._src.policy import parse_dtype
 
 __all__ = [
     "KahanCompensationState",
@@ -278,17 +279,9 @@ def kahan_compensation(
   """
   if compensation_dtype is not None:
     try:
-      compensation_dtype = np.dtype(compensation_dtype)
-    except TypeError as e:
-      raise ValueError(
-          f"compensation_dtype must be a floating dtype (float16, bfloat16, "
-          f"float32, float64) or None, got {compensation_dtype!r}."
-      ) from e
-    if not jnp.issubdtype(compensation_dtype, jnp.floating):
-      raise ValueError(
-          f"compensation_dtype must be a floating dtype (float16, bfloat16, "
-          f"float32, float64) or None, got {compensation_dtype.name!r}."
-      )
+      compensation_dtype = parse_dtype(compensation_dtype)
+    except ValueError as e:
+      raise ValueError(f"compensation_dtype must be a floating dtype or None: {e}") from None
 
   def init_fn(params):
     def zeros(p):
