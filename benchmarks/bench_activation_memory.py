@@ -17,8 +17,8 @@ figures for one training step:
   the forward pass computed and keeps alive until the backward pass:
   activations plus ``cast_copy_bytes``, the half-precision copies of the
   float32 weights (and of a float32 input batch) that the backward matmuls
-  read. ``residual_ratio`` is over the float32 row of the same model and
-  remat setting; the target is mixed <= 0.55x. ``activation_ratio`` is the
+  read. ``residual_ratio`` is over the float32 row of the same model (and
+  remat setting, see below); the target is mixed <= 0.55x. ``activation_ratio`` is the
   same ratio without the cast copies.
 * **Compiled step**: ``memory_analysis()`` of the jitted train step (loss,
   ``value_and_grad``, an SGD update; parameters donated): XLA's temp
@@ -28,11 +28,26 @@ figures for one training step:
   whole step (gradients included), so on CPU ``temp_ratio`` need not follow
   the residuals; read it from a GPU run.
 
-Each model is measured twice: ``remat="none"`` (what JAX saves by default)
-and ``remat="dots"``: the model under ``jax.checkpoint`` with
-``jax.checkpoint_policies.dots_saveable``, which saves only matmul and
-convolution outputs (in the compute dtype) and recomputes the rest
-(normalizations, activations, casts) in the backward pass.
+Each model is measured three ways:
+
+* ``remat="none"``: what JAX saves by default; ratios over the float32 row
+  with ``"none"``. Under a mixed policy this includes float32 values (the
+  float32 regions: normalizations, the attention softmax, the loss's
+  logits), the half-precision copies of the float32 weights, and boolean
+  masks, so the ratio stays above one half.
+* ``remat="dots"``: the model under ``jax.checkpoint`` with
+  ``jax.checkpoint_policies.dots_saveable``, which saves only matmul and
+  convolution outputs (in the compute dtype) and recomputes the rest; ratios
+  over the float32 row with ``"dots"``: the same recomputation on both
+  sides, so the ratio is the dtype's effect alone.
+* ``remat="half"``: the mixed policies under ``jax.checkpoint`` with
+  :func:`jmp_train.half_precision_saveable`, which saves every
+  half-precision value and recomputes only what the policy keeps in float32
+  (and casts and masks); ratios over the float32 row with ``"none"`` (a
+  float32 model has no half-precision values, so that policy would
+  recompute everything: no float32 row of its own). This is the library's
+  answer to the target: the activations a mixed model keeps, stored in half
+  precision, against what float32 training keeps by default.
 
 Nothing is executed: the jaxprs are traced and the steps compiled, so even
 the full sizes take seconds per row. ``quick=True`` uses tiny models and
@@ -42,17 +57,18 @@ compiles only the MLP's plain step (a smoke test; its figures mean little).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from benchmarks import _harness
 from jmp_train._src import models
 from jmp_train._src.policy import Policy, get_policy
+from jmp_train._src.remat import half_precision_saveable
+from jmp_train._src.remat import saved_residuals
 from jmp_train.flax import apply_policy
 
 NAME = "activation_memory"
@@ -66,6 +82,7 @@ TARGET_RATIO = 0.55
 REMATS = {
     "none": None,
     "dots": jax.checkpoint_policies.dots_saveable,
+    "half": half_precision_saveable,
 }
 
 
@@ -117,70 +134,6 @@ def _cases(quick: bool) -> list[_Case]:
   ]
 
 
-class Residual(NamedTuple):
-  """One array that ``jax.vjp`` keeps for the backward pass.
-
-  Attributes:
-    shape_dtype: its shape and dtype.
-    kind: ``"argument"`` (one of the inputs, kept as is: no memory beyond
-      what the caller holds), ``"cast_copy"`` (a dtype cast of an input:
-      the half-precision copy of a float32 weight or of the input batch),
-      ``"constant"`` (a broadcast literal, such as the zeros in ``relu``'s
-      derivative: XLA fuses it into its consumer and never stores it) or
-      ``"activation"`` (everything else the forward pass computed).
-  """
-
-  shape_dtype: jax.ShapeDtypeStruct
-  kind: str
-
-
-def residuals(fun: Callable[..., Any], *args: Any) -> list[Residual]:
-  """The arrays ``jax.vjp(fun, *args)`` saves for the backward pass.
-
-  Traces ``jax.vjp`` to a jaxpr (nothing runs) and reads the outputs that
-  make up the VJP function's closure, classifying each by what produced it
-  (the same inspection as ``jax.ad_checkpoint.print_saved_residuals``).
-
-  Args:
-    fun: the function to differentiate.
-    *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
-
-  Returns:
-    One :class:`Residual` per distinct residual (a buffer saved twice is
-    listed once); literals baked into the program are left out.
-  """
-  leaves, treedef = jax.tree.flatten(args)
-
-  def vjp_residuals(*flat):
-    _, vjp_fun = jax.vjp(lambda *xs: fun(*jax.tree.unflatten(treedef, xs)), *flat)
-    return jax.tree.leaves(vjp_fun)
-
-  jaxpr = jax.make_jaxpr(vjp_residuals)(*leaves).jaxpr
-  invars = set(jaxpr.invars)
-  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-  seen = set()
-  out = []
-  for var in jaxpr.outvars:
-    if isinstance(var, jex_core.Literal) or var in seen:
-      continue
-    seen.add(var)
-    eqn = producer.get(var)
-    if var in invars:
-      kind = "argument"
-    elif eqn is None:
-      kind = "constant"  # A closed-over constant of the traced function.
-    elif (eqn.primitive.name == "convert_element_type"
-          and eqn.invars[0] in invars):
-      kind = "cast_copy"
-    elif (eqn.primitive.name == "broadcast_in_dim"
-          and isinstance(eqn.invars[0], jex_core.Literal)):
-      kind = "constant"
-    else:
-      kind = "activation"
-    out.append(Residual(jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype), kind))
-  return out
-
-
 def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   logp = jax.nn.log_softmax(logits.astype(jnp.float32))
   return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
@@ -193,9 +146,11 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *,
   Args:
     case: the model and its input shapes.
     policy: the dtype policy.
-    remat: ``"none"`` (JAX saves what it saves) or ``"dots"`` (the model
+    remat: ``"none"`` (JAX saves what it saves), ``"dots"`` (the model
       under ``jax.checkpoint(policy=dots_saveable)``: only matmul and
-      convolution outputs are saved, everything else is recomputed).
+      convolution outputs are saved, everything else is recomputed) or
+      ``"half"`` (under ``jax.checkpoint(policy=half_precision_saveable)``:
+      only half-precision values are saved).
     compile_step: also compile the train step for ``memory_analysis()``
       (XLA's ``*_bytes`` are ``None`` otherwise).
 
@@ -226,7 +181,7 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *,
     logits, new_state = forward(params, state, x)
     return _cross_entropy(logits, labels), new_state
 
-  res = residuals(loss_fn, params, state, x, labels)
+  res = saved_residuals(loss_fn, params, state, x, labels)
   kept = [r.shape_dtype for r in res if r.kind in ("activation", "cast_copy")]
   residual_bytes = _harness.tree_bytes(kept)
   cast_copy_bytes = _harness.tree_bytes(
@@ -286,16 +241,24 @@ def run(quick: bool) -> list[dict[str, Any]]:
   Returns:
     The records. ``residual_ratio``, ``activation_ratio`` and
     ``temp_ratio`` are this row's bytes over those of the float32 row with
-    the same model and remat; ``meets_target`` says whether
+    the same model and remat (``"none"`` for the ``"half"`` rows);
+    ``meets_target`` says whether
     ``residual_ratio <= 0.55`` (``None`` on the float32 rows).
   """
   records = []
   for i, case in enumerate(_cases(quick)):
+    base_by_remat = {}
     for remat in REMATS:
       compile_step = not quick or (i == 0 and remat == "none")
+      # A float32 model has nothing to save under half_precision_saveable:
+      # the "half" rows compare with float32 as JAX runs it by default.
+      names = POLICIES[1:] if remat == "half" else POLICIES
       rows = [measure(case, get_policy(name), remat, compile_step=compile_step)
-              for name in POLICIES]
-      base = rows[0]
+              for name in names]
+      if remat == "half":
+        base = base_by_remat["none"]
+      else:
+        base = base_by_remat[remat] = rows[0]
       for row in rows:
         row["residual_ratio"] = _ratio(row["residual_bytes"], base["residual_bytes"])
         row["activation_ratio"] = _ratio(row["activation_bytes"], base["activation_bytes"])

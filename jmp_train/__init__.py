@@ -11,6 +11,7 @@ from jmp_train._src.policy import Policy
 from jmp_train._src.policy import cast_floating
 from jmp_train._src.policy import get_policy
 from jmp_train._src.policy import half_dtype
+from jmp_train._src.remat import half_precision_saveable
 
 # --- loss scaling (issue 3) ---
 from jmp_train._src.loss_scale import DynamicLossScale
@@ -50,6 +51,7 @@ __all__ = (
     "cast_floating",
     "get_policy",
     "half_dtype",
+    "half_precision_saveable",
     "DynamicLossScale",
     "NoOpLossScale",
     "StaticLossScale",

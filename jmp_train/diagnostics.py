@@ -8,6 +8,8 @@
   convolutions against the Tensor Core shape rules, and the Amdahl bound.
 * :func:`precision_audit`: ops in half precision that should be float32,
   and matmuls left in float32; usable as a test assertion.
+* :func:`saved_residuals`: the arrays the backward pass keeps (activation
+  memory), each with its dtype and what produced it.
 * :func:`plot_gradient_histogram`: the histogram as a bar chart against the
   float16 range (needs matplotlib: ``pip install 'jmp_train[plot]'``).
 """
@@ -28,6 +30,8 @@ from jmp_train._src.diagnostics import suggest_loss_scale
 from jmp_train._src.diagnostics import tensor_core_report
 from jmp_train._src.diagnostics import underflow_fraction
 from jmp_train._src.diagnostics_plot import plot_gradient_histogram
+from jmp_train._src.remat import SavedResidual
+from jmp_train._src.remat import saved_residuals
 
 __all__ = (
     "GradientHistogram",
@@ -37,12 +41,14 @@ __all__ = (
     "MatmulEntry",
     "PrecisionIssue",
     "PrecisionReport",
+    "SavedResidual",
     "TensorCoreReport",
     "gradient_histogram",
     "overflow_fraction",
     "pad_to_multiple",
     "plot_gradient_histogram",
     "precision_audit",
+    "saved_residuals",
     "suggest_loss_scale",
     "tensor_core_report",
     "underflow_fraction",

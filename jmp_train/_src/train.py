@@ -265,6 +265,7 @@ def make_train_step(
     rng_collections: Sequence[str] = ("dropout",),
     eval_apply_fn: Callable[..., Any] | None = None,
     donate: bool = True,
+    remat_policy: Callable[..., bool] | None = None,
 ) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
@@ -325,6 +326,11 @@ def make_train_step(
       default ``apply_fn``. For example
       ``functools.partial(model.apply, train=False)``.
     donate: donate the input state's buffers to the output state.
+    remat_policy: ``None`` (JAX keeps what the backward pass reads), or a
+      ``jax.checkpoint`` policy for the forward pass and loss, such as
+      :func:`jmp_train.half_precision_saveable` (keep only half-precision
+      activations; recompute the float32 regions, casts and masks in the
+      backward pass) or ``jax.checkpoint_policies.dots_saveable``.
 
   Returns:
     A :class:`TrainStep`; ``step(state, batch)`` returns ``(state, metrics)``
@@ -447,6 +453,8 @@ def make_train_step(
     objective = functools.partial(
         forward, model_state=state.model_state, inputs=inputs, targets=targets, rng=rng
     )
+    if remat_policy is not None:
+      objective = jax.checkpoint(objective, policy=remat_policy)
     if ls_api is None:
       scale = jnp.ones((), jnp.float32)
       (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(

@@ -1,0 +1,193 @@
+"""A ``jax.checkpoint`` policy that keeps only half-precision residuals.
+
+Mixed-precision training halves the activation memory only if what the
+forward pass keeps for the backward pass is in half precision. By default
+JAX keeps whatever the backward pass reads, and under a mixed policy that
+includes float32 values: the float32 regions (normalization statistics and
+outputs, the attention softmax, the logits of the loss), the half-precision
+copies of the float32 weights made by every layer's cast, and boolean masks
+(``relu``'s ``x > 0``) next to the values they were computed from.
+:func:`half_precision_saveable` keeps the half-precision values alone and
+recomputes the rest from them in the backward pass: casts, comparisons and
+float32 elementwise work, which cost little next to the matmuls.
+
+References:
+  Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016
+  (recomputation). https://arxiv.org/abs/1604.06174
+  JAX, "Gradient checkpointing with jax.checkpoint".
+  https://docs.jax.dev/en/latest/gradient-checkpointing.html
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+__all__ = ["SavedResidual", "half_precision_saveable", "saved_residuals"]
+
+RESIDUAL_KINDS = ("argument", "cast_copy", "constant", "activation")
+
+# Casts are never saved: their input is either an argument (a float32
+# weight: no memory beyond what the caller holds) or another value that is
+# itself saved or recomputed, so saving the cast's output would store the
+# same data twice.
+_NEVER_SAVED = frozenset({"convert_element_type", "reduce_precision"})
+
+
+def _is_half_floating(aval: Any) -> bool:
+  dtype = getattr(aval, "dtype", None)
+  if dtype is None:
+    return False
+  try:
+    floating = bool(jnp.issubdtype(dtype, jnp.floating))
+  except TypeError:  # extended dtypes (PRNG keys): recompute
+    return False
+  return floating and np.dtype(dtype).itemsize <= 2
+
+
+def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+  """``jax.checkpoint`` policy: save only floating values of 16 bits or less.
+
+  Under ``jax.checkpoint(fun, policy=half_precision_saveable)`` the backward
+  pass of ``fun`` finds saved only the outputs of operations whose every
+  output is a float16, bfloat16 (or 8-bit float) array, casts excepted;
+  everything else (float32 values, integer and boolean values, casts) is
+  recomputed from those and from ``fun``'s arguments. Under a mixed
+  policy the saved values are the matmul and convolution outputs and the
+  half-precision activations: half the bytes of the same activations in
+  float32, while the float32 regions the policy keeps for accuracy stay
+  float32 (they are recomputed in float32, not stored in half). Under a
+  float32 policy nothing floating qualifies and the whole function is
+  recomputed (as with ``jax.checkpoint_policies.nothing_saveable``).
+
+  The gradients are the same values as without ``jax.checkpoint`` (the
+  recomputation repeats the forward operations); the cost is the
+  recomputed elementwise and normalization work in the backward pass.
+
+  Args:
+    prim: the JAX primitive of an equation (given by ``jax.checkpoint``).
+    *avals: the abstract values of its inputs.
+    **params: its parameters.
+
+  Returns:
+    Whether the equation's outputs may be saved for the backward pass.
+
+  Examples:
+    >>> import jax
+    >>> def f(w, x):
+    ...   h = (x.astype(jnp.float16) @ w.astype(jnp.float16))
+    ...   return jnp.sum(jax.nn.relu(h).astype(jnp.float32) ** 2)
+    >>> f = jax.checkpoint(f, policy=half_precision_saveable)
+    >>> g = jax.grad(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    >>> g.dtype
+    dtype('float32')
+
+  References:
+    Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016.
+    https://arxiv.org/abs/1604.06174
+  """
+  if prim.name in _NEVER_SAVED:
+    return False
+  try:
+    out = prim.abstract_eval(*avals, **params)
+  except Exception:  # pylint: disable=broad-except
+    # No shape rule we can call here (e.g. a higher-order primitive):
+    # recomputing is always correct.
+    return False
+  # Most rules return (output avals, effects); older ones the avals alone.
+  if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (set, frozenset)):
+    out = out[0]
+  outs = out if isinstance(out, (list, tuple)) else (out,)
+  return bool(outs) and all(_is_half_floating(o) for o in outs)
+
+
+class SavedResidual(NamedTuple):
+  """One array that ``jax.vjp`` keeps for the backward pass.
+
+  Attributes:
+    shape_dtype: its shape and dtype.
+    kind: ``"argument"`` (one of the inputs, kept as is: no memory beyond
+      what the caller holds), ``"cast_copy"`` (a dtype cast of an input:
+      the half-precision copy of a float32 weight or of the input batch),
+      ``"constant"`` (a broadcast literal, such as the zeros in ``relu``'s
+      derivative: XLA fuses it into its consumer and never stores it) or
+      ``"activation"`` (everything else the forward pass computed).
+  """
+
+  shape_dtype: jax.ShapeDtypeStruct
+  kind: str
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the array."""
+    return int(np.prod(self.shape_dtype.shape, dtype=np.int64)) * np.dtype(
+        self.shape_dtype.dtype).itemsize
+
+  @property
+  def costs_memory(self) -> bool:
+    """Whether it is memory the forward pass adds (activation or cast copy)."""
+    return self.kind in ("activation", "cast_copy")
+
+
+def saved_residuals(fun: Callable[..., Any], *args: Any) -> list[SavedResidual]:
+  """The arrays ``jax.vjp(fun, *args)`` keeps for the backward pass.
+
+  Traces ``jax.vjp`` to a jaxpr (nothing runs, so ``args`` may be
+  ``jax.ShapeDtypeStruct``) and reads the values that make up the VJP
+  function's closure, classifying each by what produced it (the inspection
+  behind ``jax.ad_checkpoint.print_saved_residuals``, as data). Summing
+  :attr:`SavedResidual.nbytes` over those that
+  :attr:`~SavedResidual.costs_memory` gives the activation memory of one
+  training step; the dtypes show what a policy keeps in float32.
+
+  Args:
+    fun: the function to differentiate (e.g. a loss of parameters and a
+      batch), possibly under ``jax.checkpoint``.
+    *args: its arguments (arrays, pytrees, or ``jax.ShapeDtypeStruct``).
+
+  Returns:
+    One :class:`SavedResidual` per distinct residual (a buffer saved twice
+    is listed once); literals baked into the program are left out.
+
+  Examples:
+    >>> def f(w, x):
+    ...   return jnp.sum(jnp.sin(x @ w.astype(jnp.float16)).astype(jnp.float32))
+    >>> res = saved_residuals(f, jnp.ones((3, 4)), jnp.ones((2, 3), jnp.float16))
+    >>> sorted((r.kind, r.shape_dtype.shape) for r in res)
+    [('activation', (2, 4)), ('argument', (2, 3)), ('cast_copy', (3, 4))]
+  """
+  leaves, treedef = jax.tree.flatten(args)
+
+  def vjp_residuals(*flat):
+    _, vjp_fun = jax.vjp(lambda *xs: fun(*jax.tree.unflatten(treedef, xs)), *flat)
+    return jax.tree.leaves(vjp_fun)
+
+  jaxpr = jax.make_jaxpr(vjp_residuals)(*leaves).jaxpr
+  invars = set(jaxpr.invars)
+  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  seen = set()
+  out = []
+  for var in jaxpr.outvars:
+    if isinstance(var, jex_core.Literal) or var in seen:
+      continue
+    seen.add(var)
+    eqn = producer.get(var)
+    if var in invars:
+      kind = "argument"
+    elif eqn is None:
+      kind = "constant"  # A closed-over constant of the traced function.
+    elif (eqn.primitive.name == "convert_element_type"
+          and eqn.invars[0] in invars):
+      kind = "cast_copy"
+    elif (eqn.primitive.name == "broadcast_in_dim"
+          and isinstance(eqn.invars[0], jex_core.Literal)):
+      kind = "constant"
+    else:
+      kind = "activation"
+    out.append(SavedResidual(
+        jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype), kind))
+  return out
