@@ -15,7 +15,15 @@ One model, five ways to write the same jitted AdamW train step:
   Flax's examples;
 * ``optax``: ``optax.apply_if_finite(adamw)`` for the skipping; optax has no
   loss scale, so the step multiplies the loss by a fixed 2**15 and the
-  gradients by 2**-15 by hand.
+  gradients by 2**-15 by hand;
+* ``skip_floor``: not a peer but a reference: the least any correct
+  skip-on-overflow step written with optax's ``update``/``apply_updates``
+  can do, with no loss scale at all: one finiteness test of the gradients
+  (:func:`jmp_train.all_finite`) and a ``lax.cond`` around
+  ``adamw.update``. Its cost over ``adamw`` is the one extra read of the
+  gradients that deciding to skip needs before anything is written (the
+  test cannot fuse into the update it guards) and the ``cond`` boundary
+  (the updates are written out of it and read back by ``apply_updates``).
 
 The model is a float32 MLP 64-1024-1024-10 (1.1M parameters) on batches of
 128 and 1,024 real images from :func:`jmp_train._src.data.load_digits`
@@ -64,7 +72,7 @@ COLUMNS = (
     "part", "variant", "params", "batch", "median_ms", "ratio_to_adamw",
     "ratio_to_jmp_train", "min_ms", "min_ratio_to_adamw", "repeats",
 )
-VARIANTS = ("adamw", "jmp_train", "jmp", "flax", "optax")
+VARIANTS = ("adamw", "jmp_train", "jmp", "flax", "optax", "skip_floor")
 _STATIC_SCALE = 2.0**15
 
 
@@ -157,7 +165,25 @@ def _steps(lr: float = 1e-3) -> dict[str, tuple[Callable[..., Any], Any]]:
     return optax.apply_updates(params, updates), opt_state
 
   steps["optax"] = (with_optax, lambda p: (p, guarded.init(p)))
+
+  def floor(carry, x, y):
+    params, opt_state = carry
+    grads = jax.grad(_loss)(params, x, y)
+    return _skip_floor_apply(adamw, (params, opt_state), grads)
+
+  steps["skip_floor"] = (floor, lambda p: (p, adamw.init(p)))
   return steps
+
+
+def _skip_floor_apply(adamw, carry, grads):
+  """``adamw`` under ``lax.cond`` on one finiteness test: the reference."""
+  params, opt_state = carry
+  updates, opt_state = jax.lax.cond(
+      jmp_train.all_finite(grads),
+      lambda g, s, p: adamw.update(g, s, p),
+      lambda g, s, p: (jax.tree.map(jnp.zeros_like, g), s),
+      grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
 
 
 def _update_only(step_name: str, lr: float = 1e-3):
@@ -198,6 +224,9 @@ def _update_only(step_name: str, lr: float = 1e-3):
       return sel(new_params, params), sel(new_opt, opt_state), ds
 
     return upd, lambda p: (p, adamw.init(p), DynamicScale())
+  if step_name == "skip_floor":
+    return (lambda c, g: _skip_floor_apply(adamw, c, g),
+            lambda p: (p, adamw.init(p)))
   guarded = optax.apply_if_finite(adamw, max_consecutive_errors=10**9)
 
   def upd(carry, grads):
@@ -255,7 +284,8 @@ def run(quick: bool) -> list[dict[str, Any]]:
   sizes = (64, 256, 10) if quick else (64, 1024, 1024, 10)
   # (part, batch, repeats): the update alone does not depend on the batch.
   plan = ([("step", 32, 5)] if quick else
-          [("step", 128, 300), ("update", 128, 300), ("step", 1024, 60)])
+          [("step", 128, 300), ("update", 128, 300), ("step", 512, 120),
+           ("step", 1024, 60)])
   warmup = 1 if quick else 10
   data = load_digits()
   params = _init_mlp(sizes)

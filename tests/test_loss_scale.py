@@ -378,7 +378,26 @@ def test_all_finite_large_float16_values_are_finite():
   # Each value is finite, their float16 sum is not: no false overflow.
   tree = [jnp.full((64,), 60000.0, jnp.float16)] * 3
   assert bool(all_finite(tree))
+  assert bool(jax.jit(all_finite)(tree))
   assert bool(all_finite({})) and bool(all_finite({"i": jnp.arange(2)}))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=str)
+def test_all_finite_extreme_values_and_every_position(dtype):
+  # all_finite sums leaf * 0: the extremes of the range (largest finite,
+  # smallest subnormal, signed zeros) must count as finite, and a single
+  # inf or NaN anywhere must be caught, eagerly and under jit.
+  info = jnp.finfo(dtype)
+  edge = jnp.asarray([info.max, -info.max, info.tiny, info.smallest_subnormal,
+                      -0.0, 0.0, 1.0, -1.0], dtype)
+  leaf = jnp.tile(edge, 5)
+  jitted = jax.jit(all_finite)
+  assert bool(all_finite([leaf])) and bool(jitted([leaf]))
+  for position in (0, 7, 21, 39):
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+      tree = [leaf.at[position].set(bad), jnp.ones(3, dtype)]
+      assert not bool(all_finite(tree)), (position, bad)
+      assert not bool(jitted(tree)), (position, bad)
 
 
 def test_all_finite_every_replica_agrees_under_pmap(num_devices):

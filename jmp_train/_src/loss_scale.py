@@ -441,9 +441,14 @@ def all_finite(
 ) -> jax.Array:
   """Whether every floating-point leaf of ``tree`` is free of inf and NaN.
 
-  Each leaf is tested on its own (``all(isfinite(leaf))``) rather than by
-  summing, so large finite float16 values never add up to a false overflow.
-  Python floats count as float32; non-floating leaves (integers, ``float0``
+  Computed as one ``sum(leaf * 0)`` per leaf: ``x * 0`` is ``0`` for finite
+  ``x`` and NaN for inf or NaN, so the sums are zero exactly when every
+  element is finite and can never overflow (large finite float16 values do
+  not add up to a false inf, as a plain ``sum(leaf)`` would). It is one
+  fused reduction per leaf; ``all(isfinite(leaf))`` is also correct, but
+  XLA:CPU writes out the boolean array before reducing it, which measured
+  about twice as slow (on the critical path of every train step). Python
+  floats count as float32; non-floating leaves (integers, ``float0``
   gradients of integer inputs, ``None``) are ignored.
 
   Args:
@@ -465,7 +470,8 @@ def all_finite(
   leaves = [x for x in leaves if is_floating_array(x)]
   finite = jnp.array(True)
   for leaf in leaves:
-    finite = finite & jnp.all(jnp.isfinite(leaf))
+    # Zeros in the leaf's own dtype: exact, whatever the dtype.
+    finite = finite & jnp.isfinite(jnp.sum(leaf * jnp.zeros((), leaf.dtype)))
   if axis_name is not None:
     finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
   return finite
