@@ -173,11 +173,11 @@ def test_nnx_remat_with_the_policy():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("mode", ["single", "pmap"])
+@pytest.mark.parametrize("mode", ["single", "pmap", "shard_map"])
 def test_make_train_step_with_remat_policy(mode):
   module = models.ResNet(num_classes=8, stage_features=(8, 16))
   model = jflax.apply_policy(module, "mixed_float16")
-  n = jax.device_count() if mode == "pmap" else 1
+  n = 1 if mode == "single" else jax.device_count()
   x = jnp.linspace(0.0, 1.0, 2 * n * 8 * 8 * 3, dtype=jnp.float32).reshape(
       2 * n, 8, 8, 3)
   y = jnp.arange(2 * n, dtype=jnp.int32) % 8
@@ -195,9 +195,9 @@ def test_make_train_step_with_remat_policy(mode):
                       model_state={"batch_stats": variables["batch_stats"]})
     losses = []
     for _ in range(3):
-      state, metrics = step(state, step.shard_batch((x, y)) if mode == "pmap" else (x, y))
+      state, metrics = step(state, (x, y) if mode == "single" else step.shard_batch((x, y)))
       losses.append(float(np.asarray(metrics["loss"]).reshape(-1)[0]))
-    runs.append((losses, step.unreplicate(state.params) if mode == "pmap" else state.params))
+    runs.append((losses, step.unreplicate(state.params)))
   np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
