@@ -7,6 +7,8 @@ One model, five ways to write the same jitted AdamW train step:
   :class:`jmp_train.DynamicLossScale`, gradients from
   :func:`jmp_train.scaled_value_and_grad`, the scale read from the optimizer
   state with :func:`jmp_train.get_loss_scale`;
+* ``jmp_train_select``: the same with ``skip_mode="select"`` (``jnp.where``
+  over new and old inner state instead of ``lax.cond``);
 * ``jmp``: ``jmp.DynamicLossScale`` by hand (scale the loss, unscale,
   ``jmp.all_finite``, ``adjust``, ``jmp.select_tree`` over the new and old
   parameters and optimizer state), as in jmp's README;
@@ -72,7 +74,8 @@ COLUMNS = (
     "part", "variant", "params", "batch", "median_ms", "ratio_to_adamw",
     "ratio_to_jmp_train", "min_ms", "min_ratio_to_adamw", "repeats",
 )
-VARIANTS = ("adamw", "jmp_train", "jmp", "flax", "optax", "skip_floor")
+VARIANTS = ("adamw", "jmp_train", "jmp_train_select", "jmp", "flax", "optax",
+            "skip_floor")
 _STATIC_SCALE = 2.0**15
 
 
@@ -119,6 +122,17 @@ def _steps(lr: float = 1e-3) -> dict[str, tuple[Callable[..., Any], Any]]:
     return optax.apply_updates(params, updates), opt_state
 
   steps["jmp_train"] = (ours, lambda p: (p, ls_tx.init(p)))
+
+  select_tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale(),
+                                    skip_mode="select")
+
+  def ours_select(carry, x, y):
+    params, opt_state = carry
+    _, grads = grad_fn(jmp_train.get_loss_scale(opt_state), params, x, y)
+    updates, opt_state = select_tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  steps["jmp_train_select"] = (ours_select, lambda p: (p, select_tx.init(p)))
 
   import jmp
 
@@ -191,8 +205,10 @@ def _update_only(step_name: str, lr: float = 1e-3):
   adamw = optax.adamw(lr)
   if step_name == "adamw":
     return (lambda c, g: _apply(adamw, c, g), lambda p: (p, adamw.init(p)))
-  if step_name == "jmp_train":
-    tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale())
+  if step_name in ("jmp_train", "jmp_train_select"):
+    tx = jmp_train.loss_scaled(
+        adamw, jmp_train.DynamicLossScale(),
+        skip_mode="select" if step_name == "jmp_train_select" else "cond")
     return (lambda c, g: _apply(tx, c, g), lambda p: (p, tx.init(p)))
   if step_name == "jmp":
     import jmp

@@ -101,14 +101,17 @@ _S0 = 2.0**8
 # step; it is dtype-independent and slow (each lax.cond compiles on its
 # own), so it runs for float32 only. jit and pmap run for every dtype.
 @pytest.mark.parametrize(
-    "dtype, mode",
-    [(d, m) for d in DTYPES for m in ("jit", "pmap")] + [(jnp.float32, "nojit")],
+    "dtype, mode, skip_mode",
+    [(d, m, "cond") for d in DTYPES for m in ("jit", "pmap")]
+    + [(jnp.float32, "nojit", "cond")]
+    + [(d, m, "select") for d in (jnp.float16, jnp.float32) for m in ("jit", "pmap")],
 )
-def test_update_rule(dtype, mode):
+def test_update_rule(dtype, mode, skip_mode):
   params = _params(dtype)
   inner = optax.adamw(1e-2, weight_decay=0.1)
   tx = loss_scaled(inner, DynamicLossScale(_S0, growth_interval=2),
-                   axis_name="i" if mode == "pmap" else None)
+                   axis_name="i" if mode == "pmap" else None,
+                   skip_mode=skip_mode)
   scales = [_S0, _S0, 2 * _S0, _S0, _S0 / 2, _S0 / 4]  # before each step
   grads_seq = [_np_grads(dtype, s, bad) for s, bad in zip(scales, _SCRIPT)]
 
@@ -232,12 +235,14 @@ def test_scale_trajectory_through_the_transform():
   np.testing.assert_array_equal(last, pattern)
 
 
-def test_overflow_storm_of_1000_steps_then_recovery():
+@pytest.mark.parametrize("skip_mode", ["cond", "select"])
+def test_overflow_storm_of_1000_steps_then_recovery(skip_mode):
   dtype = jnp.float16
   params = _params(dtype)
   tx = loss_scaled(optax.adam(1e-2),
                    DynamicLossScale(2.0**10, growth_interval=4,
-                                    min_scale=2.0**-2))
+                                    min_scale=2.0**-2),
+                   skip_mode=skip_mode)
 
   def train(params, state, finite_mask):
     def body(carry, finite):
@@ -277,14 +282,15 @@ def test_overflow_storm_of_1000_steps_then_recovery():
   chex.assert_trees_all_equal_shapes_and_dtypes(s_rec, state)
 
 
-def test_skip_zeros_take_the_dtype_inner_returns():
+@pytest.mark.parametrize("skip_mode", ["cond", "select"])
+def test_skip_zeros_take_the_dtype_inner_returns(skip_mode):
   # An inner transformation whose updates are float32 for float16 grads:
   # the zeros of a skipped step are float32 too (lax.cond needs it).
   inner = optax.chain(
       optax.stateless(lambda u, p: jax.tree.map(
           lambda x: x.astype(jnp.float32), u)),
       optax.sgd(1.0))
-  tx = loss_scaled(inner, StaticLossScale(2.0))
+  tx = loss_scaled(inner, StaticLossScale(2.0), skip_mode=skip_mode)
   params = _params(jnp.float16)
   state = tx.init(params)
   step = jax.jit(tx.update)
@@ -321,6 +327,38 @@ def test_extra_args_are_passed_to_inner():
   updates, _ = tx.update({"w": jnp.full(2, 8.0)}, tx.init(params), params,
                          value=jnp.float32(3.0))
   np.testing.assert_array_equal(updates["w"], [6.0, 6.0])  # 8 / 4 * 3
+
+
+def test_bad_skip_mode():
+  with pytest.raises(ValueError, match="'branch'.*valid: cond, select"):
+    loss_scaled(optax.sgd(1.0), StaticLossScale(2.0), skip_mode="branch")
+
+
+def test_skip_modes_agree_on_a_mixed_sequence():
+  # The same scripted run with both modes: the same skips, scales and
+  # counters; the same parameters up to the last bit of a finite step.
+  params = _params(jnp.float16)
+  runs = {}
+  for skip_mode in ("cond", "select"):
+    tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**4, growth_interval=2),
+                     skip_mode=skip_mode)
+
+    def body(carry, bad):
+      p, s = carry
+      grads = jax.tree.map(
+          lambda g: jnp.where(bad, jnp.array(jnp.nan, g.dtype), g),
+          _grads(jnp.float16, get_loss_scale(s).loss_scale))
+      u, s = tx.update(grads, s, p)
+      return (optax.apply_updates(p, u), s), loss_scale_metrics(s)
+
+    script = jnp.array([0, 0, 1, 0, 1, 1, 0, 0, 0], bool)
+    runs[skip_mode] = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), script))(params)
+  (p_c, s_c), m_c = runs["cond"]
+  (p_s, s_s), m_s = runs["select"]
+  chex.assert_trees_all_equal(m_c, m_s)
+  assert np.asarray(m_c["total_skipped"]).tolist() == [0, 0, 1, 1, 2, 3, 3, 3, 3]
+  chex.assert_trees_all_close(p_c, p_s, rtol=4 * float(jnp.finfo(jnp.float16).eps))
+  chex.assert_trees_all_close(s_c.inner_state, s_s.inner_state, rtol=1e-3)
 
 
 def test_bad_loss_scale_argument():
@@ -425,13 +463,14 @@ def test_shard_map_one_replica_overflowing_makes_all_skip():
       np.testing.assert_array_equal(np.asarray(updates["w"], np.float32), 0.0)
 
 
-def test_shard_map_per_replica_inner_state():
+@pytest.mark.parametrize("skip_mode", ["cond", "select"])
+def test_shard_map_per_replica_inner_state(skip_mode):
   # Momentum of each replica's own gradients: the inner state enters
   # replicated and leaves varying over the mesh axis, so the skip branch must
   # mark the unchanged state as varying too for lax.cond to type-check.
   mesh = Mesh(np.array(jax.devices()[:NDEV]), ("d",))
   tx = loss_scaled(optax.sgd(1.0, momentum=0.5), StaticLossScale(2.0**4),
-                   axis_name="d")
+                   axis_name="d", skip_mode=skip_mode)
   params = {"w": jnp.zeros((3, 2), jnp.float16)}
   state0 = tx.init(params)
 
