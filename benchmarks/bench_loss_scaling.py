@@ -112,27 +112,22 @@ def _steps(lr: float = 1e-3) -> dict[str, tuple[Callable[..., Any], Any]]:
 
   steps["adamw"] = (bare, lambda p: (p, adamw.init(p)))
 
-  ls_tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale())
   grad_fn = jmp_train.scaled_value_and_grad(_loss)
 
-  def ours(carry, x, y):
-    params, opt_state = carry
-    _, grads = grad_fn(jmp_train.get_loss_scale(opt_state), params, x, y)
-    updates, opt_state = ls_tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  def ours(skip_mode):
+    tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale(),
+                               skip_mode=skip_mode)
 
-  steps["jmp_train"] = (ours, lambda p: (p, ls_tx.init(p)))
+    def step(carry, x, y):
+      params, opt_state = carry
+      _, grads = grad_fn(jmp_train.get_loss_scale(opt_state), params, x, y)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
 
-  select_tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale(),
-                                    skip_mode="select")
+    return step, lambda p: (p, tx.init(p))
 
-  def ours_select(carry, x, y):
-    params, opt_state = carry
-    _, grads = grad_fn(jmp_train.get_loss_scale(opt_state), params, x, y)
-    updates, opt_state = select_tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  steps["jmp_train_select"] = (ours_select, lambda p: (p, select_tx.init(p)))
+  steps["jmp_train"] = ours("cond")
+  steps["jmp_train_select"] = ours("select")
 
   import jmp
 
