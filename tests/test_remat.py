@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,6 +154,31 @@ def test_linen_policy_models_save_half_and_keep_gradients(name, dtype):
   g_remat = jax.grad(remat_loss)(params, x)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_remat)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_linen_remat_of_a_submodule_under_apply_policy():
+  # nn.remat(Module, policy=...) inside a policy-wrapped model: the
+  # interceptor still sets the dtypes inside the lifted remat, and only the
+  # remat'd part keeps half-precision values alone.
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      block = nn.remat(models.MLP, policy=jmp_train.half_precision_saveable)
+      h = block(features=(32, 32), num_classes=16, name="block")(x)
+      return nn.LayerNorm(name="norm")(h)
+
+  model = jflax.apply_policy(Net(), "mixed_float16")
+  x = jnp.linspace(-1.0, 1.0, 4 * 16, dtype=jnp.float32).reshape(4, 16)
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p, x: jnp.mean(model.apply({"params": p}, x).astype(jnp.float32) ** 2)
+  saved = _saved(residuals(loss, params, x))
+  block_width = [(s, d) for s, d in saved if s == (4, 32)]
+  assert block_width and all(d == F16 for _, d in block_width)  # in the remat
+  assert any(d == F32 for _, d in saved)  # the LayerNorm outside it
+  # No weight-shaped half copy inside the remat'd block.
+  assert not any(s in ((16, 32), (32, 32), (32, 16)) and d == F16 for s, d in saved)
+  grads = jax.grad(loss)(params, x)
+  assert {np.dtype(g.dtype) for g in jax.tree.leaves(grads)} == {F32}
 
 
 def test_nnx_remat_with_the_policy():

@@ -68,6 +68,12 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
   recomputation repeats the forward operations); the cost is the
   recomputed elementwise and normalization work in the backward pass.
 
+  Use it wherever JAX takes a checkpoint policy: ``jax.checkpoint(loss_fn,
+  policy=half_precision_saveable)``, ``flax.linen.remat(Block,
+  policy=...)`` (also inside a model wrapped by
+  :func:`jmp_train.flax.apply_policy`), ``flax.nnx.remat(fn, policy=...)``,
+  or ``jmp_train.make_train_step(..., remat_policy=...)``.
+
   Args:
     prim: the JAX primitive of an equation (given by ``jax.checkpoint``).
     *avals: the abstract values of its inputs.
