@@ -29,8 +29,6 @@ from jax.extend import core as jex_core
 
 __all__ = ["SavedResidual", "half_precision_saveable", "saved_residuals"]
 
-RESIDUAL_KINDS = ("argument", "cast_copy", "constant", "activation")
-
 # Casts are never saved: their input is either an argument (a float32
 # weight: no memory beyond what the caller holds) or another value that is
 # itself saved or recomputed, so saving the cast's output would store the
@@ -65,8 +63,11 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
   recomputed (as with ``jax.checkpoint_policies.nothing_saveable``).
 
   The gradients are the same values as without ``jax.checkpoint`` (the
-  recomputation repeats the forward operations); the cost is the
-  recomputed elementwise and normalization work in the backward pass.
+  recomputation repeats the forward operations: bit for bit op by op; under
+  ``jit`` XLA may keep half-precision intermediates in float32 differently
+  in the two programs, a difference at the half dtype's rounding level);
+  the cost is the recomputed elementwise and normalization work in the
+  backward pass.
 
   Use it wherever JAX takes a checkpoint policy: ``jax.checkpoint(loss_fn,
   policy=half_precision_saveable)``, ``flax.linen.remat(Block,
