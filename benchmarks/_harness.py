@@ -15,7 +15,7 @@ import pathlib
 import platform
 import statistics
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
