@@ -301,6 +301,33 @@ def test_skip_zeros_take_the_dtype_inner_returns(skip_mode):
   chex.assert_trees_all_equal(bad, jax.tree.map(jnp.zeros_like, good))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("jit", [False, True])
+def test_finiteness_is_of_unscaled_grads(dtype, jit):
+  # A step is skipped exactly when all_finite(unscale(G)) is False, also
+  # where G is finite but G / S overflows (S < 1), for either sign, and
+  # right at the edge of the dtype's range.
+  big = float(jnp.finfo(dtype).max)
+  values = [0.0, 1.0, big / 2, big / 2 * 1.0009765625, big, np.inf, np.nan]
+  for scale in [2.0**-10, 0.5, 1.0, 3.0, 2.0**15]:
+    ls = StaticLossScale(scale)
+    tx = loss_scaled(optax.sgd(1.0), ls)
+    update = jax.jit(tx.update) if jit else tx.update
+    for v in values:
+      for sign in [1.0, -1.0]:
+        g = _np_grads(dtype, bad=np.array(sign * v, np.float32).astype(dtype))
+        want = bool(jmp_train.all_finite(ls.unscale(g)))
+        _, state = update(g, tx.init(_params(dtype)))
+        assert bool(state.last_finite) == want, (scale, sign * v)
+  # The cases that differ from a test of the scaled gradients.
+  tx = loss_scaled(optax.sgd(1.0), StaticLossScale(0.5))
+  for sign in [1.0, -1.0]:
+    g = _np_grads(dtype, bad=np.array(sign * big, np.float32).astype(dtype))
+    updates, state = tx.update(g, tx.init(_params(dtype)))
+    assert not bool(state.last_finite)
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, g))
+
+
 def test_noop_loss_scale_still_skips_non_finite():
   tx = loss_scaled(optax.sgd(1.0), NoOpLossScale())
   params = _params(jnp.bfloat16)

@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import optax
 
 from jmp_train._src.loss_scale import LossScale
+from jmp_train._src.loss_scale import NoOpLossScale
 from jmp_train._src.loss_scale import StaticLossScale
 from jmp_train._src.loss_scale import all_finite
+from jmp_train._src.policy import is_floating_array
 
 __all__ = [
     "LossScaledState",
@@ -135,7 +137,8 @@ def loss_scaled(
       averaged over the axis before ``update``, since the mean is then
       non-finite everywhere.
     skip_mode: how a skipped step is made. ``"cond"`` (default): a
-      ``lax.cond`` around ``inner`` (fastest measured on CPU, see
+      ``lax.cond`` around ``inner`` (fastest measured on CPU; on an H100
+      XLA compiled both modes to the same kernels, see
       ``benchmarks/README.md``). ``"select"``: ``inner`` always runs and
       ``jnp.where`` keeps the old inner state and zero updates on a
       non-finite step, as jmp and Flax examples do. Both skip the same
@@ -189,13 +192,7 @@ def loss_scaled(
 
   def update_fn(updates, state, params=None, **extra_args):
     loss_scale = state.loss_scale
-    # Finiteness of the *unscaled* gradients (with a scale below 1 a finite
-    # float16 gradient can overflow when unscaled). The unscaled values only
-    # feed this reduction, so XLA fuses the multiply into it and never
-    # writes them out; the update branch unscales again, fused into the
-    # inner update. Together this costs one read of the gradients more than
-    # the inner update alone.
-    finite = all_finite(loss_scale.unscale(updates), axis_name)
+    finite = _unscaled_all_finite(loss_scale, updates, axis_name)
 
     def run_inner(scaled_grads, inner_state, params):
       grads = loss_scale.unscale(scaled_grads)
@@ -255,6 +252,32 @@ def loss_scaled(
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unscaled_all_finite(
+    loss_scale: LossScale, scaled_grads: Any,
+    axis_name: str | Sequence[str] | None,
+) -> jax.Array:
+  """``all_finite(loss_scale.unscale(scaled_grads), axis_name)``, from ``|G|``.
+
+  The test is of the *unscaled* gradients: with a scale below 1 a finite
+  gradient can overflow when unscaled. Unscaling ``|G|`` instead of ``G``
+  gives the same answer exactly: ``1/S`` is applied the same way (in float32
+  or wider, cast back to the leaf's dtype), rounding is symmetric, so
+  ``|unscale(g)| == unscale(|g|)`` element by element, and ``abs`` keeps
+  inf and NaN. It keeps the test from sharing the ``G * (1/S)`` of the
+  inner update: when it did, the product had two users and XLA:GPU wrote
+  it out as a separate pass over the gradients (the multiply was taken as
+  the epilogue of the weight-gradient matmul, then left as its own kernel
+  when cuBLAS was picked for the matmul). Now the gradient is read once by
+  this reduction (``|G| / S`` fused into it) and once by the inner update
+  (``G / S`` fused into it), as by a step without loss scaling.
+  """
+  if isinstance(loss_scale, NoOpLossScale):
+    return all_finite(scaled_grads, axis_name)
+  magnitudes = jax.tree.map(
+      lambda x: jnp.abs(x) if is_floating_array(x) else x, scaled_grads)
+  return all_finite(loss_scale.unscale(magnitudes), axis_name)
 
 
 def _varying_axes(x: Any) -> frozenset[str]:
