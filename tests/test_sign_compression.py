@@ -476,7 +476,12 @@ def _digits_experiment():
 
 def test_convergence_on_digits_with_8_replicas():
   bench = _digits_experiment()
-  runs = {mode: bench.run_digits(mode, steps=200, replicas=8) for mode in bench.MODES}
+  # 400 steps: error feedback re-sends what quantization dropped one step
+  # late, which early in training can show as a lag. At 200 steps this test
+  # passed on the machine it was written on but measured +9.8% on an AMD
+  # EPYC CI machine (same package versions); there 300 steps gave +3.8%,
+  # 400 steps -15%, and the benchmark's 600 steps -25% on its machine.
+  runs = {mode: bench.run_digits(mode, steps=400, replicas=8) for mode in bench.MODES}
   exact, ef, no_ef = runs["float32"], runs["1bit_ef"], runs["1bit_no_ef"]
   assert exact["final_loss"] < 0.2  # the baseline did learn
   # With error feedback: within 2% (relative) of the uncompressed final loss.
