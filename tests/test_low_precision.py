@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jmp_train
+from jmp_train._src import data as data_lib
 from jmp_train._src import half_weights_experiment as experiment
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -125,6 +126,87 @@ def test_modified_momentum_moves_half_weights_like_float32(dtype):
   # Plain SGD at the same lr does not move at all (relative error 1).
   frozen, _ = _run(optax.sgd(lr), w0, grads)
   assert float(jnp.linalg.norm(frozen.astype(F32) - w0.astype(F32))) == 0.0
+
+
+def _tiny_momentum_setup(dtype):
+  """As _vanishing_setup, but even the momentum's step lr*g/(1-m) vanishes."""
+  w0, grads, lr = _vanishing_setup(dtype)
+  return w0, grads.astype(dtype), lr / 10  # lr*g/(1-0.9) < 0.6 half-ulp
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy_ball", "nesterov"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.__name__)
+def test_error_feedback_moves_where_seed_rule_freezes(dtype, nesterov):
+  w0, grads, lr = _tiny_momentum_setup(dtype)
+  m = 0.9
+  ulp = _eps(dtype) / 2  # weights in [0.5, 1)
+  run = lambda ef: _run(
+      jmp_train.modified_momentum_sgd(lr, m, nesterov=nesterov, error_feedback=ef),
+      w0, grads)
+  seed_rule, _ = run(False)
+  with_feedback, state = run(True)
+  w32, _ = _run(optax.sgd(lr, m, nesterov=nesterov), w0.astype(F32), grads.astype(F32))
+  assert state.momentum.dtype == dtype and with_feedback.dtype == dtype
+  moved32 = w32 - w0.astype(F32)
+  # float32 moves every weight by several ulps ...
+  assert float(jnp.min(jnp.abs(moved32))) > 3 * ulp
+  # ... the seed's rule moves none: every step is below half an ulp ...
+  np.testing.assert_array_equal(np.asarray(seed_rule), np.asarray(w0))
+  # ... and with error feedback each weight ends where float32's does, up to
+  # the documented lag (what is still in the buffer, at most about
+  # m/(1-m) = 9 half-ulps) plus a rounding.
+  err = jnp.abs(with_feedback.astype(F32) - w32)
+  assert float(jnp.max(err)) <= (m / (1 - m) / 2 + 1) * ulp, float(jnp.max(err) / ulp)
+  # It lags behind float32, never overshoots on average.
+  moved = with_feedback.astype(F32) - w0.astype(F32)
+  assert float(jnp.mean(moved / moved32)) == pytest.approx(1.0, abs=0.35)
+  assert float(jnp.mean(moved / moved32)) <= 1.0
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.__name__)
+def test_error_feedback_conserves_the_dropped_steps(dtype):
+  # What the weights did not take is in the buffer: the weights plus the
+  # displacement the buffer will still cause, lr*m/(1-m)*G, equal float32's
+  # weights plus its own pending displacement, to the buffer's rounding.
+  w0, grads, lr = _tiny_momentum_setup(dtype)
+  m = 0.9
+  w, state = _run(jmp_train.modified_momentum_sgd(lr, m), w0, grads)
+  w32, state32 = _run(optax.sgd(lr, m), w0.astype(F32), grads.astype(F32))
+  pending = lambda buf: -lr * m / (1 - m) * buf.astype(F32)
+  ours = w.astype(F32) + pending(state.momentum)
+  ref = w32 + pending(state32[0].trace)
+  # Each step rounds G (relative eps/2); the error each leaves in the
+  # pending displacement is lr*m/(1-m)*|G|*eps/2.
+  per_step = lr * m / (1 - m) * float(jnp.max(jnp.abs(state32[0].trace))) * _eps(dtype) / 2
+  assert float(jnp.max(jnp.abs(ours - ref))) <= N_STEPS * per_step
+  # The seed's rule loses all of it (measured: 1,900 and 15,000 times
+  # per_step in bfloat16 and float16, against at most 42 above).
+  w_seed, st = _run(jmp_train.modified_momentum_sgd(lr, m, error_feedback=False), w0, grads)
+  seed_err = jnp.abs(w_seed.astype(F32) + pending(st.momentum) - ref)
+  assert float(jnp.min(seed_err)) > 10 * N_STEPS * per_step
+
+
+def test_error_feedback_without_momentum_or_learning_rate_is_the_seed_rule():
+  w0, grads, lr = _tiny_momentum_setup(F16)
+  schedule = lambda count: jnp.where(count % 2 == 0, lr, 0.0)  # lr = 0 half the time
+  for m, rate in ((0.0, lr), (0.9, schedule)):
+    ours, state = _run(jmp_train.modified_momentum_sgd(rate, m), w0, grads)
+    seed, seed_state = _run(
+        jmp_train.modified_momentum_sgd(rate, m, error_feedback=False), w0, grads)
+    chex.assert_tree_all_finite(state.momentum)
+    if m == 0.0:  # nothing to carry the error in: bit for bit the seed's rule
+      np.testing.assert_array_equal(np.asarray(ours), np.asarray(seed))
+      np.testing.assert_array_equal(np.asarray(state.momentum), np.asarray(seed_state.momentum))
+
+
+def test_error_feedback_is_a_no_op_when_nothing_rounds():
+  # float32 weights, steps far above an ulp: the same weights as the seed's
+  # rule up to float32 roundings.
+  params = jnp.asarray([1.0, -2.0, 3.0], F32)
+  grads = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), F32)
+  ours, _ = _run(jmp_train.modified_momentum_sgd(0.1, 0.8), params, grads)
+  seed, _ = _run(jmp_train.modified_momentum_sgd(0.1, 0.8, error_feedback=False), params, grads)
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(seed), rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -355,8 +437,22 @@ def test_bad_nesterov():
     jmp_train.modified_momentum_sgd(0.1, 0.9, nesterov="yes")
 
 
+def test_bad_error_feedback():
+  with pytest.raises(ValueError, match="error_feedback must be True or False, got 'no'"):
+    jmp_train.modified_momentum_sgd(0.1, 0.9, error_feedback="no")
+
+
+def test_seed_rule_needs_no_params():
+  opt = jmp_train.modified_momentum_sgd(0.1, error_feedback=False)
+  params = jnp.ones(3, F16)
+  updates, _ = opt.update(params, opt.init(params))
+  assert updates.dtype == F16
+
+
 @pytest.mark.parametrize(
-    "make", [jmp_train.kahan_compensation, jmp_train.stochastic_rounding]
+    "make", [jmp_train.kahan_compensation, jmp_train.stochastic_rounding,
+             lambda: jmp_train.modified_momentum_sgd(0.1)],
+    ids=["kahan", "stochastic_rounding", "modified_momentum"],
 )
 def test_params_are_required(make):
   opt = make()
@@ -465,16 +561,54 @@ def test_digits_half_weights_within_one_percent_of_float32(digits_results):
     assert loss_gap < 0.01 and acc_gap < 0.01, (name, loss_gap, acc_gap)
 
 
+def _mean_gaps(results, ref_name, names, seeds):
+  """Relative gaps of the seed-averaged test loss and accuracy to ref_name."""
+  mean = lambda name, field: np.mean([getattr(results[name, s], field) for s in seeds])
+  return {
+      name: (experiment.relative_gap(mean(name, "test_loss"), mean(ref_name, "test_loss")),
+             experiment.relative_gap(mean(name, "test_accuracy"),
+                                     mean(ref_name, "test_accuracy")))
+      for name in names
+  }
+
+
+def test_digits_modified_momentum_within_one_percent_in_float16():
+  # The issue's criterion for the modified momentum SGD in the seed's dtype,
+  # at the benchmark's size (2,000 steps; the benchmark averages 3 seeds,
+  # here 2): momentum SGD at lr 0.01, m 0.9, float16 weights. Measured
+  # (benchmark, 3 seeds): H form +4.0%, seed's rule +3.9%, with error
+  # feedback +0.19% test loss.
+  g = "momentum sgd"
+  names = [f"{g} / float32 master", f"{g} / float16 plain (H form)",
+           f"{g} / float16 + modified momentum (seed rule)",
+           f"{g} / float16 + modified momentum (error feedback)"]
+  setups = experiment.make_setups(0.01, F16)
+  dataset = data_lib.load_digits()
+  seeds = (0, 1)
+  results = {
+      (name, seed): experiment.train_digits(
+          setups[name][1], setups[name][0], F16, steps=2000, batch_size=64,
+          hidden=64, seed=seed, dataset=dataset)[0]
+      for name in names for seed in seeds
+  }
+  assert all(results[names[0], s].test_accuracy > 0.95 for s in seeds)
+  gaps = _mean_gaps(results, names[0], names[1:], seeds)
+  h_form, seed_rule, feedback = (gaps[n] for n in names[1:])
+  assert h_form[0] > 0.02 and seed_rule[0] > 0.02, gaps  # plain half weights miss
+  assert feedback[0] < 0.01 and feedback[1] < 0.01, gaps  # the method meets it
+
+
 def test_digits_modified_momentum_beats_plain_h_form_momentum():
   # The seed's comparison: float16 weights, momentum in the plain H form
-  # (H <- m*H - lr*g, lr*g rounded to float16) against the modified form
-  # (G <- m*G + g, step lr*G), both followed by Kahan so that the vanishing
-  # of small weight updates (a separate problem) does not hide the buffer's.
-  # At lr 1e-4 every lr*g is a float16 subnormal and 10-17% flush to zero.
+  # (H <- m*H - lr*g, lr*g rounded to float16) against the seed's modified
+  # form (G <- m*G + g, step lr*G), both followed by Kahan so that the
+  # vanishing of small weight updates (a separate problem) does not hide the
+  # buffer's. At lr 1e-4 every lr*g is a float16 subnormal and 10-17% flush
+  # to zero.
   setups = experiment.make_momentum_setups(1e-4, 0.99, F16)
   g = "momentum sgd lr=0.0001 m=0.99"
   keep = [f"{g} / float32 master", f"{g} / float16 plain (H form) + kahan",
-          f"{g} / float16 + modified momentum + kahan"]
+          f"{g} / float16 + modified momentum (seed rule) + kahan"]
   results = experiment.run_all({k: setups[k] for k in keep}, F16, steps=1500,
                                batch_size=32, hidden=32)
   ref, plain, modified = (results[k] for k in keep)

@@ -15,7 +15,9 @@ stored and updated:
   the modified momentum SGD);
 * half parameters with :func:`~jmp_train._src.low_precision.kahan_compensation`,
   :func:`~jmp_train._src.low_precision.stochastic_rounding` or
-  :func:`~jmp_train._src.low_precision.modified_momentum_sgd`.
+  :func:`~jmp_train._src.low_precision.modified_momentum_sgd` (with its
+  default error feedback, and as the seed's rule alone or followed by
+  Kahan or stochastic rounding).
 
 Every setup starts from the same initial values (drawn in float32 and rounded
 to the half dtype) and sees the same minibatches.
@@ -173,15 +175,29 @@ def make_setups(
       ),
       "momentum sgd / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
       f"momentum sgd / {h} plain (H form)": (half, plain_momentum_sgd(learning_rate, momentum)),
-      f"momentum sgd / {h} + modified momentum": (
+      f"momentum sgd / {h} + modified momentum (seed rule)": (
+          half,
+          low_precision.modified_momentum_sgd(
+              learning_rate, momentum, error_feedback=False),
+      ),
+      f"momentum sgd / {h} + modified momentum (error feedback)": (
           half,
           low_precision.modified_momentum_sgd(learning_rate, momentum),
       ),
-      f"momentum sgd / {h} + modified momentum + kahan": (
+      f"momentum sgd / {h} + modified momentum (seed rule) + kahan": (
           half,
           optax.chain(
-              low_precision.modified_momentum_sgd(learning_rate, momentum),
+              low_precision.modified_momentum_sgd(
+                  learning_rate, momentum, error_feedback=False),
               low_precision.kahan_compensation(),
+          ),
+      ),
+      f"momentum sgd / {h} + modified momentum (seed rule) + stochastic rounding": (
+          half,
+          optax.chain(
+              low_precision.modified_momentum_sgd(
+                  learning_rate, momentum, error_feedback=False),
+              low_precision.stochastic_rounding(seed),
           ),
       ),
   }
@@ -213,9 +229,12 @@ def make_momentum_setups(
   The default regime is where the two differ in float16: a small learning
   rate with a long momentum (effective step ``1e-4 / (1 - 0.99) = 0.01``, the
   learning rate of :func:`make_setups`), so that every ``lr * g`` is a
-  float16 subnormal and 10-17% of them flush to zero. The group name (before
-  ``" / "``) carries the hyperparameters; its reference is the
-  ``"float32 master"`` row.
+  float16 subnormal and 10-17% of them flush to zero. The seed's rule
+  (``error_feedback=False``) is compared with the H form alone and followed
+  by Kahan; the default rule with error feedback is there too (at ``m =
+  0.99`` its documented lag, up to ``m/(1-m)`` half-ulps, is 11 times that
+  at ``m = 0.9``). The group name (before ``" / "``) carries the
+  hyperparameters; its reference is the ``"float32 master"`` row.
 
   Args:
     learning_rate: the learning rate.
@@ -227,15 +246,18 @@ def make_momentum_setups(
   """
   h = np.dtype(half).name
   g = f"momentum sgd lr={learning_rate:g} m={momentum:g}"
-  mm = lambda: low_precision.modified_momentum_sgd(learning_rate, momentum)
+  mm = lambda: low_precision.modified_momentum_sgd(
+      learning_rate, momentum, error_feedback=False)
   plain = lambda: plain_momentum_sgd(learning_rate, momentum)
   return {
       f"{g} / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
       f"{g} / {h} plain (H form)": (half, plain()),
-      f"{g} / {h} + modified momentum": (half, mm()),
+      f"{g} / {h} + modified momentum (seed rule)": (half, mm()),
+      f"{g} / {h} + modified momentum (error feedback)": (
+          half, low_precision.modified_momentum_sgd(learning_rate, momentum)),
       f"{g} / {h} plain (H form) + kahan": (
           half, optax.chain(plain(), low_precision.kahan_compensation())),
-      f"{g} / {h} + modified momentum + kahan": (
+      f"{g} / {h} + modified momentum (seed rule) + kahan": (
           half, optax.chain(mm(), low_precision.kahan_compensation())),
   }
 
