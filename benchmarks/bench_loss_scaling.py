@@ -28,7 +28,9 @@ One model, five ways to write the same jitted AdamW train step:
   (the updates are written out of it and read back by ``apply_updates``).
 
 The model is a float32 MLP 64-1024-1024-10 (1.1M parameters) on batches of
-128 and 1,024 real images from :func:`jmp_train._src.data.load_digits`
+128, 512 and 1,024 real images from :func:`jmp_train._src.data.load_digits`
+(on a GPU also 64-4096-4096-4096-10, 33.9M parameters, on batches of 1,024
+and 8,192, the digits repeated)
 (float32 on every backend, so the figures compare loss-scaling overhead
 only, not half-precision arithmetic). The overhead is a fixed cost per
 parameter (a few memory passes over the gradients), so its share of the
@@ -49,6 +51,12 @@ ratio: on a shared machine the minimum is the least disturbed estimate of
 what a step costs, the median what it costs under the load at the time
 (``load_average``: the machine's 1-minute load average around the timing,
 the larger of before and after).
+On a GPU, ``queued_ms`` is a third figure: the time per call when 10 calls
+are queued before one wait (median of ``repeats // 10`` round-robin rounds),
+as a training loop runs with JAX's asynchronous dispatch; there the host's
+per-call work overlaps the device's, which the one-call-one-wait figures
+add to every step. ``queued_ratio_to_adamw`` is its ratio; on CPU both are
+``None``.
 ``quick=True`` times the ``step`` part only, on a 64-256-10 MLP with few
 repeats (a smoke test; its ratios mean little).
 """
@@ -72,8 +80,10 @@ from jmp_train._src.data import load_digits
 NAME = "loss_scaling"
 COLUMNS = (
     "part", "variant", "params", "batch", "median_ms", "ratio_to_adamw",
-    "ratio_to_jmp_train", "min_ms", "min_ratio_to_adamw", "repeats",
+    "ratio_to_jmp_train", "min_ms", "min_ratio_to_adamw", "queued_ms",
+    "queued_ratio_to_adamw", "repeats",
 )
+_QUEUED_STEPS = 10  # calls queued before one wait, on a GPU
 VARIANTS = ("adamw", "jmp_train", "jmp_train_select", "jmp", "flax", "optax",
             "skip_floor")
 _STATIC_SCALE = 2.0**15
@@ -285,28 +295,73 @@ def _interleaved_times(
   return times
 
 
+def _queued_times(
+    fns: dict[str, Callable[[], Any]], *, steps: int, rounds: int
+) -> dict[str, list[float]]:
+  """Seconds per call with ``steps`` calls queued before one wait.
+
+  A training loop on a GPU does not wait for each step: JAX dispatches the
+  next step while the device runs the last one, so the host's per-call work
+  (flattening the state, launching) overlaps the device's. Waiting after
+  every call, as :func:`_interleaved_times` does, adds that host work to
+  each step. Candidates are timed round-robin, ``rounds`` times.
+  """
+  times: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      for _ in range(steps):
+        out = fn()
+      _harness.block(out)
+      times[name].append((time.perf_counter() - start) / steps)
+  return times
+
+
 def _load_average() -> float | None:
   """The 1-minute load average, where the platform has one."""
   getloadavg = getattr(os, "getloadavg", None)
   return getloadavg()[0] if getloadavg is not None else None
 
 
+def _plans(quick: bool, on_gpu: bool):
+  """(MLP sizes, [(part, batch, repeats), ...]) pairs to time.
+
+  On a GPU the 1.1M-parameter MLP is launch-bound (each step is a few dozen
+  tiny kernels), so a 34M-parameter MLP is timed too: there the extra passes
+  over the gradients cost memory bandwidth, as in a real model.
+  """
+  if quick:
+    return [((64, 256, 10), [("step", 32, 5)])]
+  plans = [((64, 1024, 1024, 10),
+            [("step", 128, 300), ("update", 128, 300), ("step", 512, 120),
+             ("step", 1024, 60)])]
+  if on_gpu:
+    plans.append(((64, 4096, 4096, 4096, 10),
+                  [("step", 1024, 200), ("update", 1024, 200),
+                   ("step", 8192, 100)]))
+  return plans
+
+
 def run(quick: bool) -> list[dict[str, Any]]:
-  sizes = (64, 256, 10) if quick else (64, 1024, 1024, 10)
-  # (part, batch, repeats): the update alone does not depend on the batch.
-  plan = ([("step", 32, 5)] if quick else
-          [("step", 128, 300), ("update", 128, 300), ("step", 512, 120),
-           ("step", 1024, 60)])
   warmup = 1 if quick else 10
   data = load_digits()
+  records = []
+  for sizes, plan in _plans(quick, jax.default_backend() == "gpu"):
+    records += _run_plan(sizes, plan, data, warmup)
+  return records
+
+
+def _run_plan(sizes, plan, data, warmup) -> list[dict[str, Any]]:
   params = _init_mlp(sizes)
   n_params = sum(int(p.size) for p in jax.tree.leaves(params))
   copy = lambda: jax.tree.map(jnp.copy, params)
 
   records = []
   for part, batch, repeats in plan:
-    x = jnp.asarray(data.x_train[:batch], jnp.float32)
-    y = jnp.asarray(data.y_train[:batch], jnp.int32)
+    # Batches larger than the training set repeat it (timing only).
+    reps = -(-batch // len(data.x_train))
+    x = jnp.asarray(np.tile(data.x_train, (reps, 1))[:batch], jnp.float32)
+    y = jnp.asarray(np.tile(data.y_train, reps)[:batch], jnp.int32)
     candidates = {}
     if part == "step":
       for name, (step, init) in _steps().items():
@@ -319,6 +374,10 @@ def run(quick: bool) -> list[dict[str, Any]]:
         candidates[name] = _runner(upd, init(copy()), grads)
     load_before = _load_average()
     times = _interleaved_times(candidates, warmup=warmup, repeats=repeats)
+    queued = None
+    if jax.default_backend() == "gpu" and repeats > 5:
+      queued = _queued_times(candidates, steps=_QUEUED_STEPS, rounds=max(5, repeats // 10))
+      queued = {k: statistics.median(v) for k, v in queued.items()}
     load_after = _load_average()
     medians = {k: statistics.median(v) for k, v in times.items()}
     mins = {k: min(v) for k, v in times.items()}
@@ -333,6 +392,9 @@ def run(quick: bool) -> list[dict[str, Any]]:
           "ratio_to_jmp_train": medians[name] / medians["jmp_train"],
           "min_ms": mins[name] * 1e3,
           "min_ratio_to_adamw": mins[name] / mins["adamw"],
+          "queued_ms": None if queued is None else queued[name] * 1e3,
+          "queued_ratio_to_adamw": (
+              None if queued is None else queued[name] / queued["adamw"]),
           "repeats": repeats,
           # 1-minute load average of the machine around the timing.
           "load_average": (None if load_before is None
