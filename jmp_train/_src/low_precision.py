@@ -75,6 +75,28 @@ def _check_structure(updates: Any, params: Any, name: str) -> None:
     )
 
 
+def _land(p: jax.Array, step: jax.Array, update_dtype: Any) -> tuple[jax.Array, jax.Array]:
+  """The update landing ``p`` on ``round(p + step)``, and the step it applies.
+
+  Args:
+    p: the parameter.
+    step: the wanted step, in ``p``'s accumulation dtype.
+    update_dtype: dtype of the returned update.
+
+  Returns:
+    ``(update, applied)``: ``update`` in ``update_dtype``, and ``applied``,
+    the accumulation-dtype difference between what ``optax.apply_updates``
+    (``(p + update).astype(p.dtype)``) will produce and ``p``.
+  """
+  acc = step.dtype
+  p_acc = p.astype(acc)
+  target = (p_acc + step).astype(p.dtype)
+  update = (target.astype(acc) - p_acc).astype(update_dtype)
+  # Exactly what optax.apply_updates will compute.
+  landed = jnp.asarray(p + update).astype(p.dtype)
+  return update, landed.astype(acc) - p_acc
+
+
 # ---------------------------------------------------------------------------
 # Modified momentum SGD.
 # ---------------------------------------------------------------------------
@@ -238,12 +260,8 @@ def modified_momentum_sgd(
       return seed_leaf(g, buf, lr)
     acc = _accumulation_dtype(buf.dtype)
     step, new_buf = step_and_buffer(g, buf, lr)
-    p_acc = p.astype(acc)
-    target = (p_acc + step).astype(p.dtype)
-    new_u = (target.astype(acc) - p_acc).astype(g.dtype)
-    # Exactly what optax.apply_updates will compute.
-    applied = jnp.asarray(p + new_u).astype(p.dtype)
-    dropped = step - (applied.astype(acc) - p_acc)
+    new_u, applied = _land(p, step, g.dtype)
+    dropped = step - applied
     m = jnp.asarray(momentum, acc)
     # A unit of G moves W by -lr * m**k / (1 - m) over the next steps.
     reach = jnp.asarray(lr, acc) * (m * m if nesterov else m)
@@ -376,13 +394,9 @@ def kahan_compensation(
       if not (is_floating_array(p) and is_floating_array(u)):
         return u, c
       acc = _accumulation_dtype(p.dtype)
-      p_acc = p.astype(acc)
       y = u.astype(acc) + c.astype(acc)
-      target = (p_acc + y).astype(p.dtype)
-      new_u = (target.astype(acc) - p_acc).astype(u.dtype)
-      # Exactly what optax.apply_updates will compute.
-      applied = jnp.asarray(p + new_u).astype(p.dtype)
-      new_c = y - (applied.astype(acc) - p_acc)
+      new_u, applied = _land(p, y, u.dtype)
+      new_c = y - applied
       new_c = jnp.where(jnp.isfinite(new_c), new_c, jnp.zeros_like(new_c))
       return new_u, new_c.astype(c.dtype)
 
