@@ -1,6 +1,6 @@
 """Half-precision weights on a real task: final digits test loss and accuracy.
 
-A 64-64-10 MLP on scikit-learn's 8x8 digits (``jmp_train._src.data.
+A 64-64-10 MLP on scikit-learn's 8x8 digits (``jmp_train.examples.data.
 load_digits``: 1,437 training and 360 test images), trained with minibatches
 of 64 for 2,000 steps (quick mode: 100 steps, one seed, bfloat16 SGD rows
 only), forward and backward pass in the half dtype in every setup; same
@@ -48,7 +48,7 @@ master row of the same optimizer (``sgd``, ``momentum sgd``, ``adam``);
 ``within_1pct`` says whether both are at most 1%. The half-weight Adam rows
 keep Adam's moments in float32 except the row marked ``bfloat16 moments``
 (there Adam's second moment, an EMA with weight 0.001 per step, itself stops
-moving). See ``jmp_train._src.half_weights_experiment`` for the code.
+moving). See ``jmp_train.examples.half_weights`` for the code.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train._src import data as data_lib
-from jmp_train._src import half_weights_experiment as experiment
+from jmp_train.examples import data as data_lib
+from jmp_train.examples import half_weights as experiment
 
 NAME = "half_weights_training"
 COLUMNS = (

@@ -95,7 +95,7 @@ def run_digits(
     in ``residual_norms``), wall time.
   """
   from jmp_train import sign_compression, sign_compression_specs
-  from jmp_train._src.data import load_digits
+  from jmp_train.examples.data import load_digits
 
   if mode not in MODES:
     raise ValueError(f"Unknown mode {mode!r}; valid modes: {', '.join(MODES)}.")

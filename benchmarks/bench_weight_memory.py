@@ -1,6 +1,6 @@
 """Bytes of parameters + optimizer state per parameter, per weight-update setup.
 
-For a small Transformer language model (``jmp_train._src.models.
+For a small Transformer language model (``jmp_train.examples.models.
 TransformerBlock``, d_model 256, 2 layers; 64/1 in quick mode) each setup's
 parameter tree and optimizer state are built for real (``opt.init`` on the
 actual parameters; ``tests/test_low_precision.py`` checks that updates keep
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_train._src import models
-from jmp_train._src.half_weights_experiment import with_float32_state
+from jmp_train.examples import models
+from jmp_train.examples.half_weights import with_float32_state
 from jmp_train._src.low_precision import kahan_compensation
 from jmp_train._src.low_precision import modified_momentum_sgd
 from jmp_train._src.low_precision import stochastic_rounding

@@ -1,19 +1,27 @@
 """jmp_train: mixed-precision training and 1-bit data parallelism for JAX.
 
-The public surface, re-exported from ``jmp_train._src``. Flax glue lives in
-``jmp_train.flax``; diagnostics in ``jmp_train.diagnostics``.
+The public surface, re-exported from ``jmp_train._src``. Three submodules load
+on first use, so ``import jmp_train`` stays light:
+
+* ``jmp_train.flax``: policies on linen and NNX modules;
+* ``jmp_train.diagnostics``: histograms, Tensor Core shapes, precision
+  audits, saved residuals;
+* ``jmp_train.examples``: the ``jmp-train`` demo, its data and example models
+  (not part of the library).
 """
+
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
-# --- dtype policies (issue 2) ---
+# dtype policies
 from jmp_train._src.policy import Policy
 from jmp_train._src.policy import cast_floating
 from jmp_train._src.policy import get_policy
 from jmp_train._src.policy import half_dtype
 from jmp_train._src.remat import half_precision_saveable
 
-# --- loss scaling (issue 3) ---
+# loss scaling
 from jmp_train._src.loss_scale import DynamicLossScale
 from jmp_train._src.loss_scale import NoOpLossScale
 from jmp_train._src.loss_scale import StaticLossScale
@@ -24,7 +32,7 @@ from jmp_train._src.loss_scaling import loss_scale_metrics
 from jmp_train._src.loss_scaling import loss_scaled
 from jmp_train._src.loss_scaling import scaled_value_and_grad
 
-# --- half-precision weight updates (issue 4) ---
+# half-precision weight updates
 from jmp_train._src.low_precision import KahanCompensationState
 from jmp_train._src.low_precision import ModifiedMomentumState
 from jmp_train._src.low_precision import StochasticRoundingState
@@ -32,14 +40,14 @@ from jmp_train._src.low_precision import kahan_compensation
 from jmp_train._src.low_precision import modified_momentum_sgd
 from jmp_train._src.low_precision import stochastic_rounding
 
-# --- 1-bit SGD with error feedback (issue 5) ---
+# 1-bit SGD with error feedback
 from jmp_train._src.hlo import collective_bytes
 from jmp_train._src.hlo import collective_ops
 from jmp_train._src.sign_compression import SignCompressionState
 from jmp_train._src.sign_compression import sign_compression
 from jmp_train._src.sign_compression import sign_compression_specs
 
-# --- train-step builder (issue 7) ---
+# train-step builder
 from jmp_train._src.train import TrainState
 from jmp_train._src.train import TrainStep
 from jmp_train._src.train import make_train_step
@@ -78,3 +86,16 @@ __all__ = (
     "restore_checkpoint",
     "save_checkpoint",
 )
+
+_SUBMODULES = ("diagnostics", "examples", "flax")
+
+
+def __getattr__(name):
+  # PEP 562: ``jmp_train.flax`` works after a bare ``import jmp_train``.
+  if name in _SUBMODULES:
+    return _importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_SUBMODULES))

@@ -1,4 +1,4 @@
-"""Tests for the ``jmp-train`` demo (jmp_train/__main__.py, jmp_train/_src/demo.py)."""
+"""Tests for the ``jmp-train`` demo (jmp_train/examples/cli.py, jmp_train/examples/demo.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from jmp_train import __main__ as cli
+from jmp_train.examples import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_missing_optional_dependency_one_line_and_exit_1(capsys, monkeypatch, mo
 
 def test_console_script_is_declared():
   text = (ROOT / "pyproject.toml").read_text()
-  assert 'jmp-train = "jmp_train.__main__:main"' in text
+  assert 'jmp-train = "jmp_train.examples.cli:main"' in text
 
 
 def test_two_processes_run_the_data_parallel_configs(tmp_path, capsys):

@@ -16,7 +16,7 @@ from jax.extend import core as jex_core
 
 import jmp_train
 import jmp_train.flax as jflax
-from jmp_train._src import models
+from jmp_train.examples import models
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 HALF = [F16, BF16]

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import jmp_train
-from jmp_train._src import data as data_lib
-from jmp_train._src import half_weights_experiment as experiment
+from jmp_train.examples import data as data_lib
+from jmp_train.examples import half_weights as experiment
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 ALL_DTYPES = [F32, BF16, F16]

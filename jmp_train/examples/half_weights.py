@@ -3,7 +3,7 @@
 Shared by ``tests/test_low_precision.py``, ``benchmarks/bench_half_weights_training.py``
 and ``notebooks/03_half_precision_weights.ipynb`` so the three report the same
 experiment. A two-layer MLP is trained on scikit-learn's 8x8 digits
-(:func:`jmp_train._src.data.load_digits`) with the forward and backward pass
+(:func:`jmp_train.examples.data.load_digits`) with the forward and backward pass
 in a half dtype in every setup; what differs is only how the weights are
 stored and updated:
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import data as data_lib
+from jmp_train.examples import data as data_lib
 from jmp_train._src import low_precision
 
 __all__ = [

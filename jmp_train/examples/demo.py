@@ -13,11 +13,11 @@ compiled HLO. Writes ``results.json`` and ``results.png`` (learning curves
 and a gradient histogram).
 
 The task is a character-level Transformer language model on the Python
-standard library's own source (:func:`jmp_train._src.data.load_text_corpus`),
+standard library's own source (:func:`jmp_train.examples.data.load_text_corpus`),
 or an MLP on scikit-learn's 8x8 digits (``--task digits``).
 
 The process must have 8 CPU devices before JAX starts its backend;
-:func:`jmp_train.__main__.main` sees to it.
+:func:`jmp_train.examples.cli.main` sees to it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jmp_train._src import data as data_lib
+from jmp_train.examples import data as data_lib
 from jmp_train._src import tables
 from jmp_train._src import train as train_lib
 
@@ -147,7 +147,7 @@ def _loss_fn(logits, targets):
 
 
 def _text_task(s: DemoSettings) -> Task:
-  from jmp_train._src.models import TransformerBlock  # pylint: disable=g-import-not-at-top
+  from jmp_train.examples.models import TransformerBlock  # pylint: disable=g-import-not-at-top
 
   corpus = data_lib.load_text_corpus(1_000_000)
   split = int(len(corpus) * 0.9)
@@ -183,7 +183,7 @@ def _text_task(s: DemoSettings) -> Task:
 
 
 def _digits_task(s: DemoSettings) -> Task:
-  from jmp_train._src.models import MLP  # pylint: disable=g-import-not-at-top
+  from jmp_train.examples.models import MLP  # pylint: disable=g-import-not-at-top
 
   try:
     ds = data_lib.load_digits(seed=s.seed)

@@ -1,0 +1,244 @@
+"""``jmp-train`` / ``python -m jmp_train``: the demo in one command.
+
+Trains a character-level Transformer on the Python standard library's source
+in float32, mixed float16 (with and without loss scaling), mixed bfloat16,
+float16 weights (two momentum SGD variants) and 8-device data parallelism
+(uncompressed and 1-bit SGD with error feedback); prints one table and
+writes ``results.json`` and ``results.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_NUM_DEVICES = 8
+_PROG = "jmp-train"
+
+
+class _Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line (no usage block)."""
+
+  def error(self, message):
+    raise _UsageError(message)
+
+
+class _UsageError(Exception):
+  pass
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+  return value
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The CLI's argument parser."""
+  # Names only; importing the demo module here would import JAX first.
+  config_names = (
+      "f32", "f16", "f16-dls", "bf16", "f16w-sgd", "f16w-mmsgd", "8dev-f32", "8dev-1bit",
+  )
+  parser = _Parser(
+      prog=_PROG,
+      description=__doc__.split("\n\n")[1].replace("\n", " "),
+  )
+  parser.add_argument("--task", choices=("text", "digits"), default="text",
+                      help="char-level LM on the stdlib source, or MLP on sklearn digits "
+                           "(default: %(default)s)")
+  parser.add_argument("--steps", type=_positive_int, default=None,
+                      help="training steps per configuration (default 200; 20 with --quick)")
+  parser.add_argument("--batch", type=_positive_int, default=None,
+                      help="global batch size, a multiple of 8 (default 32; 16 with --quick)")
+  parser.add_argument("--seq-len", type=_positive_int, default=None,
+                      help="tokens per sequence for --task text (default 64; 16 with --quick)")
+  parser.add_argument("--d-model", type=_positive_int, default=None,
+                      help="model width, a multiple of 16 (default 64; 16 with --quick)")
+  parser.add_argument("--layers", type=_positive_int, default=1,
+                      help="Transformer layers (text) or hidden layers (digits) (default: %(default)s)")
+  parser.add_argument("--hidden", type=_positive_int, default=128,
+                      help="hidden width of the digits MLP (default: %(default)s)")
+  parser.add_argument("--lr", type=_positive_float, default=0.15,
+                      help="learning rate of the single-device configurations (default: %(default)s)")
+  parser.add_argument("--dp-lr", type=_positive_float, default=0.5,
+                      help="learning rate of the two 8-device configurations, which run "
+                           "plain SGD (1-bit SGD with momentum 0.9 diverged in our runs) (default: %(default)s)")
+  parser.add_argument("--configs", default=",".join(config_names),
+                      help="comma-separated subset of (default: all): " + ", ".join(config_names))
+  parser.add_argument("--out", default="jmp_train_output", help="output folder (default: %(default)s)")
+  parser.add_argument("--seed", type=int, default=0, help="seed of weights and data (default: %(default)s)")
+  parser.add_argument("--num-processes", type=_positive_int, default=1,
+                      help="run the 8-device configurations as N local processes "
+                           "(jax.distributed, gloo, 127.0.0.1); N in 1, 2, 4, 8")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes and few steps (CI smoke test)")
+  parser.add_argument("--no-plot", dest="plot", action="store_false",
+                      help="skip results.png (no matplotlib needed)")
+  parser.add_argument("--no-progress", dest="progress", action="store_false",
+                      help="no progress bar")
+  parser.add_argument("--_process", default=None, help=argparse.SUPPRESS)
+  parser.config_names = config_names  # type: ignore[attr-defined]
+  return parser
+
+
+def _settings(args: argparse.Namespace, config_names) -> dict:
+  quick = args.quick
+  configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+  unknown = [c for c in configs if c not in config_names]
+  if not configs or unknown:
+    raise _UsageError(
+        f"unknown configuration(s) {', '.join(map(repr, unknown)) or '(none given)'} "
+        f"in --configs; valid: {', '.join(config_names)}"
+    )
+  if len(set(configs)) != len(configs):
+    raise _UsageError(f"--configs lists a configuration twice: {args.configs!r}")
+  settings = dict(
+      task=args.task,
+      steps=args.steps or (20 if quick else 200),
+      batch=args.batch or (16 if quick else 32),
+      seq_len=args.seq_len or (16 if quick else 64),
+      d_model=args.d_model or (16 if quick else 64),
+      layers=args.layers,
+      hidden=32 if quick and args.hidden == 128 else args.hidden,
+      learning_rate=args.lr,
+      dp_learning_rate=args.dp_lr,
+      configs=configs,
+      out=args.out,
+      seed=args.seed,
+      eval_batches=1 if quick else 4,
+      num_processes=args.num_processes,
+      plot=args.plot,
+      progress=args.progress,
+  )
+  if settings["batch"] % _NUM_DEVICES:
+    raise _UsageError(
+        f"--batch {settings['batch']} must be a multiple of {_NUM_DEVICES} "
+        "(the 8-device configurations split it evenly)"
+    )
+  if args.num_processes not in (1, 2, 4, 8):
+    raise _UsageError(
+        f"--num-processes {args.num_processes} must divide {_NUM_DEVICES}: 1, 2, 4 or 8"
+    )
+  if settings["d_model"] % 16 and args.task == "text":
+    raise _UsageError(f"--d-model {settings['d_model']} must be a multiple of 16 (16 per head)")
+  return settings
+
+
+def _check_optional_dependencies(settings: dict) -> None:
+  if settings["plot"]:
+    try:
+      import matplotlib  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+    except ImportError:
+      raise _DependencyError(
+          "results.png needs matplotlib: pip install 'jmp_train[plot]' (or pass --no-plot)"
+      ) from None
+  if settings["task"] == "digits":
+    try:
+      import sklearn  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+    except ImportError:
+      raise _DependencyError(
+          "--task digits needs scikit-learn: pip install 'jmp_train[examples]' "
+          "(or use --task text)"
+      ) from None
+
+
+class _DependencyError(Exception):
+  pass
+
+
+def _setup_jax(process: str | None) -> None:
+  """8 CPU devices (or 8/N per process), before JAX starts its backend."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+
+  if process is None:
+    # Called from a program that already started JAX (a test, a notebook):
+    # it keeps the devices it has; main() checks there are enough.
+    if not xla_bridge.backends_are_initialized():
+      jax.config.update("jax_num_cpu_devices", _NUM_DEVICES)
+    return
+  pid, n, port = (int(x) for x in process.split(","))
+  jax.config.update("jax_num_cpu_devices", _NUM_DEVICES // n)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the demo; returns the exit status (0 ok, 1 failed, 2 bad flags)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = build_parser()
+  try:
+    args = parser.parse_args(argv)
+    settings = _settings(args, parser.config_names)  # type: ignore[attr-defined]
+    _check_optional_dependencies(settings)
+  except _UsageError as e:
+    print(f"{_PROG}: error: {e} (see {_PROG} --help)", file=sys.stderr)
+    return 2
+  except _DependencyError as e:
+    print(f"{_PROG}: error: {e}", file=sys.stderr)
+    return 1
+  try:
+    _setup_jax(args._process)  # pylint: disable=protected-access
+    from jmp_train.examples import demo  # pylint: disable=g-import-not-at-top
+
+    s = demo.DemoSettings(**settings)
+    # The flags worker processes inherit (the launcher sets the others).
+    rows = demo.run_demo(s, argv_base=_strip(argv), worker=args._process is not None)  # pylint: disable=protected-access
+    if args._process is None:  # pylint: disable=protected-access
+      print(demo.format_table(rows))
+      print(f"\nwritten: {os.path.join(s.out, 'results.json')}"
+            + (f", {os.path.join(s.out, 'results.png')}" if s.plot else ""))
+  except KeyboardInterrupt:
+    print(f"{_PROG}: interrupted", file=sys.stderr)
+    return 130
+  except Exception as e:  # pylint: disable=broad-except
+    # One line, never a traceback; JMP_TRAIN_DEBUG=1 shows it.
+    if os.environ.get("JMP_TRAIN_DEBUG"):
+      raise
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f"{_PROG}: error: {type(e).__name__ + ': ' if not isinstance(e, _known()) else ''}"
+          f"{message}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _known():
+  from jmp_train.examples.demo import DemoError  # pylint: disable=g-import-not-at-top
+
+  return (DemoError, ImportError, ValueError)
+
+
+def _strip(argv: list[str]) -> list[str]:
+  """Drops flags the launcher sets itself for worker processes."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    name = a.split("=")[0]
+    if name in ("--configs", "--out", "--num-processes", "--_process"):
+      skip = "=" not in a
+      continue
+    if name in ("--no-plot", "--no-progress"):
+      continue
+    out.append(a)
+  return out
+
+
+if __name__ == "__main__":
+  sys.exit(main())
