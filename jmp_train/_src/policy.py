@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_train._src.fp8 import Fp8Recipe
+
 __all__ = [
     "Policy",
     "get_policy",
@@ -55,8 +57,14 @@ _PRESETS: dict[str, tuple[str, str, str]] = {
     "mixed_half": ("float32", "half", "float32"),
     "float32": ("float32", "float32", "float32"),
 }
+_FP8_PRESETS: dict[str, Fp8Recipe] = {
+    "mixed_float8": Fp8Recipe(),
+}
+# Keys of a spec that choose FP8 matmuls and their scaling recipe.
+_MATMUL_VALUES = {"fp8": "delayed", "fp8_delayed": "delayed", "fp8_current": "current"}
+_FP8_KEYS = ("matmul", "fp8_history", "fp8_margin", "fp8_amax")
 _ACCEPTED_DTYPES = sorted(set(_DTYPE_ALIASES) | {"half"})
-_ACCEPTED_KEYS = sorted(_KEY_ALIASES)
+_ACCEPTED_KEYS = sorted(set(_KEY_ALIASES) | set(_FP8_KEYS))
 
 
 def half_dtype() -> np.dtype:
@@ -177,6 +185,9 @@ class Policy:
     param_dtype: dtype parameters are created and stored in.
     compute_dtype: dtype of the forward and backward computation.
     output_dtype: dtype of the model's outputs.
+    fp8: ``None``, or the :class:`~jmp_train.Fp8Recipe` with which matmuls
+      and convolutions run in FP8 (E4M3 operands, E5M2 gradients; the rest
+      of the computation stays in ``compute_dtype``).
 
   Being frozen and hashable, a policy can be a static argument of
   ``jax.jit``. ``str(policy)`` is a spec that :func:`get_policy` parses back.
@@ -197,10 +208,13 @@ class Policy:
   param_dtype: np.dtype
   compute_dtype: np.dtype
   output_dtype: np.dtype
+  fp8: Fp8Recipe | None = None
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
       object.__setattr__(self, field, parse_dtype(getattr(self, field)))
+    if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
+      raise TypeError(f"fp8 must be None or a jmp_train.Fp8Recipe, got {self.fp8!r}.")
 
   def cast_to_param(self, tree: Any) -> Any:
     """Casts floating leaves of ``tree`` to ``param_dtype``."""
@@ -224,10 +238,58 @@ class Policy:
     return self.compute_dtype.itemsize < self.param_dtype.itemsize
 
   def __str__(self) -> str:
-    return (
+    text = (
         f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
         f"output={self.output_dtype.name}"
     )
+    return text + _fp8_spec(self.fp8)
+
+
+def _fp8_spec(recipe: Fp8Recipe | None) -> str:
+  """The spec keys of an FP8 recipe (its non-default fields only)."""
+  if recipe is None:
+    return ""
+  default = Fp8Recipe()
+  text = f",matmul=fp8_{recipe.scaling}"
+  if recipe.amax_history_len != default.amax_history_len:
+    text += f",fp8_history={recipe.amax_history_len}"
+  if recipe.margin != default.margin:
+    text += f",fp8_margin={recipe.margin}"
+  if recipe.amax_compute_algo != default.amax_compute_algo:
+    text += f",fp8_amax={recipe.amax_compute_algo}"
+  return text
+
+
+def _parse_fp8(spec: str, fp8_parts: dict[str, str]) -> Fp8Recipe | None:
+  """The recipe named by a spec's ``matmul=``/``fp8_*=`` parts."""
+  if not fp8_parts:
+    return None
+  matmul = fp8_parts.get("matmul")
+  if matmul is None:
+    raise ValueError(
+        f"Policy spec {spec!r} sets {', '.join(sorted(fp8_parts))} without "
+        f"matmul=; add matmul= one of {', '.join(sorted(_MATMUL_VALUES))}."
+    )
+  if matmul not in _MATMUL_VALUES:
+    raise ValueError(
+        f"In policy spec {spec!r}, matmul={matmul!r}; accepted: "
+        f"{', '.join(sorted(_MATMUL_VALUES))}."
+    )
+  kwargs: dict[str, Any] = {"scaling": _MATMUL_VALUES[matmul]}
+  for key, field in (("fp8_history", "amax_history_len"), ("fp8_margin", "margin")):
+    if key in fp8_parts:
+      try:
+        kwargs[field] = int(fp8_parts[key])
+      except ValueError:
+        raise ValueError(
+            f"In policy spec {spec!r}, {key} must be an integer, got {fp8_parts[key]!r}."
+        ) from None
+  if "fp8_amax" in fp8_parts:
+    kwargs["amax_compute_algo"] = fp8_parts["fp8_amax"]
+  try:
+    return Fp8Recipe(**kwargs)
+  except ValueError as e:
+    raise ValueError(f"In policy spec {spec!r}: {e}") from None
 
 
 def get_policy(spec: str | Policy) -> Policy:
@@ -240,7 +302,14 @@ def get_policy(spec: str | Policy) -> Policy:
     type (:func:`half_dtype`), ``full`` is float32;
   * one dtype for all three: ``"bfloat16"``;
   * presets: ``"mixed_float16"``, ``"mixed_bfloat16"``, ``"mixed_half"``,
-    ``"float32"``.
+    ``"float32"``, and ``"mixed_float8"`` (float32 parameters, FP8 matmuls
+    and convolutions with delayed scaling, bfloat16 elsewhere, float32
+    output);
+  * FP8 matmuls in any spec: ``matmul=fp8`` (or ``fp8_delayed``) or
+    ``matmul=fp8_current``, with optional ``fp8_history=N``,
+    ``fp8_margin=M`` and ``fp8_amax=max|most_recent`` (the fields of
+    :class:`~jmp_train.Fp8Recipe`), e.g.
+    ``"p=f32,c=bf16,o=f32,matmul=fp8_current"``.
 
   Args:
     spec: the string, or a :class:`Policy` (returned as is).
@@ -255,6 +324,8 @@ def get_policy(spec: str | Policy) -> Policy:
   Examples:
     >>> get_policy("p=f32,c=bf16,o=f32") == get_policy("mixed_bfloat16")
     True
+    >>> str(get_policy("mixed_float8"))
+    'params=float32,compute=bfloat16,output=float32,matmul=fp8_delayed'
   """
   if isinstance(spec, Policy):
     return spec
@@ -264,21 +335,24 @@ def get_policy(spec: str | Policy) -> Policy:
   if not text:
     raise ValueError(
         "Empty policy spec; give e.g. 'params=float32,compute=float16,"
-        f"output=float32' or a preset: {', '.join(sorted(_PRESETS))}."
+        f"output=float32' or a preset: {', '.join(sorted(_PRESETS) + sorted(_FP8_PRESETS))}."
     )
   if text in _PRESETS:
     return Policy(*_PRESETS[text])
+  if text in _FP8_PRESETS:
+    return Policy("float32", "bfloat16", "float32", fp8=_FP8_PRESETS[text])
   if "=" not in text:
     try:
       dtype = parse_dtype(text)
     except ValueError as e:
       raise ValueError(
           f"Unknown policy spec {spec!r}: {e} Accepted forms: a preset "
-          f"({', '.join(sorted(_PRESETS))}), one dtype for all three, or "
+          f"({', '.join(sorted(_PRESETS) + sorted(_FP8_PRESETS))}), one dtype for all three, or "
           "'params=...,compute=...,output=...'."
       ) from None
     return Policy(dtype, dtype, dtype)
   values: dict[str, np.dtype] = {}
+  fp8_parts: dict[str, str] = {}
   for part in text.split(","):
     if "=" not in part:
       raise ValueError(
@@ -286,6 +360,11 @@ def get_policy(spec: str | Policy) -> Policy:
           f"key=dtype with a key in {', '.join(_ACCEPTED_KEYS)}."
       )
     key, _, value = (s.strip() for s in part.partition("="))
+    if key in _FP8_KEYS:
+      if key in fp8_parts:
+        raise ValueError(f"Key {key!r} given twice in policy spec {spec!r}.")
+      fp8_parts[key] = value
+      continue
     if key not in _KEY_ALIASES:
       raise ValueError(
           f"Unknown key {key!r} in policy spec {spec!r}; accepted keys: "
@@ -306,4 +385,5 @@ def get_policy(spec: str | Policy) -> Policy:
         f"Policy spec {spec!r} is missing {', '.join(missing)}; it needs "
         "params=, compute= and output= (or p=, c=, o=)."
     )
-  return Policy(values["param"], values["compute"], values["output"])
+  return Policy(values["param"], values["compute"], values["output"],
+                fp8=_parse_fp8(spec, fp8_parts))

@@ -1,0 +1,215 @@
+"""FP8 products as Flax layers' pluggable dot and convolution (linen and NNX).
+
+Flax's ``Dense``/``DenseGeneral``/``Einsum`` (linen ``dot_general_cls``) and
+``Conv`` (``conv_general_dilated_cls``), and NNX's ``Linear``/
+``LinearGeneral``/``Einsum`` (``dot_general``) and ``Conv``
+(``conv_general_dilated``), take the product they run as a field. The
+modules here are such products in FP8 (:mod:`jmp_train._src.fp8`), each with
+its own scaling state:
+
+* linen: six float32 variables in the ``"fp8_meta"`` collection
+  (:data:`FP8_COLLECTION`), not in ``"params"``, so an optimizer never sees
+  them;
+* NNX: six :class:`Fp8Meta` variables, a ``nnx.Variable`` type that
+  ``nnx.Optimizer(wrt=nnx.Param)`` leaves alone.
+
+The new state of a step comes back as the gradient of these variables (see
+:mod:`jmp_train._src.fp8`): take the gradient with respect to them too, and
+store it in their place with :func:`update_fp8_meta`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmp_train._src import fp8 as fp8_lib
+
+__all__ = [
+    "FP8_COLLECTION",
+    "Fp8Meta",
+    "Fp8DotGeneral",
+    "Fp8ConvGeneralDilated",
+    "NNXFp8DotGeneral",
+    "NNXFp8ConvGeneralDilated",
+    "update_fp8_meta",
+]
+
+FP8_COLLECTION = "fp8_meta"
+_NAMES = ("input", "kernel", "output_grad")
+
+
+class Fp8Meta(nnx.Variable):
+  """An NNX variable holding FP8 scaling state (scales, amax histories)."""
+
+
+def _to_meta(values: dict[str, jax.Array]) -> fp8_lib.Fp8DotMeta:
+  return fp8_lib.Fp8DotMeta(*(
+      fp8_lib.Fp8TensorMeta(values[f"{n}_scale"], values[f"{n}_amax_history"])
+      for n in _NAMES
+  ))
+
+
+def _initial_values(recipe: fp8_lib.Fp8Recipe) -> dict[str, jax.Array]:
+  meta = fp8_lib.init_fp8_meta(recipe)
+  out = {}
+  for name, t in zip(_NAMES, meta):
+    out[f"{name}_scale"], out[f"{name}_amax_history"] = t.scale, t.amax_history
+  return out
+
+
+class _LinenFp8(nn.Module):
+  recipe: fp8_lib.Fp8Recipe = fp8_lib.Fp8Recipe()
+
+  def _meta(self) -> fp8_lib.Fp8DotMeta:
+    init = _initial_values(self.recipe)
+    return _to_meta({k: self.variable(FP8_COLLECTION, k, lambda v=v: v).value
+                     for k, v in init.items()})
+
+
+class Fp8DotGeneral(_LinenFp8):
+  """A linen ``dot_general_cls``: ``lax.dot_general`` in FP8.
+
+  Examples:
+    >>> import functools, flax.linen as nn, jmp_train
+    >>> layer = nn.Dense(16, dot_general_cls=functools.partial(
+    ...     Fp8DotGeneral, recipe=jmp_train.Fp8Recipe(amax_history_len=4)))
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 16)))
+    >>> sorted(variables)
+    ['fp8_meta', 'params']
+  """
+
+  @nn.compact
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+               preferred_element_type=None, **kwargs):
+    return fp8_lib.fp8_dot_general(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type,
+        meta=self._meta(), recipe=self.recipe, **kwargs)
+
+
+class Fp8ConvGeneralDilated(_LinenFp8):
+  """A linen ``conv_general_dilated_cls``: ``lax.conv_general_dilated`` in FP8."""
+
+  @nn.compact
+  def __call__(self, lhs, rhs, *args, **kwargs):
+    return fp8_lib.fp8_conv_general_dilated(
+        lhs, rhs, *args, meta=self._meta(), recipe=self.recipe, **kwargs)
+
+
+class _NNXFp8(nnx.Module):
+
+  def __init__(self, recipe: fp8_lib.Fp8Recipe = fp8_lib.Fp8Recipe()):
+    self.recipe = recipe
+    for name, value in _initial_values(recipe).items():
+      setattr(self, name, Fp8Meta(value))
+
+  def _meta(self) -> fp8_lib.Fp8DotMeta:
+    return _to_meta({k: getattr(self, k)[...] for k in _initial_values(self.recipe)})
+
+
+class NNXFp8DotGeneral(_NNXFp8):
+  """An NNX layer's ``dot_general``: ``lax.dot_general`` in FP8.
+
+  Examples:
+    >>> import jmp_train
+    >>> from flax import nnx
+    >>> layer = nnx.Linear(16, 8, rngs=nnx.Rngs(0),
+    ...                    dot_general=NNXFp8DotGeneral(jmp_train.Fp8Recipe(amax_history_len=4)))
+    >>> layer(jnp.ones((2, 16))).shape
+    (2, 8)
+    >>> len(nnx.state(layer, jmp_train.Fp8Meta))
+    1
+  """
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+               preferred_element_type=None, **kwargs):
+    return fp8_lib.fp8_dot_general(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type,
+        meta=self._meta(), recipe=self.recipe, **kwargs)
+
+
+class NNXFp8ConvGeneralDilated(_NNXFp8):
+  """An NNX ``Conv``'s ``conv_general_dilated``: the convolution in FP8."""
+
+  def __call__(self, lhs, rhs, *args, **kwargs):
+    return fp8_lib.fp8_conv_general_dilated(
+        lhs, rhs, *args, meta=self._meta(), recipe=self.recipe, **kwargs)
+
+
+def update_fp8_meta(fp8_meta: Any, fp8_grads: Any, axis_name: Any = None) -> Any:
+  """The FP8 state to store after a step: its "gradient", agreed over replicas.
+
+  Args:
+    fp8_meta: the current state (linen: ``variables["fp8_meta"]``; NNX:
+      ``nnx.state(model, jmp_train.Fp8Meta)``).
+    fp8_grads: the gradient of the loss with respect to ``fp8_meta``, which
+      the FP8 products set to their new state.
+    axis_name: a mapped axis (``pmap``/``shard_map``) whose replicas must
+      agree (max of the amax histories), or ``None``.
+
+  Returns:
+    The new state, of ``fp8_meta``'s structure and dtypes. Leaves whose
+    gradient is not finite keep their value (a skipped step).
+
+  Raises:
+    ValueError: if the two trees differ in structure.
+
+  Examples:
+    >>> import flax.linen as nn, functools, jmp_train
+    >>> layer = nn.Dense(8, dot_general_cls=functools.partial(
+    ...     Fp8DotGeneral, recipe=jmp_train.Fp8Recipe(amax_history_len=2)))
+    >>> v = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+    >>> g = jax.grad(lambda m: layer.apply({**v, "fp8_meta": m},
+    ...     2 * jnp.ones((2, 8))).sum())(v["fp8_meta"])
+    >>> new = update_fp8_meta(v["fp8_meta"], g)
+    >>> new["Fp8DotGeneral_0"]["input_amax_history"].tolist()
+    [2.0, 0.0]
+  """
+  if jax.tree.structure(fp8_meta) != jax.tree.structure(fp8_grads):
+    raise ValueError(
+        "fp8_grads must have fp8_meta's structure (the gradient with respect "
+        f"to it); got {jax.tree.structure(fp8_grads)} for {jax.tree.structure(fp8_meta)}."
+    )
+
+  def leaf(old, new):
+    new = jnp.where(jnp.all(jnp.isfinite(new)), new, old).astype(old.dtype)
+    return new if axis_name is None else jax.lax.pmax(new, axis_name)
+
+  return jax.tree.map(leaf, fp8_meta, fp8_grads)
+
+
+def linen_fp8_fields(fields: Any, recipe: fp8_lib.Fp8Recipe | None) -> dict[str, Any]:
+  """The fields that make a linen layer's products FP8 (none without a recipe).
+
+  Examples:
+    >>> import flax.linen as nn, dataclasses
+    >>> fields = {f.name for f in dataclasses.fields(nn.Dense(4))}
+    >>> sorted(linen_fp8_fields(fields, fp8_lib.Fp8Recipe()))
+    ['dot_general_cls']
+  """
+  if recipe is None:
+    return {}
+  out: dict[str, Any] = {}
+  if "dot_general_cls" in fields:
+    out["dot_general_cls"] = functools.partial(Fp8DotGeneral, recipe=recipe)
+  if "conv_general_dilated_cls" in fields:
+    out["conv_general_dilated_cls"] = functools.partial(Fp8ConvGeneralDilated, recipe=recipe)
+  return out
+
+
+def nnx_fp8_attributes(module: Any, recipe: fp8_lib.Fp8Recipe | None) -> dict[str, Any]:
+  """The attributes that make an NNX layer's products FP8 (none without a recipe)."""
+  if recipe is None:
+    return {}
+  if isinstance(module, (nnx.Linear, nnx.LinearGeneral)) and not isinstance(
+      getattr(module, "dot_general", None), _NNXFp8):
+    return {"dot_general": NNXFp8DotGeneral(recipe)}
+  if isinstance(module, nnx.Conv) and not isinstance(
+      getattr(module, "conv_general_dilated", None), _NNXFp8):
+    return {"conv_general_dilated": NNXFp8ConvGeneralDilated(recipe)}
+  return {}
