@@ -21,6 +21,18 @@ from jmp_train._src.policy import get_policy
 from jmp_train._src.policy import half_dtype
 from jmp_train._src.remat import half_precision_saveable
 
+# FP8 products
+from jmp_train._src.fp8 import Fp8DotMeta
+from jmp_train._src.fp8 import Fp8Recipe
+from jmp_train._src.fp8 import Fp8TensorMeta
+from jmp_train._src.fp8 import fp8_conv_general_dilated
+from jmp_train._src.fp8 import fp8_dequantize
+from jmp_train._src.fp8 import fp8_dot_general
+from jmp_train._src.fp8 import fp8_quantize
+from jmp_train._src.fp8 import fp8_scale
+from jmp_train._src.fp8 import init_fp8_meta
+from jmp_train._src.fp8 import update_fp8_meta
+
 # loss scaling
 from jmp_train._src.loss_scale import DynamicLossScale
 from jmp_train._src.loss_scale import NoOpLossScale
@@ -60,6 +72,16 @@ __all__ = (
     "get_policy",
     "half_dtype",
     "half_precision_saveable",
+    "Fp8DotMeta",
+    "Fp8Recipe",
+    "Fp8TensorMeta",
+    "fp8_conv_general_dilated",
+    "fp8_dequantize",
+    "fp8_dot_general",
+    "fp8_quantize",
+    "fp8_scale",
+    "init_fp8_meta",
+    "update_fp8_meta",
     "DynamicLossScale",
     "NoOpLossScale",
     "StaticLossScale",

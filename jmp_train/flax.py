@@ -28,9 +28,21 @@ from jmp_train._src.flax_policy import LinenPolicyWrapper
 from jmp_train._src.flax_policy import NNXPolicyWrapper
 from jmp_train._src.flax_policy import apply_policy
 from jmp_train._src.flax_policy import dot_product_attention
+from jmp_train._src.fp8_flax import FP8_COLLECTION
+from jmp_train._src.fp8_flax import Fp8ConvGeneralDilated
+from jmp_train._src.fp8_flax import Fp8DotGeneral
+from jmp_train._src.fp8_flax import Fp8Meta
+from jmp_train._src.fp8_flax import NNXFp8ConvGeneralDilated
+from jmp_train._src.fp8_flax import NNXFp8DotGeneral
 
 __all__ = (
     "DEFAULT_FLOAT32_MODULES",
+    "FP8_COLLECTION",
+    "Fp8ConvGeneralDilated",
+    "Fp8DotGeneral",
+    "Fp8Meta",
+    "NNXFp8ConvGeneralDilated",
+    "NNXFp8DotGeneral",
     "LinenPolicyWrapper",
     "NNXPolicyWrapper",
     "apply_policy",

@@ -32,9 +32,10 @@ operand and output gradient. The gradient's amax is only known in the
 backward pass, so the new meta comes back as the *cotangent* of the meta
 argument (the mechanism of Flax's ``fp8_ops``): differentiate with respect to
 the meta and store what comes back in place of the old meta (never feed it to
-an optimizer). Under data parallelism, agree on it with
-:func:`agree_fp8_meta` (the max over replicas), so every replica keeps the
-same scales.
+an optimizer). Under data parallelism every replica must keep the same
+scales: under ``shard_map`` a replicated meta's new value is already the max
+over the replicas (its cotangent must be replicated too); under ``pmap``,
+pass the axis to :func:`update_fp8_meta`.
 
 References:
   Micikevicius et al., "FP8 Formats for Deep Learning", 2022.
@@ -61,11 +62,11 @@ __all__ = [
     "init_fp8_meta",
     "fp8_scale",
     "push_amax",
-    "quantize",
-    "dequantize",
+    "fp8_quantize",
+    "fp8_dequantize",
     "fp8_dot_general",
     "fp8_conv_general_dilated",
-    "agree_fp8_meta",
+    "update_fp8_meta",
 ]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -191,11 +192,11 @@ def push_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(amax), pushed, history)
 
 
-def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
+def fp8_quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
   """``fp8(clip(x * scale))``: clipped, so large values saturate, not overflow.
 
   Examples:
-    >>> quantize(jnp.array([1.0, 1000.0]), jnp.float8_e4m3fn, jnp.float32(1.0)).tolist()
+    >>> fp8_quantize(jnp.array([1.0, 1000.0]), jnp.float8_e4m3fn, jnp.float32(1.0)).tolist()
     [1.0, 448.0]
   """
   limit = _fp8_max(dtype)
@@ -203,11 +204,11 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
   return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 
-def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+def fp8_dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   """``q / scale`` in ``dtype`` (written as a product with ``1/scale``).
 
   Examples:
-    >>> dequantize(jnp.array([2.0], jnp.float8_e4m3fn), jnp.float32(4.0), jnp.float32).tolist()
+    >>> fp8_dequantize(jnp.array([2.0], jnp.float8_e4m3fn), jnp.float32(4.0), jnp.float32).tolist()
     [0.5]
   """
   return q.astype(dtype) * (1.0 / scale).astype(dtype)
@@ -229,6 +230,25 @@ def _calibrate(x, meta: Fp8TensorMeta, dtype, recipe: Fp8Recipe):
   return scale, Fp8TensorMeta(scale, push_amax(history, amax))
 
 
+def _varying_axes(x: Any) -> frozenset[str]:
+  """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _agree(new: jax.Array, axes: frozenset[str]) -> jax.Array:
+  """Under ``shard_map``, a meta shared by all replicas gets their max.
+
+  The new meta of a replicated (invariant) meta must be replicated too: the
+  max over the axes the data made it vary over is the global batch's amax.
+  """
+  extra = tuple(sorted(_varying_axes(new) - axes))
+  return lax.pmax(new, extra) if extra else new
+
+
 def _fp8_binary(op: Callable[[jax.Array, jax.Array], jax.Array], recipe: Fp8Recipe,
                 l_dtype: Any, r_dtype: Any):
   """``op(lhs, rhs)`` with FP8 operands and gradient, as a ``custom_vjp``."""
@@ -236,26 +256,29 @@ def _fp8_binary(op: Callable[[jax.Array, jax.Array], jax.Array], recipe: Fp8Reci
   def forward(lhs, rhs, meta: Fp8DotMeta):
     s_l, lhs_meta = _calibrate(lhs, meta.lhs, E4M3, recipe)
     s_r, rhs_meta = _calibrate(rhs, meta.rhs, E4M3, recipe)
-    q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
-    out = op(dequantize(q_l, s_l, lhs.dtype), dequantize(q_r, s_r, rhs.dtype))
+    q_l, q_r = fp8_quantize(lhs, E4M3, s_l), fp8_quantize(rhs, E4M3, s_r)
+    out = op(fp8_dequantize(q_l, s_l, lhs.dtype), fp8_dequantize(q_r, s_r, rhs.dtype))
     return out, (q_l, s_l, q_r, s_r, lhs_meta, rhs_meta, meta.grad)
 
   @jax.custom_vjp
   def product(lhs, rhs, meta):
     return forward(lhs, rhs, meta)[0]
 
+  meta_axes: list[Any] = []  # the meta's varying mesh axes, seen by fwd
+
   def product_bwd(res, g):
     q_l, s_l, q_r, s_r, lhs_meta, rhs_meta, grad_meta = res
     s_g, new_grad_meta = _calibrate(g, grad_meta, E5M2, recipe)
-    g_hat = dequantize(quantize(g, E5M2, s_g), s_g, g.dtype)
-    _, pullback = jax.vjp(op, dequantize(q_l, s_l, l_dtype), dequantize(q_r, s_r, r_dtype))
+    g_hat = fp8_dequantize(fp8_quantize(g, E5M2, s_g), s_g, g.dtype)
+    _, pullback = jax.vjp(op, fp8_dequantize(q_l, s_l, l_dtype), fp8_dequantize(q_r, s_r, r_dtype))
     d_lhs, d_rhs = pullback(g_hat)
     new_meta = Fp8DotMeta(lhs_meta, rhs_meta, new_grad_meta)
+    new_meta = jax.tree.map(_agree, new_meta, meta_axes[0])
     return d_lhs.astype(l_dtype), d_rhs.astype(r_dtype), new_meta
 
   def product_fwd(lhs, rhs, meta):
-    out, res = forward(lhs, rhs, meta)
-    return out, res
+    meta_axes[:] = [jax.tree.map(_varying_axes, meta)]
+    return forward(lhs, rhs, meta)
 
   product.defvjp(product_fwd, product_bwd)
   return product
@@ -369,17 +392,43 @@ def fp8_conv_general_dilated(
   return product(lhs, rhs, _check_meta(meta, "fp8_conv_general_dilated"))
 
 
-def agree_fp8_meta(meta: Any, axis_name: Any) -> Any:
-  """The elementwise max of FP8 meta over a mapped axis: replicas agree.
+def update_fp8_meta(fp8_meta: Any, fp8_grads: Any, axis_name: Any = None) -> Any:
+  """The FP8 state to store after a step: its "gradient", agreed over replicas.
 
-  Replicas start from the same meta and each pushes its own amax; the max
-  over replicas is the amax of the whole global batch, and the scales (from
-  the common history) are equal already.
+  Args:
+    fp8_meta: the current state (linen: ``variables["fp8_meta"]``; NNX:
+      ``nnx.state(model, jmp_train.flax.Fp8Meta)``).
+    fp8_grads: the gradient of the loss with respect to ``fp8_meta``, which
+      the FP8 products set to their new state.
+    axis_name: a mapped axis (``pmap``/``shard_map``) whose replicas must
+      agree (max of the amax histories), or ``None``.
+
+  Returns:
+    The new state, of ``fp8_meta``'s structure and dtypes. Leaves whose
+    gradient is not finite keep their value (a skipped step).
+
+  Raises:
+    ValueError: if the two trees differ in structure.
 
   Examples:
-    >>> metas = jax.vmap(lambda a: push_amax(jnp.zeros(2), a))(jnp.array([1.0, 3.0]))
-    >>> jax.vmap(lambda m: agree_fp8_meta(m, "i"), axis_name="i")(metas)[:, 0].tolist()
-    [3.0, 3.0]
+    >>> import flax.linen as nn, functools, jmp_train, jmp_train.flax
+    >>> layer = nn.Dense(8, dot_general_cls=functools.partial(
+    ...     jmp_train.flax.Fp8DotGeneral, recipe=Fp8Recipe(amax_history_len=2)))
+    >>> v = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+    >>> g = jax.grad(lambda m: layer.apply({**v, "fp8_meta": m},
+    ...     2 * jnp.ones((2, 8))).sum())(v["fp8_meta"])
+    >>> new = update_fp8_meta(v["fp8_meta"], g)
+    >>> new["Fp8DotGeneral_0"]["input_amax_history"].tolist()
+    [2.0, 0.0]
   """
-  return jax.tree.map(lambda x: lax.pmax(x, axis_name), meta)
+  if jax.tree.structure(fp8_meta) != jax.tree.structure(fp8_grads):
+    raise ValueError(
+        "fp8_grads must have fp8_meta's structure (the gradient with respect "
+        f"to it); got {jax.tree.structure(fp8_grads)} for {jax.tree.structure(fp8_meta)}."
+    )
 
+  def leaf(old, new):
+    new = jnp.where(jnp.all(jnp.isfinite(new)), new, old).astype(old.dtype)
+    return new if axis_name is None else jax.lax.pmax(new, axis_name)
+
+  return jax.tree.map(leaf, fp8_meta, fp8_grads)

@@ -15,7 +15,7 @@ its own scaling state:
 
 The new state of a step comes back as the gradient of these variables (see
 :mod:`jmp_train._src.fp8`): take the gradient with respect to them too, and
-store it in their place with :func:`update_fp8_meta`.
+store it in their place with :func:`jmp_train.update_fp8_meta`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ __all__ = [
     "Fp8ConvGeneralDilated",
     "NNXFp8DotGeneral",
     "NNXFp8ConvGeneralDilated",
-    "update_fp8_meta",
+    "linen_fp8_fields",
+    "nnx_fp8_attributes",
 ]
 
 FP8_COLLECTION = "fp8_meta"
@@ -122,7 +123,7 @@ class NNXFp8DotGeneral(_NNXFp8):
     ...                    dot_general=NNXFp8DotGeneral(jmp_train.Fp8Recipe(amax_history_len=4)))
     >>> layer(jnp.ones((2, 16))).shape
     (2, 8)
-    >>> len(nnx.state(layer, jmp_train.Fp8Meta))
+    >>> len(nnx.state(layer, jmp_train.flax.Fp8Meta))
     1
   """
 
@@ -139,48 +140,6 @@ class NNXFp8ConvGeneralDilated(_NNXFp8):
   def __call__(self, lhs, rhs, *args, **kwargs):
     return fp8_lib.fp8_conv_general_dilated(
         lhs, rhs, *args, meta=self._meta(), recipe=self.recipe, **kwargs)
-
-
-def update_fp8_meta(fp8_meta: Any, fp8_grads: Any, axis_name: Any = None) -> Any:
-  """The FP8 state to store after a step: its "gradient", agreed over replicas.
-
-  Args:
-    fp8_meta: the current state (linen: ``variables["fp8_meta"]``; NNX:
-      ``nnx.state(model, jmp_train.Fp8Meta)``).
-    fp8_grads: the gradient of the loss with respect to ``fp8_meta``, which
-      the FP8 products set to their new state.
-    axis_name: a mapped axis (``pmap``/``shard_map``) whose replicas must
-      agree (max of the amax histories), or ``None``.
-
-  Returns:
-    The new state, of ``fp8_meta``'s structure and dtypes. Leaves whose
-    gradient is not finite keep their value (a skipped step).
-
-  Raises:
-    ValueError: if the two trees differ in structure.
-
-  Examples:
-    >>> import flax.linen as nn, functools, jmp_train
-    >>> layer = nn.Dense(8, dot_general_cls=functools.partial(
-    ...     Fp8DotGeneral, recipe=jmp_train.Fp8Recipe(amax_history_len=2)))
-    >>> v = layer.init(jax.random.key(0), jnp.ones((2, 8)))
-    >>> g = jax.grad(lambda m: layer.apply({**v, "fp8_meta": m},
-    ...     2 * jnp.ones((2, 8))).sum())(v["fp8_meta"])
-    >>> new = update_fp8_meta(v["fp8_meta"], g)
-    >>> new["Fp8DotGeneral_0"]["input_amax_history"].tolist()
-    [2.0, 0.0]
-  """
-  if jax.tree.structure(fp8_meta) != jax.tree.structure(fp8_grads):
-    raise ValueError(
-        "fp8_grads must have fp8_meta's structure (the gradient with respect "
-        f"to it); got {jax.tree.structure(fp8_grads)} for {jax.tree.structure(fp8_meta)}."
-    )
-
-  def leaf(old, new):
-    new = jnp.where(jnp.all(jnp.isfinite(new)), new, old).astype(old.dtype)
-    return new if axis_name is None else jax.lax.pmax(new, axis_name)
-
-  return jax.tree.map(leaf, fp8_meta, fp8_grads)
 
 
 def linen_fp8_fields(fields: Any, recipe: fp8_lib.Fp8Recipe | None) -> dict[str, Any]:
