@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmp_train._src import fp8_flax
 from jmp_train._src import policy as policy_lib
 
 __all__ = [
@@ -355,6 +356,8 @@ class LinenPolicyWrapper(nn.Module):
         dtype,
         self.policy.param_dtype,
     )
+    if not in_f32:
+      overrides.update(fp8_flax.linen_fp8_fields(fields, self.policy.fp8))
     if named_f32 and context.method_name != "setup":
       # Float32 on entry: linen norms normalize their input as given (only
       # their statistics are promoted), so a half input would make them
@@ -425,6 +428,9 @@ def _apply_policy_nnx(
         attrs, lambda name: getattr(m, name), dtype, policy.param_dtype
     ).items():
       setattr(m, name, value)
+    if not in_f32:
+      for name, value in fp8_flax.nnx_fp8_attributes(m, policy.fp8).items():
+        setattr(m, name, value)
   params = nnx.state(model, nnx.Param)
   nnx.update(model, jax.tree.map(functools.partial(_cast_param, policy), params))
   return NNXPolicyWrapper(model, policy, cast_inputs)
@@ -469,6 +475,13 @@ def apply_policy(
     float32, float32 outputs;
   * attention runs :func:`dot_product_attention` (softmax in float32) in
     place of Flax's default ``attention_fn``;
+  * with an FP8 policy (``policy.fp8``, e.g. ``"mixed_float8"``), the
+    products of ``Dense``/``DenseGeneral``/``Conv`` (linen) and
+    ``Linear``/``LinearGeneral``/``Conv`` (NNX) outside the float32 modules
+    run in FP8 (:func:`jmp_train.fp8_dot_general`), each with its scaling
+    state in the ``"fp8_meta"`` collection (linen) or in
+    :class:`jmp_train.flax.Fp8Meta` variables (NNX): differentiate with
+    respect to it and store :func:`jmp_train.update_fp8_meta` of the result;
   * floating inputs are cast to ``compute_dtype`` on entry (``cast_inputs``),
     and floating outputs to ``policy.output_dtype``, so the loss is computed
     in float32 with a float32 output dtype;

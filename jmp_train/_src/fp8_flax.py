@@ -162,13 +162,17 @@ def linen_fp8_fields(fields: Any, recipe: fp8_lib.Fp8Recipe | None) -> dict[str,
 
 
 def nnx_fp8_attributes(module: Any, recipe: fp8_lib.Fp8Recipe | None) -> dict[str, Any]:
-  """The attributes that make an NNX layer's products FP8 (none without a recipe)."""
+  """The attributes that make an NNX layer's products FP8 (none without a recipe).
+
+  The values are wrapped in ``nnx.data`` (NNX layers declare their product
+  function a static attribute; an FP8 product holds state).
+  """
   if recipe is None:
     return {}
   if isinstance(module, (nnx.Linear, nnx.LinearGeneral)) and not isinstance(
       getattr(module, "dot_general", None), _NNXFp8):
-    return {"dot_general": NNXFp8DotGeneral(recipe)}
+    return {"dot_general": nnx.data(NNXFp8DotGeneral(recipe))}
   if isinstance(module, nnx.Conv) and not isinstance(
       getattr(module, "conv_general_dilated", None), _NNXFp8):
-    return {"conv_general_dilated": NNXFp8ConvGeneralDilated(recipe)}
+    return {"conv_general_dilated": nnx.data(NNXFp8ConvGeneralDilated(recipe))}
   return {}
