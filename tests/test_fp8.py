@@ -286,3 +286,74 @@ def test_meta_survives_orbax_bit_for_bit(tmp_path):
   for a, b in zip(jax.tree.leaves(meta), jax.tree.leaves(back)):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(a, b)
+
+
+# --- apply_policy with an FP8 policy -------------------------------------------
+
+
+def _train_digits(policy, steps=60, seed=0):
+  from jmp_train.examples import data as data_lib
+  from jmp_train.examples import models
+
+  ds = data_lib.load_digits(seed=0)
+  model = jmp_train.flax.apply_policy(models.MLP(features=(64, 64)), policy)
+  variables = model.init(jax.random.key(seed), jnp.zeros((1, 64)))
+  params = variables.pop("params")
+  tx = optax.adam(3e-3)
+  opt_state = tx.init(params)
+
+  def loss_fn(params, meta, x, y):
+    logits = model.apply({"params": params, **meta}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @jax.jit
+  def step(params, meta, opt_state, x, y):
+    g, g_meta = jax.grad(loss_fn, argnums=(0, 1))(params, meta, x, y)
+    updates, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), jmp_train.update_fp8_meta(meta, g_meta), opt_state
+
+  for i in range(steps):
+    idx = np.random.default_rng((seed, i)).integers(0, len(ds.x_train), 128)
+    params, variables, opt_state = step(params, variables, opt_state, ds.x_train[idx], ds.y_train[idx])
+  return float(loss_fn(params, variables, ds.x_test, ds.y_test)), variables
+
+
+@pytest.mark.slow
+def test_digits_with_fp8_matches_bfloat16():
+  # A short single-seed run: one seed moves the final loss by a few percent
+  # (the 1% criterion over 3 seeds is the `fp8` benchmark's); FP8 must train
+  # as bfloat16 does, with its state updated every step.
+  bf16, _ = _train_digits("mixed_bfloat16")
+  fp8, meta = _train_digits("mixed_float8")
+  assert bf16 < 0.5 and fp8 < 1.05 * bf16, (fp8, bf16)
+  hist = meta["fp8_meta"]["dense0"]["Fp8DotGeneral_0"]["output_grad_amax_history"]
+  assert int(jnp.sum(hist > 0)) == 60
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_apply_policy_fp8_on_resnet_and_float32_modules(kind):
+  from jmp_train.examples import models
+
+  x = jnp.ones((2, 8, 8, 1))
+  if kind == "linen":
+    model = jmp_train.flax.apply_policy(models.ResNet(num_classes=16), "mixed_float8",
+                                        float32_paths=("head",))
+    variables = model.init(jax.random.key(0), x)
+    out = model.apply(variables, x, mutable=["batch_stats"])[0]
+    metas = variables[jmp_train.flax.FP8_COLLECTION]
+    paths = ["/".join(str(getattr(k, "key", k)) for k in p)
+             for p, _ in jax.tree_util.tree_leaves_with_path(metas)]
+    assert any("Fp8ConvGeneralDilated" in p for p in paths)
+    assert not any(p.startswith("head") for p in paths)  # float32 path: no FP8
+  else:
+    model = jmp_train.flax.apply_policy(
+        models.NNXResNet(num_classes=16, rngs=nnx.Rngs(0)), "mixed_float8")
+    out = model(x)
+    assert isinstance(model.module.stem.conv_general_dilated, jmp_train.flax.NNXFp8ConvGeneralDilated)
+    assert len(jax.tree.leaves(nnx.state(model, jmp_train.flax.Fp8Meta))) > 0
+  assert out.dtype == jnp.float32 and out.shape == (2, 16)
+
+
+def test_fp8_policy_changes_nothing_without_fp8():
+  model = jmp_train.flax.apply_policy(_Mlp(), "mixed_bfloat16")
+  assert set(model.init(jax.random.key(0), jnp.ones((1, 16)))) == {"params"}
