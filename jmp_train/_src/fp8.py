@@ -72,6 +72,9 @@ __all__ = [
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 _SCALINGS = ("delayed", "current")
+# The name scope of the products on dequantized FP8 operands: the diagnostics
+# read it to apply FP8's shape rules to them.
+FP8_SCOPE = "fp8_product"
 _AMAX_ALGOS = ("max", "most_recent")
 
 
@@ -257,7 +260,8 @@ def _fp8_binary(op: Callable[[jax.Array, jax.Array], jax.Array], recipe: Fp8Reci
     s_l, lhs_meta = _calibrate(lhs, meta.lhs, E4M3, recipe)
     s_r, rhs_meta = _calibrate(rhs, meta.rhs, E4M3, recipe)
     q_l, q_r = fp8_quantize(lhs, E4M3, s_l), fp8_quantize(rhs, E4M3, s_r)
-    out = op(fp8_dequantize(q_l, s_l, lhs.dtype), fp8_dequantize(q_r, s_r, rhs.dtype))
+    with jax.named_scope(FP8_SCOPE):
+      out = op(fp8_dequantize(q_l, s_l, lhs.dtype), fp8_dequantize(q_r, s_r, rhs.dtype))
     return out, (q_l, s_l, q_r, s_r, lhs_meta, rhs_meta, meta.grad)
 
   @jax.custom_vjp
@@ -270,8 +274,10 @@ def _fp8_binary(op: Callable[[jax.Array, jax.Array], jax.Array], recipe: Fp8Reci
     q_l, s_l, q_r, s_r, lhs_meta, rhs_meta, grad_meta = res
     s_g, new_grad_meta = _calibrate(g, grad_meta, E5M2, recipe)
     g_hat = fp8_dequantize(fp8_quantize(g, E5M2, s_g), s_g, g.dtype)
-    _, pullback = jax.vjp(op, fp8_dequantize(q_l, s_l, l_dtype), fp8_dequantize(q_r, s_r, r_dtype))
-    d_lhs, d_rhs = pullback(g_hat)
+    with jax.named_scope(FP8_SCOPE):
+      _, pullback = jax.vjp(
+          op, fp8_dequantize(q_l, s_l, l_dtype), fp8_dequantize(q_r, s_r, r_dtype))
+      d_lhs, d_rhs = pullback(g_hat)
     new_meta = Fp8DotMeta(lhs_meta, rhs_meta, new_grad_meta)
     new_meta = jax.tree.map(_agree, new_meta, meta_axes[0])
     return d_lhs.astype(l_dtype), d_rhs.astype(r_dtype), new_meta
