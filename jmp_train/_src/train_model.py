@@ -93,7 +93,10 @@ def _data_to_key(tree: Any, replica: jax.Array | None) -> Any:
       key = jax.random.fold_in(key, replica)
     return variable.replace(key)
 
-  return jax.tree.map(wrap, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  tree = jax.tree.map(wrap, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  # Fresh Variable objects, made at the current trace level: NNX refuses to
+  # mutate a variable made outside it (batch statistics under grad).
+  return jax.tree.map(lambda x: x, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +131,10 @@ class NnxModel:
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
     return nnx.merge(self.graphdef, params, _data_to_key(model_state, replica))
+
+  def to_module(self, params, model_state):
+    """The module holding ``params`` and ``model_state`` (typed keys again)."""
+    return self._merge(params, model_state, None)
 
   def train_apply(self, params, model_state, inputs, rng, replica):
     from flax import nnx  # pylint: disable=g-import-not-at-top

@@ -159,6 +159,23 @@ class TrainStep:
     # their axis.
     return state.replace(opt_state=self._init_opt(state.params))
 
+  def to_nnx(self, state: TrainState) -> Any:
+    """The ``nnx.Module`` holding a state's parameters and model state.
+
+    For a step built from an ``nnx.Module``: a new module of the same graph,
+    with the first replica's ``params`` and ``model_state`` (RNG streams
+    with typed keys again). Use it directly or copy it into the original
+    with ``nnx.update(model, nnx.state(step.to_nnx(state)))``.
+
+    Raises:
+      TypeError: if the step was not built from an ``nnx.Module``.
+    """
+    if not hasattr(self._model, "to_module"):
+      raise TypeError("to_nnx needs a step built from an nnx.Module.")
+    return self._model.to_module(
+        self.unreplicate(state.params), self.unreplicate(state.model_state)
+    )
+
   def replicate(self, tree: Any) -> Any:
     """Copies a per-replica tree to every device in this mode's layout."""
     if self.mode == "single":

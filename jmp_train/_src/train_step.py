@@ -54,7 +54,9 @@ class _Config:
 def _split_batch(batch: Any) -> tuple[Any, Any]:
   if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
     what = f"a {type(batch).__name__}"
-    if isinstance(batch, (tuple, list)):
+    if hasattr(batch, "shape") and hasattr(batch, "dtype"):
+      what = f"a single array of shape {tuple(batch.shape)} and dtype {batch.dtype}"
+    elif isinstance(batch, (tuple, list)):
       what += f" of length {len(batch)}"
     elif isinstance(batch, dict):
       what += f" with keys {sorted(batch)}"
@@ -303,8 +305,8 @@ def make_train_step(
       ``params`` and the rest (``BatchStat`` s, the ``nnx.Rngs`` streams of
       ``Dropout``) as ``model_state``; each step merges a copy in training
       mode (``module.train()``; evaluation: ``module.eval()``), and
-      ``nnx.update(module, state.params, state.model_state)`` puts a trained
-      state back (``step.unreplicate`` it first in the data-parallel modes).
+      :meth:`TrainStep.to_nnx` returns the trained module (stream keys are
+      stored as ``uint32`` key data in the state).
       In the data-parallel modes each replica folds its index into the
       streams' keys (one dropout mask per replica).
     loss_fn: ``loss_fn(outputs, targets)`` returning a scalar loss, or
