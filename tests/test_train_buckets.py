@@ -152,3 +152,11 @@ def test_compression_as_the_whole_optimizer_keeps_state_per_replica():
   assert any(not np.array_equal(r[0], r[1]) for r in residuals)
   # No gradient all-reduce of its own: the compression averages.
   assert not _gradient_all_reduces(step, state, step.shard_batch((x, y)))
+
+
+@pytest.mark.parametrize("bad", ["int8", "float17", jnp.float64])
+def test_an_unsupported_reduce_dtype_names_the_valid_ones(bad):
+  with pytest.raises(ValueError, match="grad_reduce_dtype .* is not supported; valid: None, "
+                                       "float32, bfloat16, float16"):
+    jmp_train.make_train_step(_Mlp().apply, _xent, optax.sgd(0.1), mode="pmap",
+                              grad_reduce_dtype=bad)

@@ -202,6 +202,13 @@ def _check_transformation(name: str, tx: Any, allow_none: bool) -> None:
   )
 
 
+def _dtype_name(dtype: Any) -> str | None:
+  try:
+    return jnp.dtype(dtype).name
+  except TypeError:
+    return None
+
+
 def _check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype) -> None:
   """Validation in one place: TypeError/ValueError naming the bad value."""
   if not callable(loss_fn):
@@ -218,7 +225,7 @@ def _check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype) -
         "compression averages gradients across replicas, so it needs mode "
         "'pmap' or 'shard_map', not 'single'."
     )
-  if grad_reduce_dtype is not None and str(np.dtype(grad_reduce_dtype)) not in _REDUCE_DTYPES:
+  if grad_reduce_dtype is not None and _dtype_name(grad_reduce_dtype) not in _REDUCE_DTYPES:
     raise ValueError(
         f"grad_reduce_dtype {grad_reduce_dtype!r} is not supported; valid: None, "
         f"{', '.join(_REDUCE_DTYPES)}."
@@ -405,7 +412,7 @@ def make_train_step(
       axis_name=axis, exchange=axis is not None and compression is None,
       has_aux=has_aux, cast_params=cast_params, remat_policy=remat_policy,
       bucket_bytes=bucket_bytes,
-      reduce_dtype=None if grad_reduce_dtype is None else np.dtype(grad_reduce_dtype),
+      reduce_dtype=None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
   )
   train = functools.partial(_train_step, cfg)
   evaluate = functools.partial(_eval_step, cfg)
