@@ -40,7 +40,9 @@ class TrainState(struct.PyTreeNode):
     opt_state: the optimizer state (with the loss scale inside it when loss
       scaling is on).
     model_state: mutable Flax collections other than ``params`` (for example
-      ``{"batch_stats": ...}``); ``{}`` if the model has none.
+      ``{"batch_stats": ...}``); ``{}`` if the model has none. For an
+      ``nnx.Module``: its ``nnx.State`` other than ``nnx.Param`` (batch
+      statistics, RNG stream counters and ``uint32`` key data).
     rng: a ``jax.random.key_data``-style ``uint32`` key, or ``None``. Each step
       folds in the step number (and the device index) so that a resumed run
       draws the same dropout masks.
