@@ -1,0 +1,67 @@
+"""The per-mode wrappers of a train step: one device, ``pmap``, ``shard_map``.
+
+Each takes the per-replica ``train(state, batch)``, ``evaluate(state,
+batch)`` and optimizer ``init(params)`` and returns their compiled forms.
+In the ``pmap`` and ``shard_map`` modes every state leaf has a leading
+replica axis; inside ``shard_map`` that axis has size 1 and is squeezed
+(:func:`first`) before the per-replica function and restored
+(:func:`expand`) after it, so that an optimizer state made by ``init`` inside
+the mapped axis may differ between replicas.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["compile_single", "compile_pmap", "compile_shard_map", "first", "expand"]
+
+
+def first(tree):
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def expand(tree):
+  return jax.tree.map(lambda x: x[None], tree)
+
+
+def compile_single(train, evaluate, init, donate):
+  donate_argnums = (0,) if donate else ()
+  return jax.jit(train, donate_argnums=donate_argnums), jax.jit(evaluate), jax.jit(init)
+
+
+def compile_pmap(train, evaluate, init, donate, axis_name):
+  pmapped_train = jax.pmap(train, axis_name=axis_name, donate_argnums=(0,) if donate else ())
+  pmapped_eval = jax.pmap(evaluate, axis_name=axis_name)
+
+  # The metrics are equal on every device (pmean/pmax): return one copy so
+  # that every mode returns scalars.
+  def step_fn(state, batch):
+    new_state, metrics = pmapped_train(state, batch)
+    return new_state, first(metrics)
+
+  step_fn.lower = pmapped_train.lower
+  eval_fn = lambda state, batch: first(pmapped_eval(state, batch))
+  return step_fn, eval_fn, jax.pmap(init, axis_name=axis_name)
+
+
+def compile_shard_map(train, evaluate, init, donate, axis_name, mesh):
+  # Every state leaf carries a leading replica axis (size 1 inside the map).
+  def sharded_train(state, batch):
+    new_state, metrics = train(first(state), batch)
+    return expand(new_state), metrics
+
+  spec = P(axis_name)
+  step_fn = jax.jit(
+      jax.shard_map(sharded_train, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, P())),
+      donate_argnums=(0,) if donate else (),
+  )
+  eval_fn = jax.jit(
+      jax.shard_map(lambda s, b: evaluate(first(s), b), mesh=mesh, in_specs=(spec, spec),
+                    out_specs=P())
+  )
+  init_fn = jax.jit(
+      jax.shard_map(lambda p: expand(init(first(p))), mesh=mesh, in_specs=spec,
+                    out_specs=spec)
+  )
+  return step_fn, eval_fn, init_fn
