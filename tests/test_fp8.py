@@ -357,3 +357,39 @@ def test_apply_policy_fp8_on_resnet_and_float32_modules(kind):
 def test_fp8_policy_changes_nothing_without_fp8():
   model = jmp_train.flax.apply_policy(_Mlp(), "mixed_bfloat16")
   assert set(model.init(jax.random.key(0), jnp.ones((1, 16)))) == {"params"}
+
+
+@pytest.mark.parametrize("mode", ["single", "shard_map"])
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_make_train_step_updates_and_agrees_on_fp8_state(kind, mode):
+  from jmp_train.examples import models
+
+  if kind == "linen":
+    model = jmp_train.flax.apply_policy(models.MLP(features=(32,), num_classes=16), "mixed_float8")
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 64)))
+    params = variables.pop("params")
+    init_args = {"params": params, "model_state": variables}
+  else:
+    model = jmp_train.flax.apply_policy(
+        models.NNXMLP(64, features=(32,), num_classes=16, rngs=nnx.Rngs(0)), "mixed_float8")
+    init_args = {}
+  step = jmp_train.make_train_step(
+      model if kind == "nnx" else model.apply,
+      lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+      optax.adam(1e-3), policy="float32", mode=mode, loss_scale=jmp_train.DynamicLossScale())
+  state = step.init(**init_args)
+  x = jnp.linspace(-2.0, 2.0, 16 * 64).reshape(16, 64)
+  y = jnp.arange(16) % 16
+  for _ in range(2):
+    state, metrics = step(state, step.shard_batch((x, y)))
+    jax.block_until_ready(state)
+  fp8_state, _ = jmp_train._src.fp8_flax.split_fp8_state(state.model_state)
+  leaves = {"/".join(str(getattr(k, "key", k)) for k in p).removesuffix("/.value"): np.asarray(v)
+            for p, v in jax.tree_util.tree_leaves_with_path(fp8_state)}
+  hist = [v for k, v in leaves.items() if k.endswith("input_amax_history")][0]
+  grads = [v for k, v in leaves.items() if k.endswith("output_grad_amax_history")][0]
+  if mode == "shard_map":  # one copy per replica: all equal (max over replicas)
+    assert np.all(hist == hist[:1]) and np.all(grads == grads[:1])
+    hist, grads = hist[0], grads[0]
+  assert np.count_nonzero(hist) == 2 and np.count_nonzero(grads) == 2
+  assert int(metrics["skipped_steps"]) == 0

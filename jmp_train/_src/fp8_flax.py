@@ -176,3 +176,33 @@ def nnx_fp8_attributes(module: Any, recipe: fp8_lib.Fp8Recipe | None) -> dict[st
       getattr(module, "conv_general_dilated", None), _NNXFp8):
     return {"conv_general_dilated": nnx.data(NNXFp8ConvGeneralDilated(recipe))}
   return {}
+
+
+def split_fp8_state(model_state: Any) -> tuple[Any, Any]:
+  """Splits a model's non-parameter state into its FP8 part and the rest.
+
+  Linen: the ``"fp8_meta"`` collection of a variables dict; NNX: the
+  :class:`Fp8Meta` variables of an ``nnx.State``. A train step
+  differentiates the loss with respect to the FP8 part (its "gradient" is
+  its new value) and updates the rest as usual.
+
+  Examples:
+    >>> fp8, rest = split_fp8_state({"fp8_meta": {"a": 1}, "batch_stats": {"b": 2}})
+    >>> fp8, rest
+    ({'fp8_meta': {'a': 1}}, {'batch_stats': {'b': 2}})
+  """
+  if isinstance(model_state, nnx.State):
+    return nnx.split_state(model_state, Fp8Meta, ...)
+  if isinstance(model_state, dict):
+    fp8 = {k: v for k, v in model_state.items() if k == FP8_COLLECTION}
+    return fp8, {k: v for k, v in model_state.items() if k != FP8_COLLECTION}
+  return {}, model_state
+
+
+def merge_fp8_state(fp8: Any, rest: Any) -> Any:
+  """The inverse of :func:`split_fp8_state`."""
+  if isinstance(rest, nnx.State):
+    return nnx.merge_state(fp8, rest)
+  if isinstance(rest, dict):
+    return {**rest, **fp8}
+  return rest

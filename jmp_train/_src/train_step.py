@@ -22,6 +22,8 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jmp_train._src import buckets
+from jmp_train._src import fp8 as fp8_lib
+from jmp_train._src import fp8_flax
 from jmp_train._src import train_model
 from jmp_train._src import train_modes
 from jmp_train._src.policy import Policy, get_policy
@@ -102,23 +104,31 @@ def _gradients(cfg: _Config, state: TrainState, inputs, targets):
     rng = jax.random.fold_in(state.rng, state.step)
     if replica is not None:
       rng = jax.random.fold_in(rng, replica)
-  objective = functools.partial(
-      _forward, cfg, model_state=state.model_state, inputs=inputs, targets=targets,
-      rng=rng, replica=replica,
-  )
+  # FP8 products' scaling state is differentiated too: its "gradient" is its
+  # new value (see jmp_train.fp8_dot_general).
+  fp8, rest = fp8_flax.split_fp8_state(state.model_state)
+  has_fp8 = bool(jax.tree.leaves(fp8))
+
+  def objective(diff):
+    params, model_state = diff, state.model_state
+    if has_fp8:
+      params, model_state = diff[0], fp8_flax.merge_fp8_state(diff[1], rest)
+    return _forward(cfg, params, model_state, inputs, targets, rng, replica)
+
   if cfg.remat_policy is not None:
     objective = jax.checkpoint(objective, policy=cfg.remat_policy)
+  diff = (state.params, fp8) if has_fp8 else state.params
   if cfg.ls_api is None:
     scale = jnp.ones((), jnp.float32)
-    (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
-        state.params
-    )
+    (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(diff)
   else:
     current = cfg.ls_api.get_loss_scale(state.opt_state)
     scale = jnp.asarray(current.loss_scale, jnp.float32)
     (loss, (aux, model_state)), grads = cfg.ls_api.scaled_value_and_grad(
         objective, has_aux=True
-    )(current, state.params)
+    )(current, diff)
+  if has_fp8:
+    grads, fp8_grads = grads
   if cfg.exchange:
     grads = buckets.bucketed_mean(grads, cfg.axis_name, cfg.bucket_bytes, cfg.reduce_dtype)
   if cfg.axis_name is not None:
@@ -128,6 +138,9 @@ def _gradients(cfg: _Config, state: TrainState, inputs, targets):
         lambda x: lax.pmean(x, cfg.axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
         model_state,
     )
+  if has_fp8:
+    new_fp8 = fp8_lib.update_fp8_meta(fp8, fp8_grads, cfg.axis_name)
+    model_state = fp8_flax.merge_fp8_state(new_fp8, fp8_flax.split_fp8_state(model_state)[1])
   return loss, aux, model_state, grads, scale
 
 
