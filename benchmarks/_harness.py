@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jmp_train._src import train_state
 from jmp_train._src.tables import format_table  # re-exported for benchmarks
 
 RESULTS_DIR = pathlib.Path(__file__).parent / "results"
@@ -120,16 +121,7 @@ def is_skipped(records: Sequence[dict[str, Any]]) -> bool:
   return len(records) == 1 and records[0].get("skipped") is True
 
 
-def tree_bytes(tree: Any) -> int:
-  """Total bytes of the array leaves of ``tree`` (arrays or shape structs)."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-      size = 1
-      for d in leaf.shape:
-        size *= int(d)
-      total += size * leaf.dtype.itemsize
-  return total
+tree_bytes = train_state.tree_bytes  # the library's one copy
 
 
 def compiled_memory(compiled: Any) -> dict[str, int | None]:
