@@ -810,3 +810,152 @@ def test_exported_names():
   for name in ["loss_scaled", "LossScaledState", "get_loss_scale",
                "loss_scale_metrics", "scaled_value_and_grad"]:
     assert name in jmp_train.__all__ and hasattr(jmp_train, name)
+
+
+# --- dtypes, errors, signature, serialization --------------------------------
+
+_PAIRS = [(g, p) for g in DTYPES for p in DTYPES if g != p]
+
+
+@pytest.mark.parametrize("skip_mode", ["cond", "select"])
+@pytest.mark.parametrize("grad_dtype, param_dtype", _PAIRS,
+                         ids=[f"{jnp.dtype(g).name}-grads-{jnp.dtype(p).name}-params"
+                              for g, p in _PAIRS])
+def test_state_keeps_its_dtypes_for_every_grad_param_pairing(
+    grad_dtype, param_dtype, skip_mode):
+  # Adam's moments take the parameters' dtype at init; its update would
+  # promote them with the gradients' dtype. Finite and skipped steps, jitted
+  # and in a scan carry, keep every state leaf in its initial dtype.
+  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**4, growth_interval=2),
+                   skip_mode=skip_mode)
+  params = _params(param_dtype)
+  state0 = tx.init(params)
+  script = [None, np.inf, None, np.nan, None]
+  grads_seq = [_np_grads(grad_dtype, 2.0**4, bad) for bad in script]
+
+  def body(state, grads):
+    updates, state = tx.update(grads, state, params)
+    return state, updates
+
+  stacked = jax.tree.map(lambda *x: np.stack(x), *grads_seq)
+  state, updates = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state0, stacked)
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, state0)
+  assert np.asarray(state.total_notfinite).item() == 2
+  mu = state.inner_state[0].mu["w"]
+  assert mu.dtype == param_dtype and np.abs(np.asarray(mu, np.float32)).max() > 0
+  # One step at a time (eagerly built state, jitted update) agrees too.
+  step = jax.jit(tx.update)
+  s = state0
+  for grads in grads_seq:
+    _, s = step(grads, s, params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(s, state0)
+
+
+@pytest.mark.parametrize("inner, fragment", [
+    ("sgd", r"got str 'sgd'"),
+    (optax.sgd, r"sgd looks like a factory: call it"),
+    (None, r"got NoneType None"),
+    (optax.GradientTransformation, r"got type"),
+])
+def test_inner_that_is_no_transformation_is_a_type_error(inner, fragment):
+  with pytest.raises(TypeError, match=r"expects an optax.GradientTransformation.*"
+                     + fragment):
+    loss_scaled(inner, StaticLossScale(2.0))
+
+
+def test_inner_may_be_any_object_with_init_and_update():
+  class Duck:
+    init = staticmethod(optax.sgd(1.0).init)
+    update = staticmethod(optax.sgd(1.0).update)
+
+  tx = loss_scaled(Duck(), StaticLossScale(2.0))
+  updates, _ = tx.update({"w": jnp.full(2, 2.0)}, tx.init({"w": jnp.zeros(2)}))
+  np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
+
+
+def _power_loss(w, x, n_terms, *, power):
+  # n_terms and power are Python values (range, **): they must be static.
+  return sum(jnp.sum((w * x) ** power) for _ in range(n_terms))
+
+
+def test_scaled_value_and_grad_signature_has_the_loss_scale_first():
+  import inspect
+
+  g = scaled_value_and_grad(_power_loss)
+  params = list(inspect.signature(g).parameters.values())
+  assert [p.name for p in params] == ["loss_scale", "w", "x", "n_terms", "power"]
+  assert params[0].kind is inspect.Parameter.POSITIONAL_ONLY
+  # A function with its own `loss_scale` parameter keeps it.
+  own = scaled_value_and_grad(lambda loss_scale, w: loss_scale * jnp.sum(w))
+  assert list(inspect.signature(own).parameters) == ["loss_scale_", "loss_scale", "w"]
+
+
+@pytest.mark.parametrize("static", [
+    dict(static_argnums=(3,), static_argnames=("power",)),
+    dict(static_argnames=("n_terms", "power")),
+], ids=["static_argnums", "static_argnames"])
+def test_scaled_value_and_grad_under_jit_with_static_arguments(static):
+  # As jax.value_and_grad of the same function under jit: the same static
+  # arguments by name, the numbers shifted by one for the loss scale.
+  w, x = jnp.array([0.5, -1.0]), jnp.array([2.0, 3.0])
+  ref_static = dict(static)
+  if "static_argnums" in ref_static:
+    ref_static["static_argnums"] = tuple(i - 1 for i in static["static_argnums"])
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(_power_loss), **ref_static)(
+      w, x, 3, power=2)
+  g = jax.jit(scaled_value_and_grad(_power_loss), **static)
+  if "static_argnums" in static:
+    loss, grads = g(StaticLossScale(4.0), w, x, 3, power=2)
+  else:
+    loss, grads = g(StaticLossScale(4.0), w, x, n_terms=3, power=2)
+  np.testing.assert_array_equal(loss, ref_loss)
+  np.testing.assert_array_equal(grads, ref_grads * 4.0)
+
+
+def _non_default_state():
+  """A LossScaledState whose every leaf differs from what init gives."""
+  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(
+      2.0**6, growth_interval=3, growth_factor=4.0, backoff_factor=0.25,
+      min_scale=0.5, max_scale=2.0**10))
+  params = _params(jnp.float16)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for bad in [None, np.inf, None, np.nan]:
+    _, state = step(_np_grads(jnp.float16, get_loss_scale(state).loss_scale
+                              .item(), bad), state, params)
+  assert int(state.notfinite_count) == 1 and int(state.total_notfinite) == 2
+  assert int(state.loss_scale.counter) == 0  # the backoff reset it
+  _, state = step(_np_grads(jnp.float16, 1.0), state, params)
+  assert int(state.loss_scale.counter) == 1 and int(state.notfinite_count) == 0
+  _, state = step(_np_grads(jnp.float16, 1.0, np.inf), state, params)
+  assert int(state.notfinite_count) == 1 and int(state.total_notfinite) == 3
+  _, state = step(_np_grads(jnp.float16, 1.0), state, params)
+  return tx, params, state
+
+
+def test_state_round_trips_through_flax_serialization_and_pytrees():
+  from flax import serialization
+  from flax.training import train_state
+
+  tx, params, state = _non_default_state()
+  template = tx.init(params)
+  leaves, treedef = jax.tree.flatten(state)
+  _assert_bitwise_equal(jax.tree.unflatten(treedef, leaves), state)
+  for restored in (
+      serialization.from_state_dict(template, serialization.to_state_dict(state)),
+      serialization.from_bytes(template, serialization.to_bytes(state)),
+  ):
+    restored = jax.tree.map(jnp.asarray, restored)
+    assert isinstance(restored, LossScaledState)
+    chex.assert_trees_all_equal_shapes_and_dtypes(restored, state)
+    _assert_bitwise_equal(restored, state)
+  # A Flax TrainState holding it serializes, and training resumes on it.
+  ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  ts = ts.replace(step=7, opt_state=state)
+  back = serialization.from_bytes(
+      train_state.TrainState.create(apply_fn=None, params=params, tx=tx),
+      serialization.to_bytes(ts))
+  assert int(back.step) == 7
+  _assert_bitwise_equal(jax.tree.map(jnp.asarray, back.opt_state), state)
+  assert float(loss_scale_metrics(back)["loss_scale"]) == float(
+      state.loss_scale.loss_scale)

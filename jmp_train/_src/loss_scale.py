@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import flax.serialization
 import jax
@@ -138,29 +138,26 @@ def _as_counter_array(value: Any, growth_interval: int) -> jax.Array:
   return counter
 
 
-def _apply_scale(
-    tree: Any, scale: jax.Array,
-    op: Callable[[jax.Array, jax.Array], jax.Array] = operator.mul,
-) -> Any:
-  """``op(leaf, scale)`` for the floating leaves, keeping their dtypes.
+def apply_scale(tree: Any, factor: jax.Array) -> Any:
+  """Multiplies floating leaves by a float32 scalar, keeping their dtypes.
 
-  The result is formed in float32 for half-precision leaves (so a scale
+  The product is formed in float32 for half-precision leaves (so a scale
   beyond float16's range and large intermediate values are representable),
   in the leaf's own dtype for float32 and float64 leaves, and cast back to
   the leaf's dtype. Non-floating leaves are returned as they are; Python
   floats are treated as float32 scalars.
   """
 
-  def apply(x):
+  def mul(x):
     if isinstance(x, float):  # a Python float loss, e.g. from a constant
       x = jnp.asarray(x, jnp.float32)
     if not is_floating_array(x):
       return x
     # Explicit (not jnp.promote_types, which strict promotion forbids).
     compute = x.dtype if x.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-    return op(x.astype(compute), scale.astype(compute)).astype(x.dtype)
+    return (x.astype(compute) * factor.astype(compute)).astype(x.dtype)
 
-  return jax.tree.map(apply, tree)
+  return jax.tree.map(mul, tree)
 
 
 def _as_flag(grads_finite: jax.typing.ArrayLike) -> jax.Array:
@@ -194,17 +191,16 @@ class LossScale:
       ``tree * S`` with every leaf in its own dtype (computed in float32 or
       wider, then cast back).
     """
-    return _apply_scale(tree, self.loss_scale)
+    return apply_scale(tree, self.loss_scale)
 
   def unscale(self, tree: Any) -> Any:
-    """Divides the floating leaves of ``tree`` by ``S``.
+    """Multiplies the floating leaves of ``tree`` by ``1 / S``.
 
-    Each leaf is divided in float32 (or wider) before being cast back to its
-    dtype, so float16 gradients scaled up to near 65504, or scaled by an
-    ``S`` beyond float16's range, come back without an intermediate
-    overflow. The quotient is correctly rounded (for a power-of-two ``S`` it
-    equals multiplying by ``1/S``), and inside a jitted step ``S`` enters the
-    fused elementwise work as a scalar operand, with no kernel of its own.
+    ``1/S`` is computed in float32 and each leaf is multiplied in float32
+    (or wider) before being cast back to its dtype, so float16 gradients
+    scaled up to near 65504 come back without an intermediate overflow. A
+    multiply (unlike a division) is cheap enough for XLA to fuse into every
+    consumer, so unscaling adds no pass over the gradients of its own.
 
     Args:
       tree: a pytree, typically the scaled gradients.
@@ -212,7 +208,7 @@ class LossScale:
     Returns:
       ``tree / S`` with every leaf in its own dtype.
     """
-    return _apply_scale(tree, self.loss_scale, operator.truediv)
+    return apply_scale(tree, jnp.float32(1.0) / self.loss_scale)
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> "LossScale":
     """Returns the loss scale to use after a step (see subclasses)."""

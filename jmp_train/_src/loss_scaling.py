@@ -36,6 +36,7 @@ from jmp_train._src.loss_scale import LossScale
 from jmp_train._src.loss_scale import NoOpLossScale
 from jmp_train._src.loss_scale import StaticLossScale
 from jmp_train._src.loss_scale import all_finite
+from jmp_train._src.loss_scale import apply_scale
 from jmp_train._src.policy import is_floating_array
 
 __all__ = [
@@ -94,7 +95,7 @@ def loss_scaled(
   Given gradients ``G = S \nabla L`` of the loss scaled by the current scale
   ``S`` (see :func:`scaled_value_and_grad`), ``update`` does:
 
-  * if every leaf of ``g = G / S`` is finite (divided in float32 or wider,
+  * if every leaf of ``g = G / S`` is finite (``1/S`` applied in float32,
     cast back to each leaf's dtype): ``updates, inner_state =
     inner.update(g, ...)``, the new inner state cast back to the dtypes of
     the old one, ``S`` adjusted by ``loss_scale.adjust(True)``,
@@ -119,9 +120,9 @@ def loss_scaled(
   from inf/NaN inputs and throw it away), and the unchanged inner state is
   passed through rather than selected element by element. On a finite step
   the compiled step does what a bare finiteness test and a ``lax.cond``
-  around ``inner`` do (the same passes over gradient-sized buffers): the
-  division by ``S`` is fused into the test and into the inner update, and
-  each branch updates the scale and the counters with a few scalar
+  around ``inner`` do (the same passes over gradient-sized buffers):
+  ``1/S`` is one scalar, its multiply fused into the test and into the inner
+  update, and each branch updates the scale and the counters with a few scalar
   operations of its own. The predicate is
   the same on every replica when ``axis_name`` is given (:func:`all_finite`
   reduces it over the axis), so under ``pmap``/``shard_map`` all replicas
@@ -211,11 +212,12 @@ def loss_scaled(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    finite = _unscaled_all_finite(state.loss_scale, updates, axis_name)
+    unscale = _unscaler(state.loss_scale)
+    finite = _unscaled_all_finite(unscale, updates, axis_name)
 
     def run_inner(scaled_grads, inner_state, params):
-      grads = state.loss_scale.unscale(scaled_grads)
-      return inner.update(grads, inner_state, params, **extra_args)
+      return inner.update(unscale(scaled_grads), inner_state, params,
+                          **extra_args)
 
     apply, skip = _branches(run_inner, updates, state, params)
     if skip_mode == "cond":
@@ -331,29 +333,43 @@ def _branches(
   return marked(apply), marked(skip)
 
 
+def _unscaler(loss_scale: LossScale) -> Callable[[Any], Any]:
+  """``loss_scale.unscale``, with ``1/S`` computed once, here.
+
+  The test and the inner update then share one scalar ``1/S`` (one scalar
+  operation in the compiled step, not one per use), and each fuses its
+  multiply by it into its own pass over the gradients.
+  """
+  if isinstance(loss_scale, NoOpLossScale):
+    return lambda tree: tree
+  if type(loss_scale).unscale is not LossScale.unscale:  # a custom rule
+    return loss_scale.unscale
+  inverse = jnp.float32(1.0) / loss_scale.loss_scale
+  return lambda tree: apply_scale(tree, inverse)
+
+
 def _unscaled_all_finite(
-    loss_scale: LossScale, scaled_grads: Any,
+    unscale: Callable[[Any], Any], scaled_grads: Any,
     axis_name: str | Sequence[str] | None,
 ) -> jax.Array:
-  """``all_finite(loss_scale.unscale(scaled_grads), axis_name)``, from ``|G|``.
+  """``all_finite(unscale(scaled_grads), axis_name)``, from ``|G|``.
 
   The test is of the *unscaled* gradients: with a scale below 1 a finite
   gradient can overflow when unscaled. Unscaling ``|G|`` instead of ``G``
-  gives the same answer exactly: ``G / S`` is computed the same way (in
-  float32 or wider, cast back to the leaf's dtype), rounding is symmetric,
-  so ``|unscale(g)| == unscale(|g|)`` element by element, and ``abs`` keeps
-  inf and NaN. It keeps the test from sharing the ``G / S`` of the inner
-  update: when it did, the quotient had two users and XLA:GPU wrote it out
-  as a separate pass over the gradients. Now the gradient is read once by
-  this reduction (``|G| / S`` fused into it) and once by the inner update
-  (``G / S`` fused into it), as by a step without loss scaling; the scale
-  enters both as a scalar operand, with no kernel of its own.
+  gives the same answer exactly: ``1/S`` is applied the same way (in float32
+  or wider, cast back to the leaf's dtype), rounding is symmetric, so
+  ``|unscale(g)| == unscale(|g|)`` element by element, and ``abs`` keeps
+  inf and NaN. It keeps the test from sharing the ``G * (1/S)`` of the
+  inner update: when it did, the product had two users and XLA:GPU wrote
+  it out as a separate pass over the gradients (the multiply was taken as
+  the epilogue of the weight-gradient matmul, then left as its own kernel
+  when cuBLAS was picked for the matmul). Now the gradient is read once by
+  this reduction (``|G| * (1/S)`` fused into it) and once by the inner
+  update (``G * (1/S)`` fused into it), as by a step without loss scaling.
   """
-  if isinstance(loss_scale, NoOpLossScale):
-    return all_finite(scaled_grads, axis_name)
   magnitudes = jax.tree.map(
       lambda x: jnp.abs(x) if is_floating_array(x) else x, scaled_grads)
-  return all_finite(loss_scale.unscale(magnitudes), axis_name)
+  return all_finite(unscale(magnitudes), axis_name)
 
 
 def _varying_axes(x: Any) -> frozenset[str]:
