@@ -959,3 +959,46 @@ def test_state_round_trips_through_flax_serialization_and_pytrees():
   _assert_bitwise_equal(jax.tree.map(jnp.asarray, back.opt_state), state)
   assert float(loss_scale_metrics(back)["loss_scale"]) == float(
       state.loss_scale.loss_scale)
+
+
+# --- what the compiled step launches and moves --------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled_profiles():
+  from benchmarks import bench_loss_scaling
+
+  records = bench_loss_scaling.compiled_profiles(
+      sizes=(16, 256, 256, 10), batch=32, variants=("skip_floor", "jmp_train"))
+  return {(r["part"], r["variant"]): r for r in records}
+
+
+@pytest.mark.parametrize("part", ["hlo_step", "hlo_update"])
+def test_finite_step_moves_what_the_skip_floor_moves(compiled_profiles, part):
+  # loss_scaled(adamw) against a bare finiteness test and lax.cond around
+  # adamw (benchmarks/bench_loss_scaling.py): the same passes over
+  # gradient-, parameter- and state-sized buffers and the same bytes (up to
+  # the scalar 1/S each fused pass reads); the loss-scale bookkeeping adds a
+  # handful of scalar operations only.
+  ours = compiled_profiles[part, "jmp_train"]
+  floor = compiled_profiles[part, "skip_floor"]
+  assert ours["array_kernels"] == floor["array_kernels"]
+  assert floor["array_bytes"] <= ours["array_bytes"] <= floor["array_bytes"] + 256
+  assert ours["scalar_kernels"] <= floor["scalar_kernels"] + 8
+
+
+def test_finite_step_profile_counts_passes():
+  # The counter itself: an extra pass over the gradients is one more array
+  # kernel and its bytes; a scalar operation is a scalar kernel.
+  from benchmarks.bench_loss_scaling import finite_step_profile
+
+  g = jnp.zeros((64, 64))
+  one = jax.jit(lambda g: g * 2.0).lower(g).compile().as_text()
+  two = jax.jit(lambda g, s: (g * 2.0, jnp.sin(s) * 3.0)).lower(
+      g, jnp.float32(1.0)).compile().as_text()
+  cond = jax.jit(lambda g: jax.lax.cond(jnp.sum(g) > 0, lambda g: g + 1.0,
+                                        lambda g: g, g)).lower(g).compile().as_text()
+  p1, p2, p3 = map(finite_step_profile, (one, two, cond))
+  assert p1 == {"array_kernels": 1, "scalar_kernels": 0, "array_bytes": 2 * 64 * 64 * 4}
+  assert p2["array_kernels"] == 1 and p2["scalar_kernels"] >= 1
+  assert p3["array_kernels"] >= 2  # the reduction and the branch's add
