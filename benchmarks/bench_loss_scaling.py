@@ -153,40 +153,8 @@ def _steps(lr: float = 1e-3) -> dict[str, tuple[Callable[..., Any], Any]]:
   steps["jmp_train"] = ours("cond")
   steps["jmp_train_select"] = ours("select")
 
-  import jmp
-
-  def with_jmp(carry, x, y):
-    params, opt_state, loss_scale = carry
-    grads = jax.grad(lambda p: loss_scale.scale(_loss(p, x, y)))(params)
-    grads = loss_scale.unscale(grads)
-    finite = jmp.all_finite(grads)
-    loss_scale = loss_scale.adjust(finite)
-    updates, new_opt_state = adamw.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params, opt_state = jmp.select_tree(
-        finite, (new_params, new_opt_state), (params, opt_state))
-    return params, opt_state, loss_scale
-
-  steps["jmp"] = (
-      with_jmp,
-      lambda p: (p, adamw.init(p),
-                 jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))),
-  )
-
-  from flax.training.dynamic_scale import DynamicScale
-
-  def with_flax(carry, x, y):
-    params, opt_state, dynamic_scale = carry
-    dynamic_scale, is_finite, _, grads = dynamic_scale.value_and_grad(_loss)(
-        params, x, y)
-    updates, new_opt_state = adamw.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    select = lambda new, old: jax.tree.map(
-        lambda a, b: jnp.where(is_finite, a, b), new, old)
-    return (select(new_params, params), select(new_opt_state, opt_state),
-            dynamic_scale)
-
-  steps["flax"] = (with_flax, lambda p: (p, adamw.init(p), DynamicScale()))
+  steps["jmp"] = _jmp_step(adamw)
+  steps["flax"] = _flax_step(adamw)
 
   guarded = optax.apply_if_finite(adamw, max_consecutive_errors=10**9)
 
@@ -206,6 +174,47 @@ def _steps(lr: float = 1e-3) -> dict[str, tuple[Callable[..., Any], Any]]:
 
   steps["skip_floor"] = (floor, lambda p: (p, adamw.init(p)))
   return steps
+
+
+def _jmp_step(adamw):
+  """jmp's DynamicLossScale by hand, as in jmp's README."""
+  import jmp
+
+  def with_jmp(carry, x, y):
+    params, opt_state, loss_scale = carry
+    grads = jax.grad(lambda p: loss_scale.scale(_loss(p, x, y)))(params)
+    grads = loss_scale.unscale(grads)
+    finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(finite)
+    updates, new_opt_state = adamw.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp.select_tree(
+        finite, (new_params, new_opt_state), (params, opt_state))
+    return params, opt_state, loss_scale
+
+  return (
+      with_jmp,
+      lambda p: (p, adamw.init(p),
+                 jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))),
+  )
+
+
+def _flax_step(adamw):
+  """Flax's DynamicScale.value_and_grad and a jnp.where, as in its examples."""
+  from flax.training.dynamic_scale import DynamicScale
+
+  def with_flax(carry, x, y):
+    params, opt_state, dynamic_scale = carry
+    dynamic_scale, is_finite, _, grads = dynamic_scale.value_and_grad(_loss)(
+        params, x, y)
+    updates, new_opt_state = adamw.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    select = lambda new, old: jax.tree.map(
+        lambda a, b: jnp.where(is_finite, a, b), new, old)
+    return (select(new_params, params), select(new_opt_state, opt_state),
+            dynamic_scale)
+
+  return (with_flax, lambda p: (p, adamw.init(p), DynamicScale()))
 
 
 def _skip_floor_apply(adamw, carry, grads):
