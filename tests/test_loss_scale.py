@@ -155,6 +155,70 @@ def test_construction_under_jit_skips_value_checks_on_tracers():
   assert float(out.loss_scale) == 8.0 and int(out.counter) == 1
 
 
+def test_the_pytree_is_a_registered_dataclass():
+  # One mechanism: jax.tree_util.register_dataclass, with the configuration
+  # declared static; JAX rebuilds a value by calling the class with every
+  # field as a keyword, which takes the leaves as they are.
+  ls = DynamicLossScale(**NON_DEFAULT)
+  static = {f.name for f in dataclasses.fields(ls) if f.metadata.get("static")}
+  assert static == set(CONFIG_FIELDS)
+  rebuilt = DynamicLossScale(
+      **{f.name: getattr(ls, f.name) for f in dataclasses.fields(ls)})
+  _assert_same_dynamic(rebuilt, ls)
+  assert StaticLossScale(loss_scale=None).loss_scale is None  # placeholder
+  with pytest.raises(ValueError, match="StaticLossScale takes the scale"):
+    StaticLossScale()
+
+
+@pytest.mark.parametrize("value, template", [
+    (DynamicLossScale(**NON_DEFAULT),
+     DynamicLossScale(**{**NON_DEFAULT, "scale": 1.0, "counter": 0})),
+    (StaticLossScale(3.0), StaticLossScale(1.0)),
+    (NoOpLossScale(), NoOpLossScale()),
+], ids=["dynamic", "static", "noop"])
+def test_flax_serialization_round_trip(value, template):
+  # As for Flax's DynamicScale: the leaves are saved by field name and come
+  # back from the bytes; the static configuration comes from the template.
+  from flax import serialization
+
+  state_dict = serialization.to_state_dict(value)
+  assert set(state_dict) == {f.name for f in dataclasses.fields(value)
+                             if not f.metadata.get("static")}
+  for restored in (serialization.from_state_dict(template, state_dict),
+                   serialization.from_bytes(template,
+                                            serialization.to_bytes(value))):
+    restored = jax.tree.map(jnp.asarray, restored)
+    assert type(restored) is type(value)
+    chex.assert_trees_all_equal_shapes_and_dtypes(restored, value)
+    chex.assert_trees_all_equal(restored, value)
+  with pytest.raises(ValueError, match="Cannot restore a StaticLossScale"):
+    serialization.from_state_dict(StaticLossScale(1.0), {"scale": 2.0})
+
+
+@pytest.mark.parametrize("flag", [jnp.array([True, False]), np.ones((1,), bool),
+                                  [True]])
+@pytest.mark.parametrize("make", [DynamicLossScale, lambda: StaticLossScale(2.0),
+                                  NoOpLossScale])
+def test_adjust_rejects_a_non_scalar_flag(make, flag):
+  with pytest.raises(ValueError, match=r"one boolean scalar.*shape \((2|1),\)"):
+    make().adjust(flag)
+  with pytest.raises(ValueError, match="one boolean scalar"):
+    jax.jit(lambda ls, f: ls.adjust(f))(make(), jnp.asarray(flag))
+
+
+@pytest.mark.parametrize("make", [
+    lambda v: DynamicLossScale(scale=v), lambda v: StaticLossScale(scale=v)])
+@pytest.mark.parametrize("value", ["big", None, object()])
+def test_a_scale_that_is_no_number_names_the_parameter(make, value):
+  with pytest.raises(ValueError, match=r"^scale must be a positive number.*got"):
+    make(value)
+
+
+def test_a_counter_that_is_no_number_names_the_parameter():
+  with pytest.raises(ValueError, match=r"^counter must be an integer.*'x'"):
+    DynamicLossScale(counter="x")
+
+
 # --- scale / unscale ---------------------------------------------------------
 
 

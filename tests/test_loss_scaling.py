@@ -162,8 +162,8 @@ def test_update_rule(dtype, mode, skip_mode):
   m = [loss_scale_metrics(s) for s in states[1:]]
   assert [float(x["loss_scale"]) for x in m] == scales[1:] + [_S0 / 4]
   assert [int(s.loss_scale.counter) for s in states[1:]] == [1, 0, 0, 0, 0, 1]
-  assert [int(x["total_skipped"]) for x in m] == [0, 0, 1, 2, 3, 3]
-  assert [int(x["consecutive_skipped"]) for x in m] == [0, 0, 1, 2, 3, 0]
+  assert [int(x["total_notfinite"]) for x in m] == [0, 0, 1, 2, 3, 3]
+  assert [int(x["notfinite_count"]) for x in m] == [0, 0, 1, 2, 3, 0]
   assert [bool(x["last_finite"]) for x in m] == [True, True, False, False,
                                                  False, True]
   # Every state leaf keeps its dtype and shape at every step.
@@ -172,8 +172,8 @@ def test_update_rule(dtype, mode, skip_mode):
   assert states[0].loss_scale.loss_scale.dtype == jnp.float32
   assert states[0].loss_scale.counter.dtype == jnp.int32
   assert {k: v.dtype for k, v in m[0].items()} == {
-      "loss_scale": jnp.float32, "total_skipped": jnp.int32,
-      "consecutive_skipped": jnp.int32, "last_finite": jnp.bool_}
+      "loss_scale": jnp.float32, "total_notfinite": jnp.int32,
+      "notfinite_count": jnp.int32, "last_finite": jnp.bool_}
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -191,7 +191,7 @@ def test_no_implicit_promotion(dtype):
     metrics = jax.jit(loss_scale_metrics)(state)
   assert {x.dtype for x in jax.tree.leaves(u)} == {jnp.dtype(dtype)}
   assert float(metrics["loss_scale"]) == 2.0**4
-  assert int(metrics["total_skipped"]) == 1
+  assert int(metrics["total_notfinite"]) == 1
 
 
 def test_vmap_over_independent_runs():
@@ -202,7 +202,7 @@ def test_vmap_over_independent_runs():
   grads = {"w": np.array([[4.0, 8.0, 4.0], [4.0, np.nan, 4.0]], np.float32)}
   states = jax.vmap(tx.init)(params)
   updates, new_states = jax.jit(jax.vmap(tx.update))(grads, states, params)
-  np.testing.assert_array_equal(new_states.total_skipped, [0, 1])
+  np.testing.assert_array_equal(new_states.total_notfinite, [0, 1])
   np.testing.assert_array_equal(new_states.loss_scale.loss_scale, [4.0, 2.0])
   np.testing.assert_array_equal(updates["w"][1], 0.0)
   assert (np.asarray(updates["w"][0]) < 0).all()
@@ -222,8 +222,8 @@ def test_scale_trajectory_through_the_transform():
     grads = _grads(jnp.float32, 1.0, jnp.where(finite, 1.0, jnp.inf))
     _, state = tx.update(grads, state, params)
     m = loss_scale_metrics(state)
-    return state, (m["loss_scale"], m["total_skipped"],
-                   m["consecutive_skipped"], m["last_finite"])
+    return state, (m["loss_scale"], m["total_notfinite"],
+                   m["notfinite_count"], m["last_finite"])
 
   _, (scales, total, consecutive, last) = jax.jit(
       lambda s, p: jax.lax.scan(body, s, p))(tx.init(params),
@@ -260,7 +260,7 @@ def test_overflow_storm_of_1000_steps_then_recovery(skip_mode):
   train = jax.jit(train)
   # Warm up with 3 finite steps so the inner state is not the initial one.
   (params, state), _ = train(params, tx.init(params), jnp.ones(3, bool))
-  assert int(state.total_skipped) == 0
+  assert int(state.total_notfinite) == 0
   (p_storm, s_storm), scales = train(params, state, jnp.zeros(1000, bool))
   _assert_bitwise_equal(p_storm, params)
   _assert_bitwise_equal(s_storm.inner_state, state.inner_state)
@@ -268,16 +268,16 @@ def test_overflow_storm_of_1000_steps_then_recovery(skip_mode):
   np.testing.assert_array_equal(np.asarray(scales[:12]),
                                 2.0 ** np.arange(9, -3, -1))
   assert (np.asarray(scales[12:]) == 0.25).all()
-  assert int(s_storm.total_skipped) == 1000
-  assert int(s_storm.consecutive_skipped) == 1000
+  assert int(s_storm.total_notfinite) == 1000
+  assert int(s_storm.notfinite_count) == 1000
   # Recovery: the next finite steps update the parameters and grow the scale.
   (p_rec, s_rec), scales = train(p_storm, s_storm, jnp.ones(8, bool))
   assert not any(np.array_equal(np.asarray(a), np.asarray(b))
                  for a, b in zip(jax.tree.leaves(p_rec),
                                  jax.tree.leaves(p_storm)))
   np.testing.assert_array_equal(scales, [0.25] * 3 + [0.5] * 4 + [1.0])
-  assert int(s_rec.consecutive_skipped) == 0
-  assert int(s_rec.total_skipped) == 1000
+  assert int(s_rec.notfinite_count) == 0
+  assert int(s_rec.total_notfinite) == 1000
   chex.assert_tree_all_finite(p_rec)
   chex.assert_trees_all_equal_shapes_and_dtypes(s_rec, state)
 
@@ -337,7 +337,7 @@ def test_noop_loss_scale_still_skips_non_finite():
       updates, jax.tree.map(lambda g: -g, _np_grads(jnp.bfloat16)))
   updates, state = tx.update(_np_grads(jnp.bfloat16, bad=np.nan), state, params)
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
-  assert int(state.total_skipped) == 1
+  assert int(state.total_notfinite) == 1
   assert float(get_loss_scale(state).loss_scale) == 1.0
 
 
@@ -383,7 +383,7 @@ def test_skip_modes_agree_on_a_mixed_sequence():
   (p_c, s_c), m_c = runs["cond"]
   (p_s, s_s), m_s = runs["select"]
   chex.assert_trees_all_equal(m_c, m_s)
-  assert np.asarray(m_c["total_skipped"]).tolist() == [0, 0, 1, 1, 2, 3, 3, 3, 3]
+  assert np.asarray(m_c["total_notfinite"]).tolist() == [0, 0, 1, 1, 2, 3, 3, 3, 3]
   chex.assert_trees_all_close(p_c, p_s, rtol=4 * float(jnp.finfo(jnp.float16).eps))
   chex.assert_trees_all_close(s_c.inner_state, s_s.inner_state, rtol=1e-3)
 
@@ -447,7 +447,7 @@ def test_pmap_one_replica_overflowing_makes_all_skip(pmapped_update,
   params = {"w": jnp.zeros((3, 2), jnp.float16)}
   grads = _per_replica_grads(bad_replica)
   updates, state = pmapped_update["axis"](grads, params)
-  skipped = np.asarray(state.total_skipped).tolist()
+  skipped = np.asarray(state.total_notfinite).tolist()
   if bad_replica is None:
     assert skipped == [0] * NDEV
     expected = -np.asarray(grads["w"], np.float32) / 2.0**4
@@ -462,7 +462,7 @@ def test_pmap_one_replica_overflowing_makes_all_skip(pmapped_update,
     _, local = pmapped_update["no_axis"](grads, params)
     expected = [0] * NDEV
     expected[bad_replica] = 1
-    assert np.asarray(local.total_skipped).tolist() == expected
+    assert np.asarray(local.total_notfinite).tolist() == expected
 
 
 def test_shard_map_one_replica_overflowing_makes_all_skip():
@@ -482,10 +482,10 @@ def test_shard_map_one_replica_overflowing_makes_all_skip():
   for bad_replica in [None, 3]:
     updates, state = step(_per_replica_grads(bad_replica), params)
     if bad_replica is None:
-      assert int(state.total_skipped) == 0
+      assert int(state.total_notfinite) == 0
       assert np.abs(np.asarray(updates["w"], np.float32)).min() > 0
     else:
-      assert int(state.total_skipped) == 1
+      assert int(state.total_notfinite) == 1
       assert float(state.loss_scale.loss_scale) == 8.0
       np.testing.assert_array_equal(np.asarray(updates["w"], np.float32), 0.0)
 
@@ -558,7 +558,7 @@ def test_inject_hyperparams_both_ways():
   updates, ostate = jax.jit(outer.update)(_np_grads(jnp.float32, 4.0, np.inf),
                                           ostate, params)
   assert float(get_loss_scale(ostate).loss_scale) == 2.0
-  assert int(loss_scale_metrics(ostate)["total_skipped"]) == 1
+  assert int(loss_scale_metrics(ostate)["total_notfinite"]) == 1
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
 
 
@@ -592,7 +592,7 @@ def test_multisteps_inside_loss_scaled_drops_overflowing_mini_steps():
   np.testing.assert_allclose(emitted[3], -np.mean([[1, 2], [3, 4], [5, 6]], 0))
   assert int(state.inner_state.mini_step) == 0
   assert int(state.inner_state.gradient_step) == 1
-  assert int(state.total_skipped) == 1
+  assert int(state.total_notfinite) == 1
 
 
 def test_loss_scaled_inside_multisteps_skips_the_whole_window():
@@ -612,7 +612,7 @@ def test_loss_scaled_inside_multisteps_skips_the_whole_window():
   assert float(out[1][1]["loss_scale"]) == 4.0
   np.testing.assert_array_equal(out[3][0], [0.0, 0.0])
   assert float(out[3][1]["loss_scale"]) == 2.0  # backed off at window end
-  assert int(out[3][1]["total_skipped"]) == 1
+  assert int(out[3][1]["total_notfinite"]) == 1
 
 
 def test_flax_train_state_apply_gradients():
@@ -637,7 +637,7 @@ def test_flax_train_state_apply_gradients():
                         state1.opt_state.inner_state)
   metrics = loss_scale_metrics(state2)
   assert float(metrics["loss_scale"]) == 2.0**5
-  assert int(metrics["total_skipped"]) == 1
+  assert int(metrics["total_notfinite"]) == 1
   assert not bool(metrics["last_finite"])
   state3, _, _ = step(state2, jnp.ones((4, 3)))
   assert not np.array_equal(state3.params["w"], state2.params["w"])
@@ -671,7 +671,7 @@ def test_nnx_optimizer():
   _, metrics = step(model, optimizer, jnp.full((4, 3), np.inf))
   np.testing.assert_array_equal(np.asarray(model.kernel[...]), kernel)
   assert float(metrics["loss_scale"]) == 2.0**5
-  assert int(metrics["total_skipped"]) == 1
+  assert int(metrics["total_notfinite"]) == 1
   # The optimizer's inner (Adam) state is untouched by the skipped step.
   assert _bits(optimizer.opt_state.inner_state) == inner_before
   _, metrics = step(model, optimizer, jnp.ones((4, 3)))
@@ -716,7 +716,7 @@ def test_orbax_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
   _assert_bitwise_equal(restored, half)
   resumed = run(*restored, pattern[5:])
   _assert_bitwise_equal(resumed, full)
-  assert int(full[1].total_skipped) == 2
+  assert int(full[1].total_notfinite) == 2
 
 
 # --- get_loss_scale / metrics / scaled_value_and_grad ------------------------
@@ -799,8 +799,8 @@ def test_float16_loss_overflow_is_caught_and_backed_off():
     w1, state = step(w1, state)
   # The float16 gradient S * 2w = S * [6, 8] overflows 65504 for every
   # S >= 2**13: 12 skips from 2**24 down to 2**13, then two steps at 2**12.
-  assert int(state.total_skipped) == 12
-  assert int(state.consecutive_skipped) == 0
+  assert int(state.total_notfinite) == 12
+  assert int(state.notfinite_count) == 0
   assert float(state.loss_scale.loss_scale) == 2.0**12
   np.testing.assert_allclose(np.asarray(w1, np.float32), [1.92, 2.56],
                              rtol=2e-3)  # w * (1 - 0.1 * 2) ** 2
@@ -810,3 +810,195 @@ def test_exported_names():
   for name in ["loss_scaled", "LossScaledState", "get_loss_scale",
                "loss_scale_metrics", "scaled_value_and_grad"]:
     assert name in jmp_train.__all__ and hasattr(jmp_train, name)
+
+
+# --- dtypes, errors, signature, serialization --------------------------------
+
+_PAIRS = [(g, p) for g in DTYPES for p in DTYPES if g != p]
+
+
+@pytest.mark.parametrize("skip_mode", ["cond", "select"])
+@pytest.mark.parametrize("grad_dtype, param_dtype", _PAIRS,
+                         ids=[f"{jnp.dtype(g).name}-grads-{jnp.dtype(p).name}-params"
+                              for g, p in _PAIRS])
+def test_state_keeps_its_dtypes_for_every_grad_param_pairing(
+    grad_dtype, param_dtype, skip_mode):
+  # Adam's moments take the parameters' dtype at init; its update would
+  # promote them with the gradients' dtype. Finite and skipped steps, jitted
+  # and in a scan carry, keep every state leaf in its initial dtype.
+  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**4, growth_interval=2),
+                   skip_mode=skip_mode)
+  params = _params(param_dtype)
+  state0 = tx.init(params)
+  script = [None, np.inf, None, np.nan, None]
+  grads_seq = [_np_grads(grad_dtype, 2.0**4, bad) for bad in script]
+
+  def body(state, grads):
+    updates, state = tx.update(grads, state, params)
+    return state, updates
+
+  stacked = jax.tree.map(lambda *x: np.stack(x), *grads_seq)
+  state, updates = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state0, stacked)
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, state0)
+  assert np.asarray(state.total_notfinite).item() == 2
+  mu = state.inner_state[0].mu["w"]
+  assert mu.dtype == param_dtype and np.abs(np.asarray(mu, np.float32)).max() > 0
+  # One step at a time (eagerly built state, jitted update) agrees too.
+  step = jax.jit(tx.update)
+  s = state0
+  for grads in grads_seq:
+    _, s = step(grads, s, params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(s, state0)
+
+
+@pytest.mark.parametrize("inner, fragment", [
+    ("sgd", r"got str 'sgd'"),
+    (optax.sgd, r"sgd looks like a factory: call it"),
+    (None, r"got NoneType None"),
+    (optax.GradientTransformation, r"got type"),
+])
+def test_inner_that_is_no_transformation_is_a_type_error(inner, fragment):
+  with pytest.raises(TypeError, match=r"expects an optax.GradientTransformation.*"
+                     + fragment):
+    loss_scaled(inner, StaticLossScale(2.0))
+
+
+def test_inner_may_be_any_object_with_init_and_update():
+  class Duck:
+    init = staticmethod(optax.sgd(1.0).init)
+    update = staticmethod(optax.sgd(1.0).update)
+
+  tx = loss_scaled(Duck(), StaticLossScale(2.0))
+  updates, _ = tx.update({"w": jnp.full(2, 2.0)}, tx.init({"w": jnp.zeros(2)}))
+  np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
+
+
+def _power_loss(w, x, n_terms, *, power):
+  # n_terms and power are Python values (range, **): they must be static.
+  return sum(jnp.sum((w * x) ** power) for _ in range(n_terms))
+
+
+def test_scaled_value_and_grad_signature_has_the_loss_scale_first():
+  import inspect
+
+  g = scaled_value_and_grad(_power_loss)
+  params = list(inspect.signature(g).parameters.values())
+  assert [p.name for p in params] == ["loss_scale", "w", "x", "n_terms", "power"]
+  assert params[0].kind is inspect.Parameter.POSITIONAL_ONLY
+  # A function with its own `loss_scale` parameter keeps it.
+  own = scaled_value_and_grad(lambda loss_scale, w: loss_scale * jnp.sum(w))
+  assert list(inspect.signature(own).parameters) == ["loss_scale_", "loss_scale", "w"]
+
+
+@pytest.mark.parametrize("static", [
+    dict(static_argnums=(3,), static_argnames=("power",)),
+    dict(static_argnames=("n_terms", "power")),
+], ids=["static_argnums", "static_argnames"])
+def test_scaled_value_and_grad_under_jit_with_static_arguments(static):
+  # As jax.value_and_grad of the same function under jit: the same static
+  # arguments by name, the numbers shifted by one for the loss scale.
+  w, x = jnp.array([0.5, -1.0]), jnp.array([2.0, 3.0])
+  ref_static = dict(static)
+  if "static_argnums" in ref_static:
+    ref_static["static_argnums"] = tuple(i - 1 for i in static["static_argnums"])
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(_power_loss), **ref_static)(
+      w, x, 3, power=2)
+  g = jax.jit(scaled_value_and_grad(_power_loss), **static)
+  if "static_argnums" in static:
+    loss, grads = g(StaticLossScale(4.0), w, x, 3, power=2)
+  else:
+    loss, grads = g(StaticLossScale(4.0), w, x, n_terms=3, power=2)
+  np.testing.assert_array_equal(loss, ref_loss)
+  np.testing.assert_array_equal(grads, ref_grads * 4.0)
+
+
+def _non_default_state():
+  """A LossScaledState whose every leaf differs from what init gives."""
+  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(
+      2.0**6, growth_interval=3, growth_factor=4.0, backoff_factor=0.25,
+      min_scale=0.5, max_scale=2.0**10))
+  params = _params(jnp.float16)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for bad in [None, np.inf, None, np.nan]:
+    _, state = step(_np_grads(jnp.float16, get_loss_scale(state).loss_scale
+                              .item(), bad), state, params)
+  assert int(state.notfinite_count) == 1 and int(state.total_notfinite) == 2
+  assert int(state.loss_scale.counter) == 0  # the backoff reset it
+  _, state = step(_np_grads(jnp.float16, 1.0), state, params)
+  assert int(state.loss_scale.counter) == 1 and int(state.notfinite_count) == 0
+  _, state = step(_np_grads(jnp.float16, 1.0, np.inf), state, params)
+  assert int(state.notfinite_count) == 1 and int(state.total_notfinite) == 3
+  _, state = step(_np_grads(jnp.float16, 1.0), state, params)
+  return tx, params, state
+
+
+def test_state_round_trips_through_flax_serialization_and_pytrees():
+  from flax import serialization
+  from flax.training import train_state
+
+  tx, params, state = _non_default_state()
+  template = tx.init(params)
+  leaves, treedef = jax.tree.flatten(state)
+  _assert_bitwise_equal(jax.tree.unflatten(treedef, leaves), state)
+  for restored in (
+      serialization.from_state_dict(template, serialization.to_state_dict(state)),
+      serialization.from_bytes(template, serialization.to_bytes(state)),
+  ):
+    restored = jax.tree.map(jnp.asarray, restored)
+    assert isinstance(restored, LossScaledState)
+    chex.assert_trees_all_equal_shapes_and_dtypes(restored, state)
+    _assert_bitwise_equal(restored, state)
+  # A Flax TrainState holding it serializes, and training resumes on it.
+  ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  ts = ts.replace(step=7, opt_state=state)
+  back = serialization.from_bytes(
+      train_state.TrainState.create(apply_fn=None, params=params, tx=tx),
+      serialization.to_bytes(ts))
+  assert int(back.step) == 7
+  _assert_bitwise_equal(jax.tree.map(jnp.asarray, back.opt_state), state)
+  assert float(loss_scale_metrics(back)["loss_scale"]) == float(
+      state.loss_scale.loss_scale)
+
+
+# --- what the compiled step launches and moves --------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled_profiles():
+  from benchmarks import bench_loss_scaling
+
+  records = bench_loss_scaling.compiled_profiles(
+      sizes=(16, 256, 256, 10), batch=32, variants=("skip_floor", "jmp_train"))
+  return {(r["part"], r["variant"]): r for r in records}
+
+
+@pytest.mark.parametrize("part", ["hlo_step", "hlo_update"])
+def test_finite_step_moves_what_the_skip_floor_moves(compiled_profiles, part):
+  # loss_scaled(adamw) against a bare finiteness test and lax.cond around
+  # adamw (benchmarks/bench_loss_scaling.py): the same passes over
+  # gradient-, parameter- and state-sized buffers and the same bytes (up to
+  # the scalar 1/S each fused pass reads); the loss-scale bookkeeping adds a
+  # handful of scalar operations only.
+  ours = compiled_profiles[part, "jmp_train"]
+  floor = compiled_profiles[part, "skip_floor"]
+  assert ours["array_kernels"] == floor["array_kernels"]
+  assert floor["array_bytes"] <= ours["array_bytes"] <= floor["array_bytes"] + 256
+  assert ours["scalar_kernels"] <= floor["scalar_kernels"] + 8
+
+
+def test_finite_step_profile_counts_passes():
+  # The counter itself: an extra pass over the gradients is one more array
+  # kernel and its bytes; a scalar operation is a scalar kernel.
+  from benchmarks.bench_loss_scaling import finite_step_profile
+
+  g = jnp.zeros((64, 64))
+  one = jax.jit(lambda g: g * 2.0).lower(g).compile().as_text()
+  two = jax.jit(lambda g, s: (g * 2.0, jnp.sin(s) * 3.0)).lower(
+      g, jnp.float32(1.0)).compile().as_text()
+  cond = jax.jit(lambda g: jax.lax.cond(jnp.sum(g) > 0, lambda g: g + 1.0,
+                                        lambda g: g, g)).lower(g).compile().as_text()
+  p1, p2, p3 = map(finite_step_profile, (one, two, cond))
+  assert p1 == {"array_kernels": 1, "scalar_kernels": 0, "array_bytes": 2 * 64 * 64 * 4}
+  assert p2["array_kernels"] == 1 and p2["scalar_kernels"] >= 1
+  assert p3["array_kernels"] >= 2  # the reduction and the branch's add

@@ -24,6 +24,7 @@ import math
 import operator
 from typing import Any, Sequence
 
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,41 +49,49 @@ def _static(**kwargs: Any) -> Any:
   return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
+class _FromLeaves:
+  """Default of the keyword ``loss_scale``: build from the user's arguments."""
+
+  def __repr__(self) -> str:
+    return "<validated from scale>"
+
+
+_FROM_ARGS: Any = _FromLeaves()
+
+
 def _register(cls: type) -> type:
-  """Registers a frozen dataclass as a pytree with keyed children.
+  """Registers a frozen dataclass as a pytree and for Flax serialization.
 
-  Children are the fields without ``static`` metadata, auxiliary data the
-  others, both read off ``dataclasses.fields`` so no field can be dropped.
-  Unflattening bypasses ``__init__``: JAX and orbax rebuild pytrees with
-  placeholder leaves (tracers, ``ShapeDtypeStruct``, ``object()``) that must
-  not be validated or converted.
+  ``jax.tree_util.register_dataclass`` takes the leaves and the static
+  metadata from the fields (``static`` metadata marks the latter), so no
+  field can be forgotten; it rebuilds a value by calling the class with every
+  field as a keyword, which the classes below take as is, without
+  validation: JAX and orbax rebuild pytrees with placeholder leaves
+  (tracers, ``ShapeDtypeStruct``, ``None``) that must not be converted.
+  ``flax.serialization`` then saves the leaves by field name (``to_bytes``,
+  ``to_state_dict``), as for Flax's own ``DynamicScale``.
   """
-  fields = dataclasses.fields(cls)
-  data_names = tuple(f.name for f in fields if not f.metadata.get("static"))
-  meta_names = tuple(f.name for f in fields if f.metadata.get("static"))
-  keys = tuple(jax.tree_util.GetAttrKey(name) for name in data_names)
+  jax.tree_util.register_dataclass(cls)
+  names = tuple(f.name for f in dataclasses.fields(cls)
+                if not f.metadata.get("static"))
 
-  def flatten_with_keys(x):
-    children = tuple((k, getattr(x, n)) for k, n in zip(keys, data_names))
-    return children, tuple(getattr(x, n) for n in meta_names)
+  def to_state_dict(x: Any) -> dict[str, Any]:
+    return {n: flax.serialization.to_state_dict(getattr(x, n)) for n in names}
 
-  def flatten(x):
-    return (
-        tuple(getattr(x, n) for n in data_names),
-        tuple(getattr(x, n) for n in meta_names),
-    )
+  def from_state_dict(x: Any, state: dict[str, Any]) -> Any:
+    if set(state) != set(names):
+      raise ValueError(
+          f"Cannot restore a {cls.__name__} with fields {sorted(names)} from "
+          f"a state dict with keys {sorted(state)} at "
+          f"{flax.serialization.current_path()!r}."
+      )
+    return x.replace(**{
+        n: flax.serialization.from_state_dict(getattr(x, n), state[n], name=n)
+        for n in names
+    })
 
-  def unflatten(meta, children):
-    obj = object.__new__(cls)
-    for name, value in zip(meta_names, meta):
-      object.__setattr__(obj, name, value)
-    for name, value in zip(data_names, children):
-      object.__setattr__(obj, name, value)
-    return obj
-
-  jax.tree_util.register_pytree_with_keys(
-      cls, flatten_with_keys, unflatten, flatten_func=flatten
-  )
+  flax.serialization.register_serialization_state(
+      cls, to_state_dict, from_state_dict)
   return cls
 
 
@@ -92,7 +101,13 @@ def _is_concrete(x: Any) -> bool:
 
 def _as_scale_array(value: Any, name: str) -> jax.Array:
   """Converts ``value`` to a float32 scalar, validating it when concrete."""
-  arr = jnp.asarray(value, dtype=jnp.float32)
+  try:
+    arr = jnp.asarray(value, dtype=jnp.float32)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"{name} must be a positive number (a float32 scalar), got "
+        f"{value!r}."
+    ) from None
   if arr.shape != ():
     raise ValueError(f"{name} must be a scalar, got shape {arr.shape}.")
   if _is_concrete(arr):
@@ -105,14 +120,32 @@ def _as_scale_array(value: Any, name: str) -> jax.Array:
   return arr
 
 
-def _multiply(tree: Any, factor: jax.Array) -> Any:
+def _as_counter_array(value: Any, growth_interval: int) -> jax.Array:
+  """Converts ``value`` to an int32 scalar in ``[0, growth_interval)``."""
+  try:
+    counter = jnp.asarray(value, dtype=jnp.int32)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"counter must be an integer in [0, growth_interval), got {value!r}."
+    ) from None
+  if counter.shape != ():
+    raise ValueError(f"counter must be a scalar, got shape {counter.shape}.")
+  if _is_concrete(counter) and not 0 <= int(counter) < growth_interval:
+    raise ValueError(
+        f"counter must lie in [0, growth_interval) = [0, {growth_interval}),"
+        f" got {int(counter)}."
+    )
+  return counter
+
+
+def apply_scale(tree: Any, factor: jax.Array) -> Any:
   """Multiplies floating leaves by a float32 scalar, keeping their dtypes.
 
-  The product is formed in float32 for half-precision leaves (so ``1/S``
-  and large intermediate values are representable), in the leaf's own
-  dtype for float32 and float64 leaves, and cast back to the leaf's dtype.
-  Non-floating leaves are returned as they are; Python floats are treated as
-  float32 scalars.
+  The product is formed in float32 for half-precision leaves (so a scale
+  beyond float16's range and large intermediate values are representable),
+  in the leaf's own dtype for float32 and float64 leaves, and cast back to
+  the leaf's dtype. Non-floating leaves are returned as they are; Python
+  floats are treated as float32 scalars.
   """
 
   def mul(x):
@@ -125,6 +158,18 @@ def _multiply(tree: Any, factor: jax.Array) -> Any:
     return (x.astype(compute) * factor.astype(compute)).astype(x.dtype)
 
   return jax.tree.map(mul, tree)
+
+
+def _as_flag(grads_finite: jax.typing.ArrayLike) -> jax.Array:
+  """The boolean scalar ``adjust`` takes; a non-scalar flag is an error."""
+  finite = jnp.asarray(grads_finite, dtype=jnp.bool_)
+  if finite.shape != ():
+    raise ValueError(
+        "adjust(grads_finite) takes one boolean scalar for the whole step "
+        f"(e.g. all_finite(grads)), got shape {finite.shape}; reduce it "
+        "first, e.g. with jnp.all."
+    )
+  return finite
 
 
 class LossScale:
@@ -146,14 +191,16 @@ class LossScale:
       ``tree * S`` with every leaf in its own dtype (computed in float32 or
       wider, then cast back).
     """
-    return _multiply(tree, self.loss_scale)
+    return apply_scale(tree, self.loss_scale)
 
   def unscale(self, tree: Any) -> Any:
     """Multiplies the floating leaves of ``tree`` by ``1 / S``.
 
     ``1/S`` is computed in float32 and each leaf is multiplied in float32
     (or wider) before being cast back to its dtype, so float16 gradients
-    scaled up to near 65504 come back without an intermediate overflow.
+    scaled up to near 65504 come back without an intermediate overflow. A
+    multiply (unlike a division) is cheap enough for XLA to fuse into every
+    consumer, so unscaling adds no pass over the gradients of its own.
 
     Args:
       tree: a pytree, typically the scaled gradients.
@@ -161,7 +208,7 @@ class LossScale:
     Returns:
       ``tree / S`` with every leaf in its own dtype.
     """
-    return _multiply(tree, jnp.float32(1.0) / self.loss_scale)
+    return apply_scale(tree, jnp.float32(1.0) / self.loss_scale)
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> "LossScale":
     """Returns the loss scale to use after a step (see subclasses)."""
@@ -176,7 +223,13 @@ class LossScale:
     Raises:
       ValueError: if a name is not a field of this class.
     """
-    return _replace_fields(self, changes)
+    names = {f.name for f in dataclasses.fields(self)}
+    if unknown := set(changes) - names:
+      raise ValueError(
+          f"Unknown field(s) {sorted(unknown)} for {type(self).__name__}; "
+          f"fields: {sorted(names)}."
+      )
+    return type(self)(**{n: changes.get(n, getattr(self, n)) for n in names})
 
 
 @_register
@@ -205,7 +258,7 @@ class NoOpLossScale(LossScale):
     return tree
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> "NoOpLossScale":
-    del grads_finite
+    _as_flag(grads_finite)
     return self
 
 
@@ -226,21 +279,101 @@ class StaticLossScale(LossScale):
 
   loss_scale: jax.Array
 
-  def __init__(self, scale: jax.typing.ArrayLike):
+  def __init__(
+      self,
+      scale: jax.typing.ArrayLike = _FROM_ARGS,
+      *,
+      loss_scale: Any = _FROM_ARGS,
+  ):
     """Builds a static loss scale.
 
     Args:
       scale: the scale ``S``, finite and > 0.
+      loss_scale: the field itself, taken as is without validation (how JAX
+        and :meth:`replace` rebuild the value from its leaves); give
+        ``scale`` instead.
 
     Raises:
-      ValueError: if ``scale`` is not a finite positive scalar.
+      ValueError: if ``scale`` is not a finite positive scalar, or if both
+        or neither of ``scale`` and ``loss_scale`` are given.
     """
-    object.__setattr__(self, "loss_scale", _as_scale_array(scale, "scale"))
+    if (scale is _FROM_ARGS) == (loss_scale is _FROM_ARGS):
+      raise ValueError(
+          "StaticLossScale takes the scale S, e.g. StaticLossScale(2.0**15); "
+          f"got scale={scale!r}, loss_scale={loss_scale!r}."
+      )
+    if loss_scale is _FROM_ARGS:
+      loss_scale = _as_scale_array(scale, "scale")
+    object.__setattr__(self, "loss_scale", loss_scale)
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> "StaticLossScale":
     """Returns ``self``: a static scale never changes."""
-    del grads_finite
+    _as_flag(grads_finite)
     return self
+
+
+def _dynamic_config(
+    growth_interval: Any, growth_factor: Any, backoff_factor: Any,
+    min_scale: Any, max_scale: Any,
+) -> dict[str, Any]:
+  """The validated static configuration of a :class:`DynamicLossScale`."""
+  try:
+    interval = operator.index(growth_interval)
+  except TypeError:
+    interval = 0
+  if interval < 1:
+    raise ValueError(
+        f"growth_interval must be an integer >= 1, got {growth_interval!r}."
+    )
+  config = dict(
+      growth_interval=interval,
+      growth_factor=_static_float(growth_factor, "growth_factor"),
+      backoff_factor=_static_float(backoff_factor, "backoff_factor"),
+      min_scale=_static_float(min_scale, "min_scale"),
+      max_scale=_static_float(max_scale, "max_scale"),
+  )
+  _check_factors(config["growth_factor"], config["backoff_factor"])
+  _check_bounds(config["min_scale"], config["max_scale"])
+  return config
+
+
+def _check_factors(growth_factor: float, backoff_factor: float) -> None:
+  if not growth_factor > 1.0:
+    raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}.")
+  if not 0.0 < backoff_factor < 1.0:
+    raise ValueError(
+        f"backoff_factor must lie in (0, 1), got {backoff_factor!r}."
+    )
+
+
+def _check_bounds(min_scale: float, max_scale: float) -> None:
+  if not _F32_TINY <= min_scale <= _F32_MAX:
+    raise ValueError(
+        f"min_scale must be > 0 (at least {_F32_TINY:.4g}, the smallest "
+        f"normal float32), got {min_scale!r}."
+    )
+  if not max_scale <= _F32_MAX:
+    raise ValueError(
+        f"max_scale must be finite (at most {_F32_MAX:.4g}), got "
+        f"{max_scale!r}."
+    )
+  if min_scale > max_scale:
+    raise ValueError(
+        f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r})."
+    )
+
+
+def _dynamic_scale(scale: Any, min_scale: float, max_scale: float) -> jax.Array:
+  """The validated initial scale, inside ``[min_scale, max_scale]``."""
+  loss_scale = _as_scale_array(scale, "scale")
+  if _is_concrete(loss_scale) and not (
+      np.float32(min_scale) <= float(loss_scale) <= np.float32(max_scale)
+  ):
+    raise ValueError(
+        f"scale must lie in [min_scale, max_scale] = [{min_scale!r}, "
+        f"{max_scale!r}], got {scale!r}."
+    )
+  return loss_scale
 
 
 @_register
@@ -312,6 +445,8 @@ class DynamicLossScale(LossScale):
       min_scale: float = 1.0,
       max_scale: float = 2.0**24,
       counter: jax.typing.ArrayLike = 0,
+      *,
+      loss_scale: Any = _FROM_ARGS,
   ):
     """Builds a dynamic loss scale.
 
@@ -325,68 +460,30 @@ class DynamicLossScale(LossScale):
       max_scale: ceiling of the scale, finite, >= ``min_scale``.
       counter: initial count of consecutive finite steps (to resume), in
         ``[0, growth_interval)``.
+      loss_scale: the scale field itself; when given, every argument is
+        taken as is without validation (how JAX and :meth:`replace` rebuild
+        the value from its leaves). Give ``scale`` instead.
 
     Raises:
       ValueError: naming the bad argument and its valid range.
     """
-    try:
-      growth_interval = operator.index(growth_interval)
-    except TypeError:
-      raise ValueError(
-          f"growth_interval must be an integer >= 1, got {growth_interval!r}."
-      ) from None
-    if growth_interval < 1:
-      raise ValueError(
-          f"growth_interval must be an integer >= 1, got {growth_interval!r}."
+    fields = dict(
+        loss_scale=loss_scale, counter=counter,
+        growth_interval=growth_interval, growth_factor=growth_factor,
+        backoff_factor=backoff_factor, min_scale=min_scale,
+        max_scale=max_scale,
+    )
+    if loss_scale is _FROM_ARGS:  # built by a user: validate everything
+      config = _dynamic_config(growth_interval, growth_factor,
+                               backoff_factor, min_scale, max_scale)
+      fields.update(
+          config,
+          loss_scale=_dynamic_scale(scale, config["min_scale"],
+                                    config["max_scale"]),
+          counter=_as_counter_array(counter, config["growth_interval"]),
       )
-    growth_factor = _static_float(growth_factor, "growth_factor")
-    backoff_factor = _static_float(backoff_factor, "backoff_factor")
-    min_scale = _static_float(min_scale, "min_scale")
-    max_scale = _static_float(max_scale, "max_scale")
-    if not growth_factor > 1.0:
-      raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}.")
-    if not 0.0 < backoff_factor < 1.0:
-      raise ValueError(
-          f"backoff_factor must lie in (0, 1), got {backoff_factor!r}."
-      )
-    if not _F32_TINY <= min_scale <= _F32_MAX:
-      raise ValueError(
-          f"min_scale must be > 0 (at least {_F32_TINY:.4g}, the smallest "
-          f"normal float32), got {min_scale!r}."
-      )
-    if not max_scale <= _F32_MAX:
-      raise ValueError(
-          f"max_scale must be finite (at most {_F32_MAX:.4g}), got "
-          f"{max_scale!r}."
-      )
-    if min_scale > max_scale:
-      raise ValueError(
-          f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r})."
-      )
-    loss_scale = _as_scale_array(scale, "scale")
-    if _is_concrete(loss_scale) and not (
-        np.float32(min_scale) <= float(loss_scale) <= np.float32(max_scale)
-    ):
-      raise ValueError(
-          f"scale must lie in [min_scale, max_scale] = [{min_scale!r}, "
-          f"{max_scale!r}], got {scale!r}."
-      )
-    counter = jnp.asarray(counter, dtype=jnp.int32)
-    if counter.shape != ():
-      raise ValueError(f"counter must be a scalar, got shape {counter.shape}.")
-    if _is_concrete(counter) and not 0 <= int(counter) < growth_interval:
-      raise ValueError(
-          f"counter must lie in [0, growth_interval) = [0, {growth_interval}),"
-          f" got {int(counter)}."
-      )
-    set_ = lambda name, value: object.__setattr__(self, name, value)
-    set_("loss_scale", loss_scale)
-    set_("counter", counter)
-    set_("growth_interval", growth_interval)
-    set_("growth_factor", growth_factor)
-    set_("backoff_factor", backoff_factor)
-    set_("min_scale", min_scale)
-    set_("max_scale", max_scale)
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> "DynamicLossScale":
     """Returns the scale for the next step (see the class docstring).
@@ -398,8 +495,11 @@ class DynamicLossScale(LossScale):
     Returns:
       A new :class:`DynamicLossScale` with the same configuration; its leaves
       keep their dtypes (float32 scale, int32 counter).
+
+    Raises:
+      ValueError: if ``grads_finite`` is not a scalar.
     """
-    finite = jnp.asarray(grads_finite, dtype=jnp.bool_)
+    finite = _as_flag(grads_finite)
     scale = self.loss_scale.astype(jnp.float32)
     counter = self.counter.astype(jnp.int32)
     next_count = optax.safe_increment(counter)
@@ -411,19 +511,6 @@ class DynamicLossScale(LossScale):
     new_scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
     new_counter = jnp.where(finite & ~grow, next_count, jnp.zeros_like(counter))
     return self.replace(loss_scale=new_scale, counter=new_counter)
-
-
-def _replace_fields(obj: Any, changes: dict[str, Any]) -> Any:
-  names = {f.name for f in dataclasses.fields(obj)}
-  if unknown := set(changes) - names:
-    raise ValueError(
-        f"Unknown field(s) {sorted(unknown)} for {type(obj).__name__}; "
-        f"fields: {sorted(names)}."
-    )
-  new = object.__new__(type(obj))
-  for name in names:
-    object.__setattr__(new, name, changes.get(name, getattr(obj, name)))
-  return new
 
 
 def _static_float(value: Any, name: str) -> float:

@@ -25,6 +25,7 @@ A train step, in a few lines::
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -35,6 +36,7 @@ from jmp_train._src.loss_scale import LossScale
 from jmp_train._src.loss_scale import NoOpLossScale
 from jmp_train._src.loss_scale import StaticLossScale
 from jmp_train._src.loss_scale import all_finite
+from jmp_train._src.loss_scale import apply_scale
 from jmp_train._src.policy import is_floating_array
 
 __all__ = [
@@ -49,24 +51,33 @@ __all__ = [
 class LossScaledState(NamedTuple):
   """State of :func:`loss_scaled`.
 
+  The counters are named as in ``optax.ApplyIfFiniteState``, which counts the
+  same things.
+
   Attributes:
     loss_scale: the current loss scale (a :class:`NoOpLossScale`,
       :class:`StaticLossScale` or :class:`DynamicLossScale`), to multiply the
       loss by in the next step.
+    notfinite_count: int32 count of consecutive non-finite (skipped) steps,
+      0 after a finite one.
+    total_notfinite: int32 count of non-finite (skipped) steps so far.
     inner_state: state of the wrapped transformation; unchanged, bit for bit,
       by a skipped step.
-    total_skipped: int32 count of skipped (non-finite) steps so far.
-    consecutive_skipped: int32 count of skipped steps since the last finite
-      one (0 after a finite step).
-    last_finite: bool, whether the last step's gradients were all finite
-      (``True`` before the first step).
   """
 
   loss_scale: LossScale
+  notfinite_count: jax.Array
+  total_notfinite: jax.Array
   inner_state: optax.OptState
-  total_skipped: jax.Array
-  consecutive_skipped: jax.Array
-  last_finite: jax.Array
+
+  @property
+  def last_finite(self) -> jax.Array:
+    """Whether the last step's gradients were all finite (``True`` at first).
+
+    Derived from ``notfinite_count == 0`` (the same fact, so not stored
+    twice).
+    """
+    return jnp.asarray(self.notfinite_count) == 0
 
 
 _SKIP_MODES = ("cond", "select")
@@ -86,11 +97,17 @@ def loss_scaled(
 
   * if every leaf of ``g = G / S`` is finite (``1/S`` applied in float32,
     cast back to each leaf's dtype): ``updates, inner_state =
-    inner.update(g, ...)``, ``S`` adjusted by ``loss_scale.adjust(True)``;
+    inner.update(g, ...)``, the new inner state cast back to the dtypes of
+    the old one, ``S`` adjusted by ``loss_scale.adjust(True)``,
+    ``notfinite_count`` reset to 0;
   * otherwise: zero updates (in the dtypes ``inner`` would return), the
     inner state returned bit-for-bit unchanged, ``S`` backed off by
-    ``loss_scale.adjust(False)``, ``total_skipped`` and
-    ``consecutive_skipped`` counted up.
+    ``loss_scale.adjust(False)``, ``notfinite_count`` and
+    ``total_notfinite`` counted up.
+
+  Every state leaf keeps its dtype across finite and skipped steps, for any
+  pairing of gradient and parameter dtypes (``optax.adam`` would otherwise
+  promote float16 moments to float32 when given float32 gradients).
 
   Unscaling comes first, so anything in ``inner`` (clipping, weight decay,
   the optimizer's moments) sees true gradients: ``loss_scaled(optax.chain(
@@ -101,10 +118,12 @@ def loss_scaled(
   ``jnp.where`` over both results: the inner update is not computed on a
   skipped step (``where`` would compute it
   from inf/NaN inputs and throw it away), and the unchanged inner state is
-  passed through rather than selected element by element; on a finite step
-  the whole overhead over ``inner`` is one extra read of the gradients (the
-  finiteness test, with the unscaling fused into it) plus writing the
-  updates out of the ``cond``. The predicate is
+  passed through rather than selected element by element. On a finite step
+  the compiled step does what a bare finiteness test and a ``lax.cond``
+  around ``inner`` do (the same passes over gradient-sized buffers):
+  ``1/S`` is one scalar, its multiply fused into the test and into the inner
+  update, and each branch updates the scale and the counters with a few scalar
+  operations of its own. The predicate is
   the same on every replica when ``axis_name`` is given (:func:`all_finite`
   reduces it over the axis), so under ``pmap``/``shard_map`` all replicas
   take the same branch. Under ``vmap`` with a batched predicate, JAX turns
@@ -151,6 +170,8 @@ def loss_scaled(
     A ``GradientTransformationExtraArgs`` with state :class:`LossScaledState`.
 
   Raises:
+    TypeError: if ``inner`` is not an optax transformation (e.g. a string,
+      or a factory such as ``optax.sgd`` that was not called).
     ValueError: if ``loss_scale`` is not a loss-scale value, or for an
       unknown ``skip_mode``.
 
@@ -163,13 +184,14 @@ def loss_scaled(
     >>> updates["w"].tolist()  # -0.1 * (4 / 4)
     [-0.10000000149011612, -0.10000000149011612]
     >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.inf])}, state)
-    >>> updates["w"].tolist(), int(state.total_skipped)
+    >>> updates["w"].tolist(), int(state.total_notfinite)
     ([0.0, 0.0], 1)
 
   References:
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
     https://arxiv.org/abs/1710.03740
   """
+  _check_inner(inner)
   if not isinstance(loss_scale, LossScale):
     raise ValueError(
         f"loss_scale must be a NoOpLossScale, StaticLossScale or "
@@ -184,81 +206,153 @@ def loss_scaled(
   def init_fn(params):
     return LossScaledState(
         loss_scale=loss_scale,
+        notfinite_count=jnp.zeros((), jnp.int32),
+        total_notfinite=jnp.zeros((), jnp.int32),
         inner_state=inner.init(params),
-        total_skipped=jnp.zeros((), jnp.int32),
-        consecutive_skipped=jnp.zeros((), jnp.int32),
-        last_finite=jnp.array(True, jnp.bool_),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    loss_scale = state.loss_scale
-    finite = _unscaled_all_finite(loss_scale, updates, axis_name)
+    unscale = _unscaler(state.loss_scale)
+    finite = _unscaled_all_finite(unscale, updates, axis_name)
 
     def run_inner(scaled_grads, inner_state, params):
-      grads = loss_scale.unscale(scaled_grads)
-      return inner.update(grads, inner_state, params, **extra_args)
+      return inner.update(unscale(scaled_grads), inner_state, params,
+                          **extra_args)
 
-    # What `inner` returns, without running it: the skip branch returns zeros
-    # of the same shapes and dtypes (which may differ from the gradients').
-    out_updates, out_state = jax.eval_shape(
-        run_inner, updates, state.inner_state, params
-    )
-    # Under shard_map both branches must also agree on which mesh axes each
-    # output varies over; outside shard_map these are no-ops.
-    state_axes = jax.tree.map(
-        lambda a, b: _varying_axes(a) | _varying_axes(b),
-        state.inner_state, out_state,
-    )
-
-    def apply_inner(scaled_grads, inner_state, params):
-      new_updates, new_state = run_inner(scaled_grads, inner_state, params)
-      return new_updates, jax.tree.map(_pvary, new_state, state_axes)
-
-    def skip(scaled_grads, inner_state, params):
-      del scaled_grads, params
-      zeros = jax.tree.map(
-          lambda s: _pvary(jnp.zeros(s.shape, s.dtype), _varying_axes(s)),
-          out_updates,
-      )
-      return zeros, jax.tree.map(_pvary, inner_state, state_axes)
-
+    apply, skip = _branches(run_inner, updates, state, params)
     if skip_mode == "cond":
-      new_updates, new_inner_state = jax.lax.cond(
-          finite, apply_inner, skip, updates, state.inner_state, params
-      )
-    else:
-      # Both results, selected element by element: the skip branch's
-      # values are the old state and zeros, bit for bit as with the cond.
-      select = lambda new, old: jax.tree.map(
-          lambda a, b: jnp.where(finite, a, b), new, old)
-      new_updates, new_inner_state = select(
-          apply_inner(updates, state.inner_state, params),
-          skip(updates, state.inner_state, params),
-      )
-    skipped = jnp.logical_not(finite)
-    new_state = LossScaledState(
-        loss_scale=loss_scale.adjust(finite),
-        inner_state=new_inner_state,
-        total_skipped=jnp.where(
-            skipped, optax.safe_increment(state.total_skipped),
-            state.total_skipped,
-        ),
-        consecutive_skipped=jnp.where(
-            skipped, optax.safe_increment(state.consecutive_skipped),
-            jnp.zeros_like(state.consecutive_skipped),
-        ),
-        last_finite=finite,
+      return jax.lax.cond(finite, apply, skip, updates, state, params)
+    # Both results, selected element by element: the skip branch's values
+    # are the old state and zeros, bit for bit as with the cond.
+    return jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old),
+        apply(updates, state, params), skip(updates, state, params),
     )
-    return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _check_inner(inner: Any) -> None:
+  """Raises a TypeError unless ``inner`` is an optax transformation."""
+  if isinstance(inner, optax.GradientTransformation) or (
+      not isinstance(inner, type)
+      and callable(getattr(inner, "init", None))
+      and callable(getattr(inner, "update", None))
+  ):
+    return
+  if callable(inner):
+    name = getattr(inner, "__qualname__", None) or repr(inner)
+    hint = (f"; {name} looks like a factory: call it with its "
+            f"hyperparameters, e.g. {name}(learning_rate=1e-3)")
+  else:
+    hint = ""
+  raise TypeError(
+      "loss_scaled(inner, ...) expects an optax.GradientTransformation (an "
+      "object with init and update, e.g. optax.adamw(1e-3)), got "
+      f"{type(inner).__name__} {inner!r}{hint}."
+  )
+
+
+def _next_state(
+    state: LossScaledState, finite: bool, inner_state: optax.OptState
+) -> LossScaledState:
+  """The state after a finite or a skipped step (``finite`` is static).
+
+  Each branch of the step computes its own bookkeeping with a constant flag,
+  so it folds to a few scalar operations inside the branch (the scale's
+  growth or back-off, the counters) instead of selects on the traced flag.
+  """
+  if finite:
+    count = jnp.zeros_like(state.notfinite_count)
+    total = state.total_notfinite
+  else:
+    count = optax.safe_increment(state.notfinite_count)
+    total = optax.safe_increment(state.total_notfinite)
+  return LossScaledState(
+      loss_scale=state.loss_scale.adjust(jnp.asarray(finite)),
+      notfinite_count=count,
+      total_notfinite=total,
+      inner_state=inner_state,
+  )
+
+
+def _cast_like(new: Any, old: Any) -> Any:
+  """``new`` with each leaf in the dtype of the matching leaf of ``old``.
+
+  An inner update may change the dtype of its state (``optax.adam``'s
+  moments become float32 when float32 gradients meet float16 parameters);
+  the state keeps its dtypes across finite and skipped steps, as
+  ``lax.cond`` and a training loop's carry need. Leaves already in the right
+  dtype (including PRNG keys, which cannot be cast) are returned as they
+  are.
+  """
+
+  def cast(n, o):
+    dtype = getattr(o, "dtype", None)
+    if dtype is None or getattr(n, "dtype", None) == dtype:
+      return n
+    return jnp.asarray(n).astype(dtype)
+
+  return jax.tree.map(cast, new, old)
+
+
+def _branches(
+    run_inner: Callable[..., Any], grads: Any, state: LossScaledState,
+    params: Any,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """The finite and the skip step, as functions of ``(grads, state, params)``.
+
+  Both return ``(updates, new_state)`` of the same shapes and dtypes: the
+  skip step returns zeros shaped like what ``inner`` returns (which may
+  differ from the gradients'), found without running it. Under
+  ``shard_map`` both must also agree on which mesh axes each output varies
+  over; outside ``shard_map`` marking them is a no-op.
+  """
+
+  def apply(scaled_grads, state, params):
+    updates, inner_state = run_inner(scaled_grads, state.inner_state, params)
+    inner_state = _cast_like(inner_state, state.inner_state)
+    return updates, _next_state(state, True, inner_state)
+
+  out_updates, _ = jax.eval_shape(apply, grads, state, params)
+
+  def skip(scaled_grads, state, params):
+    del scaled_grads, params
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_updates)
+    return zeros, _next_state(state, False, state.inner_state)
+
+  axes = jax.tree.map(
+      lambda a, b: _varying_axes(a) | _varying_axes(b),
+      jax.eval_shape(apply, grads, state, params),
+      jax.eval_shape(skip, grads, state, params),
+  )
+
+  def marked(branch):
+    return lambda *args: jax.tree.map(_pvary, branch(*args), axes)
+
+  return marked(apply), marked(skip)
+
+
+def _unscaler(loss_scale: LossScale) -> Callable[[Any], Any]:
+  """``loss_scale.unscale``, with ``1/S`` computed once, here.
+
+  The test and the inner update then share one scalar ``1/S`` (one scalar
+  operation in the compiled step, not one per use), and each fuses its
+  multiply by it into its own pass over the gradients.
+  """
+  if isinstance(loss_scale, NoOpLossScale):
+    return lambda tree: tree
+  if type(loss_scale).unscale is not LossScale.unscale:  # a custom rule
+    return loss_scale.unscale
+  inverse = jnp.float32(1.0) / loss_scale.loss_scale
+  return lambda tree: apply_scale(tree, inverse)
+
+
 def _unscaled_all_finite(
-    loss_scale: LossScale, scaled_grads: Any,
+    unscale: Callable[[Any], Any], scaled_grads: Any,
     axis_name: str | Sequence[str] | None,
 ) -> jax.Array:
-  """``all_finite(loss_scale.unscale(scaled_grads), axis_name)``, from ``|G|``.
+  """``all_finite(unscale(scaled_grads), axis_name)``, from ``|G|``.
 
   The test is of the *unscaled* gradients: with a scale below 1 a finite
   gradient can overflow when unscaled. Unscaling ``|G|`` instead of ``G``
@@ -270,14 +364,12 @@ def _unscaled_all_finite(
   it out as a separate pass over the gradients (the multiply was taken as
   the epilogue of the weight-gradient matmul, then left as its own kernel
   when cuBLAS was picked for the matmul). Now the gradient is read once by
-  this reduction (``|G| / S`` fused into it) and once by the inner update
-  (``G / S`` fused into it), as by a step without loss scaling.
+  this reduction (``|G| * (1/S)`` fused into it) and once by the inner
+  update (``G * (1/S)`` fused into it), as by a step without loss scaling.
   """
-  if isinstance(loss_scale, NoOpLossScale):
-    return all_finite(scaled_grads, axis_name)
   magnitudes = jax.tree.map(
       lambda x: jnp.abs(x) if is_floating_array(x) else x, scaled_grads)
-  return all_finite(loss_scale.unscale(magnitudes), axis_name)
+  return all_finite(unscale(magnitudes), axis_name)
 
 
 def _varying_axes(x: Any) -> frozenset[str]:
@@ -307,22 +399,17 @@ def _unwrap_variable(x: Any) -> Any:
   return x
 
 
-def _find_states(opt_state: Any) -> list[LossScaledState]:
-  # A Flax TrainState or nnx.Optimizer holds the optax state in `.opt_state`.
-  if not isinstance(opt_state, LossScaledState):
-    inner = getattr(opt_state, "opt_state", None)
-    if inner is not None:
-      opt_state = inner
-  is_state = lambda x: isinstance(x, LossScaledState)
-  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state)
-           if is_state(x)]
-  # Also look inside each one, so loss_scaled nested in loss_scaled is
-  # reported rather than silently shadowed.
-  return found + [y for x in found for y in _find_states(x.inner_state)]
-
-
 def _find_state(opt_state: Any, caller: str) -> LossScaledState:
-  found = _find_states(opt_state)
+  """The one :class:`LossScaledState` anywhere in ``opt_state``.
+
+  ``optax.tree.get_all_with_path`` finds it in any nesting (``optax.chain``,
+  ``inject_hyperparams``, ``MultiSteps``, a Flax ``TrainState`` or
+  ``nnx.Optimizer``), including one nested in another's ``inner_state``,
+  which is reported rather than silently shadowed.
+  """
+  found = [state for _, state in optax.tree.get_all_with_path(
+      opt_state, LossScaledState.__name__,
+      filtering=lambda _, value: isinstance(value, LossScaledState))]
   if len(found) != 1:
     what = "no" if not found else f"{len(found)}"
     raise ValueError(
@@ -378,8 +465,9 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
       :func:`loss_scaled` (or a Flax ``TrainState``/``nnx.Optimizer``).
 
   Returns:
-    ``{"loss_scale": float32, "total_skipped": int32, "consecutive_skipped":
-    int32, "last_finite": bool}``, all scalars.
+    ``{"loss_scale": float32, "notfinite_count": int32, "total_notfinite":
+    int32, "last_finite": bool}``, all scalars, named as the fields of
+    :class:`LossScaledState`.
 
   Raises:
     ValueError: if the state holds no :class:`LossScaledState`, or more than
@@ -392,13 +480,13 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     >>> state = tx.init(jnp.zeros(2))
     >>> _, state = tx.update(jnp.array([1.0, jnp.nan]), state)
     >>> {k: v.item() for k, v in loss_scale_metrics(state).items()}
-    {'loss_scale': 8.0, 'total_skipped': 1, 'consecutive_skipped': 1, 'last_finite': False}
+    {'loss_scale': 8.0, 'notfinite_count': 1, 'total_notfinite': 1, 'last_finite': False}
   """
   state = _find_state(opt_state, "loss_scale_metrics")
   return {
       "loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
-      "total_skipped": state.total_skipped,
-      "consecutive_skipped": state.consecutive_skipped,
+      "notfinite_count": state.notfinite_count,
+      "total_notfinite": state.total_notfinite,
       "last_finite": state.last_finite,
   }
 
@@ -449,7 +537,11 @@ def scaled_value_and_grad(
     ``g(loss_scale, *args, **kwargs) -> (value, scaled_grads)`` where
     ``loss_scale`` is a loss-scale value (see :func:`get_loss_scale`), a
     :class:`LossScaledState`, or a positive scalar, and ``value`` is the
-    unscaled loss, or ``(loss, aux)`` when ``has_aux``.
+    unscaled loss, or ``(loss, aux)`` when ``has_aux``. Its
+    ``inspect.signature`` is ``fun``'s with the positional-only loss-scale
+    parameter first, so ``jax.jit(g, static_argnums=...)`` and
+    ``static_argnames=...`` name the same arguments as for
+    ``jax.value_and_grad(fun)``, with the numbers shifted by one.
 
   Examples:
     >>> g = scaled_value_and_grad(lambda w: jnp.sum(w ** 2))
@@ -472,4 +564,26 @@ def scaled_value_and_grad(
     )(*args)
     return ((loss, aux) if has_aux else loss), grads
 
+  return _with_loss_scale_first(g, fun)
+
+
+def _with_loss_scale_first(g: Callable[..., Any], fun: Callable[..., Any]):
+  """Gives ``g`` the signature of ``fun`` with a loss-scale parameter first.
+
+  ``functools.wraps`` makes ``inspect.signature(g)`` report ``fun``'s own
+  signature, one positional argument short, which misleads ``jax.jit``'s
+  ``static_argnums``/``static_argnames``. The parameter is positional-only
+  (``g`` takes it first) and named ``loss_scale`` (with underscores added if
+  ``fun`` has a parameter of that name).
+  """
+  try:
+    signature = inspect.signature(fun)
+  except (TypeError, ValueError):  # e.g. some builtins: leave it unknown
+    return g
+  name = "loss_scale"
+  while name in signature.parameters:
+    name += "_"
+  first = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
+  g.__signature__ = signature.replace(
+      parameters=[first, *signature.parameters.values()])
   return g

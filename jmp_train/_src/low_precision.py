@@ -26,6 +26,8 @@ half-precision value.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -116,6 +118,92 @@ class ModifiedMomentumState(NamedTuple):
   momentum: optax.Updates
 
 
+def _check_momentum_hyperparams(
+    learning_rate: Any, momentum: Any, nesterov: Any, error_feedback: Any
+) -> None:
+  """Raises a ValueError naming the first invalid hyperparameter.
+
+  Numbers are checked here; a schedule (a callable of the step count) and
+  arrays (e.g. from ``optax.inject_hyperparams``, possibly traced) are taken
+  as they are.
+  """
+  if not callable(learning_rate) and _is_number(learning_rate) and not (
+      math.isfinite(learning_rate) and learning_rate > 0):
+    raise ValueError(
+        f"learning_rate must be finite and > 0 (or a schedule, a callable of "
+        f"the step count), got {learning_rate!r}: a negative rate ascends the "
+        "loss and 0 never moves the weights."
+    )
+  if not (callable(learning_rate) or _is_number(learning_rate)
+          or isinstance(learning_rate, (jax.Array, np.ndarray))):
+    raise ValueError(
+        f"learning_rate must be a number > 0 or a schedule (a callable of "
+        f"the step count), got {learning_rate!r}."
+    )
+  if _is_number(momentum) and not 0.0 <= momentum < 1.0:
+    raise ValueError(
+        f"momentum must be in [0, 1), got {momentum!r} (0 disables momentum)."
+    )
+  for name, value in (("nesterov", nesterov), ("error_feedback", error_feedback)):
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f"{name} must be True or False, got {value!r}.")
+
+
+def _is_number(x: Any) -> bool:
+  """A Python or NumPy real number (not a bool, not an array)."""
+  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _momentum_step(
+    g: jax.Array, buf: jax.Array, lr: Any, momentum: Any, nesterov: bool
+) -> tuple[jax.Array, jax.Array]:
+  """The modified momentum rule: the step (accumulation dtype), new buffer.
+
+  ``G <- m G + g`` rounded once to the buffer's dtype; the step is
+  ``-lr G`` (``-lr (g + m G)`` with Nesterov), in float32 for half buffers.
+  """
+  acc = _accumulation_dtype(buf.dtype)
+  g_acc = g.astype(acc)
+  m = jnp.asarray(momentum, acc)  # may be an injected hyperparameter
+  new_buf = (m * buf.astype(acc) + g_acc).astype(buf.dtype)
+  direction = new_buf.astype(acc)
+  if nesterov:
+    direction = g_acc + m * direction
+  return -jnp.asarray(lr, acc) * direction, new_buf
+
+
+def _plain_leaf(g, buf, lr, momentum, nesterov):
+  """One leaf without error feedback: (update in g's dtype, new buffer)."""
+  step, new_buf = _momentum_step(g, buf, lr, momentum, nesterov)
+  return step.astype(g.dtype), new_buf
+
+
+def _feedback_leaf(g, buf, p, lr, momentum, nesterov):
+  """One leaf with error feedback: the update landing ``p`` exactly, and
+  the buffer with the step's rounding loss fed back into it."""
+  if not (is_floating_array(p) and is_floating_array(g)):
+    return _plain_leaf(g, buf, lr, momentum, nesterov)
+  acc = _accumulation_dtype(buf.dtype)
+  step, new_buf = _momentum_step(g, buf, lr, momentum, nesterov)
+  new_u, applied = _land(p, step, g.dtype)
+  dropped = step - applied
+  m = jnp.asarray(momentum, acc)
+  # A unit of G moves W by -lr * m**k / (1 - m) over the next steps.
+  reach = jnp.asarray(lr, acc) * (m * m if nesterov else m)
+  feedback = -dropped * (1 - m) / jnp.where(reach > 0, reach, jnp.ones_like(reach))
+  # Nothing to carry with m = 0 or lr = 0; never carry inf/NaN forward.
+  ok = (reach > 0) & jnp.isfinite(feedback)
+  feedback = jnp.where(ok, feedback, jnp.zeros_like(feedback))
+  return new_u, (new_buf.astype(acc) + feedback).astype(buf.dtype)
+
+
+def _unzip_pairs(pairs: Any) -> tuple[Any, Any]:
+  """A tree of ``(a, b)`` pairs as a tree of ``a`` and a tree of ``b``."""
+  is_pair = lambda x: isinstance(x, tuple)
+  return (jax.tree.map(lambda x: x[0], pairs, is_leaf=is_pair),
+          jax.tree.map(lambda x: x[1], pairs, is_leaf=is_pair))
+
+
 def modified_momentum_sgd(
     learning_rate: optax.ScalarOrSchedule,
     momentum: float = 0.9,
@@ -161,21 +249,23 @@ def modified_momentum_sgd(
   trajectory by up to about ``m / (1 - m)`` half-ulps (4.5 ulps at ``m =
   0.9``); ``G``'s own rounding is not fed back. Measured on the digits MLP
   (``benchmarks/bench_half_weights_training.py``): float16 within 1% of
-  float32 master weights where the seed's rule is 4% off; bfloat16 (8
+  float32 master weights where the rule without feedback is 4% off; bfloat16 (8
   significant bits) 1.5% off instead of 105%, not within 1%: there the
-  seed's rule followed by :func:`stochastic_rounding` or
+  rule without feedback followed by :func:`stochastic_rounding` or
   :func:`kahan_compensation` is. With ``momentum=0`` there
   is no buffer to carry the error and nothing is fed back. The same idea as
   the error feedback of 1-bit SGD (:func:`jmp_train.sign_compression`):
   what a lossy step dropped is added to what is sent next.
 
-  ``error_feedback=False`` is the seed's rule exactly; it equals
+  ``error_feedback=False`` is the modified momentum rule above exactly; it equals
   ``optax.sgd(learning_rate, momentum, nesterov)`` in exact arithmetic (whose
   ``trace`` also accumulates gradients), with the buffer pinned to the
   parameters' dtype.
 
   Args:
-    learning_rate: a scalar or an ``optax.Schedule`` of the step count.
+    learning_rate: a finite number > 0, or an ``optax.Schedule`` (a
+      callable of the step count, e.g. ``optax.cosine_decay_schedule(0.1,
+      1000)``; a schedule may return 0, e.g. at the start of a warm-up).
       Under a schedule, error fed back at step ``t`` is scaled with
       :math:`\lambda_t` and re-applied with the later rates.
     momentum: the decay ``m`` of the gradient accumulator, in ``[0, 1)``.
@@ -192,7 +282,9 @@ def modified_momentum_sgd(
     :class:`ModifiedMomentumState`; the updates keep the gradients' dtype.
 
   Raises:
-    ValueError: if ``momentum`` is a number outside ``[0, 1)``, ``nesterov``
+    ValueError: if ``learning_rate`` is a number that is not finite and
+      > 0 (or neither a number nor a callable), ``momentum`` is a number
+      outside ``[0, 1)``, ``nesterov``
       or ``error_feedback`` is not a bool, or (at trace time, with error
       feedback) if ``update`` is called without ``params`` or with params
       whose tree differs from the gradients'.
@@ -208,9 +300,9 @@ def modified_momentum_sgd(
     ...     params = optax.apply_updates(params, updates)
     ...   return params, state
     >>> # Each step, lr * G <= 1e-5 * 10, is below half an ulp of 1 (2^-11).
-    >>> seed_rule, _ = train(modified_momentum_sgd(1e-5, error_feedback=False), params)
+    >>> plain, _ = train(modified_momentum_sgd(1e-5, error_feedback=False), params)
     >>> with_feedback, state = train(modified_momentum_sgd(1e-5), params)
-    >>> float(seed_rule["w"][0]), float(with_feedback["w"][0])  # float32: 0.9809
+    >>> float(plain["w"][0]), float(with_feedback["w"][0])  # float32: 0.9809
     (1.0, 0.982421875)
     >>> with_feedback["w"].dtype, state.momentum["w"].dtype
     (dtype('float16'), dtype('float16'))
@@ -225,13 +317,7 @@ def modified_momentum_sgd(
     Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014
     (error feedback).
   """
-  if isinstance(momentum, (int, float)) and not 0.0 <= momentum < 1.0:
-    raise ValueError(
-        f"momentum must be in [0, 1), got {momentum!r} (0 disables momentum)."
-    )
-  for name, value in (("nesterov", nesterov), ("error_feedback", error_feedback)):
-    if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(f"{name} must be True or False, got {value!r}.")
+  _check_momentum_hyperparams(learning_rate, momentum, nesterov, error_feedback)
   caller = "modified_momentum_sgd(error_feedback=True)"
 
   def init_fn(params):
@@ -240,49 +326,19 @@ def modified_momentum_sgd(
         momentum=jax.tree.map(jnp.zeros_like, params),
     )
 
-  def step_and_buffer(g, buf, lr):
-    """The seed's rule: the step (float32) and the new buffer (its dtype)."""
-    acc = _accumulation_dtype(buf.dtype)
-    g_acc = g.astype(acc)
-    m = jnp.asarray(momentum, acc)  # may be an injected hyperparameter
-    new_buf = (m * buf.astype(acc) + g_acc).astype(buf.dtype)
-    direction = new_buf.astype(acc)
-    if nesterov:
-      direction = g_acc + m * direction
-    return -jnp.asarray(lr, acc) * direction, new_buf
-
-  def seed_leaf(g, buf, lr):
-    step, new_buf = step_and_buffer(g, buf, lr)
-    return step.astype(g.dtype), new_buf
-
-  def feedback_leaf(g, buf, p, lr):
-    if not (is_floating_array(p) and is_floating_array(g)):
-      return seed_leaf(g, buf, lr)
-    acc = _accumulation_dtype(buf.dtype)
-    step, new_buf = step_and_buffer(g, buf, lr)
-    new_u, applied = _land(p, step, g.dtype)
-    dropped = step - applied
-    m = jnp.asarray(momentum, acc)
-    # A unit of G moves W by -lr * m**k / (1 - m) over the next steps.
-    reach = jnp.asarray(lr, acc) * (m * m if nesterov else m)
-    feedback = -dropped * (1 - m) / jnp.where(reach > 0, reach, jnp.ones_like(reach))
-    # Nothing to carry with m = 0 or lr = 0; never carry inf/NaN forward.
-    ok = (reach > 0) & jnp.isfinite(feedback)
-    feedback = jnp.where(ok, feedback, jnp.zeros_like(feedback))
-    return new_u, (new_buf.astype(acc) + feedback).astype(buf.dtype)
-
   def update_fn(updates, state, params=None):
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     if error_feedback:
       _check_params(params, caller)
       _check_structure(updates, params, caller)
       pairs = jax.tree.map(
-          lambda g, b, p: feedback_leaf(g, b, p, lr), updates, state.momentum, params)
+          lambda g, b, p: _feedback_leaf(g, b, p, lr, momentum, nesterov),
+          updates, state.momentum, params)
     else:
-      pairs = jax.tree.map(lambda g, b: seed_leaf(g, b, lr), updates, state.momentum)
-    is_pair = lambda x: isinstance(x, tuple)
-    new_updates = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
-    new_momentum = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+      pairs = jax.tree.map(
+          lambda g, b: _plain_leaf(g, b, lr, momentum, nesterov),
+          updates, state.momentum)
+    new_updates, new_momentum = _unzip_pairs(pairs)
     return new_updates, ModifiedMomentumState(
         count=optax.safe_increment(state.count), momentum=new_momentum
     )
