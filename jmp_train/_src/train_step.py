@@ -155,7 +155,7 @@ def _update(cfg: _Config, state: TrainState, grads, model_state):
   model_state = jax.tree.map(
       lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
   )
-  skipped = jnp.asarray(ls_metrics["total_skipped"], jnp.int32)
+  skipped = jnp.asarray(ls_metrics["total_notfinite"], jnp.int32)
   return params, opt_state, model_state, ls_metrics["loss_scale"], skipped
 
 
