@@ -99,6 +99,10 @@ def _histogram_panels(axes, rows: dict, curves: dict) -> None:
                                           else "the initial loss scale") + ")"),
     )
     ax.title.set_fontsize("small")
+    # The legend below the axes, clear of the x label.
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, fontsize="x-small", loc="upper center",
+              bbox_to_anchor=(0.5, -0.16), ncol=2)
 
 
 def plot(path: pathlib.Path, rows: Sequence[dict], curves: dict, s: Any, schedule: Any) -> None:
@@ -109,7 +113,7 @@ def plot(path: pathlib.Path, rows: Sequence[dict], curves: dict, s: Any, schedul
   from jmp_train.examples.demo import COMPARISONS  # pylint: disable=g-import-not-at-top
 
   by_name = {r["config"]: r for r in rows}
-  fig = Figure(figsize=(19, 11))
+  fig = Figure(figsize=(19, 12), layout="constrained")
   axes = fig.subplots(2, 3)
   window = max(1, s.steps // 20)
   for ax, (title, names) in zip(axes[0], COMPARISONS.items()):
@@ -121,5 +125,4 @@ def plot(path: pathlib.Path, rows: Sequence[dict], curves: dict, s: Any, schedul
   _loss_scale_panel(axes[1][0], curves)
   _histogram_panels(axes[1][1:], by_name, curves)
   fig.suptitle(f"jmp-train: {s.task}, batch {s.batch}, {s.steps} steps, seed {s.seed}")
-  fig.tight_layout()
   fig.savefig(path, dpi=100)
