@@ -7,10 +7,12 @@ rate), in each configuration of :data:`CONFIGS`, in three comparisons:
 * **loss scaling**: float32; mixed float16 without loss scaling (gradients
   below float16's range flush to zero); mixed float16 with dynamic loss
   scaling; mixed bfloat16 (float32's range, no scaling needed);
-* **weight updates**: float16 weights (no float32 master copy) with plain
-  momentum SGD, whose step ``lr·g`` is lost once it falls below half an ulp
-  of the weights as the rate decays, and with the modified momentum SGD of
-  Micikevicius et al.;
+* **weight updates**: float16 weights (no float32 master copy) with the
+  float32 row's momentum SGD (``optax.sgd``), whose step ``lr·G`` is lost
+  once it falls below half an ulp of the weights as the rate decays, and
+  with :func:`jmp_train.modified_momentum_sgd` (the modified momentum of
+  NVIDIA's mixed-precision training guide, with error feedback of what
+  rounding drops);
 * **compression**: data parallelism over 8 devices with a float32
   all-reduce, 1-bit compression without error feedback, and 1-bit SGD with
   error feedback (Seide et al.).
@@ -104,8 +106,8 @@ CONFIGS: dict[str, RunConfig] = {
         RunConfig("f16", "mixed float16, no loss scaling", "mixed_float16"),
         RunConfig("f16-dls", "mixed float16, dynamic loss scaling", "mixed_float16", "dynamic"),
         RunConfig("bf16", "mixed bfloat16", "mixed_bfloat16"),
-        RunConfig("f16w-sgd", "float16 weights, momentum SGD with lr in buffer",
-                  _F16_WEIGHTS, "dynamic", "momentum-lr-in-buffer"),
+        RunConfig("f16w-sgd", "float16 weights, momentum SGD (optax.sgd)",
+                  _F16_WEIGHTS, "dynamic", "momentum"),
         RunConfig("f16w-mmsgd", "float16 weights, modified momentum SGD",
                   _F16_WEIGHTS, "dynamic", "modified-momentum"),
         RunConfig("8dev-f32", "8 devices, float32 all-reduce", "float32",
