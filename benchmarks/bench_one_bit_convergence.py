@@ -94,25 +94,50 @@ def run_digits(
     A record: final training loss, test accuracy, residual norms (per step
     in ``residual_norms``), wall time.
   """
-  from jmp_train import sign_compression, sign_compression_specs
-  from jmp_train.examples.data import load_digits
+  from jmp_train import sign_compression
 
   if mode not in MODES:
     raise ValueError(f"Unknown mode {mode!r}; valid modes: {', '.join(MODES)}.")
-  if jax.device_count() < replicas:
-    raise ValueError(
-        f"run_digits needs {replicas} devices, found {jax.device_count()}: set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before JAX starts."
-    )
-  data = load_digits(seed=seed)
-  mesh = jax.make_mesh((replicas,), (AXIS,), devices=jax.devices()[:replicas])
-  params = _init_mlp(jax.random.key(seed), (64, hidden, 10))
   if mode == "float32":
     compress = _exact_mean(AXIS)
   else:
     ef = mode == "1bit_ef"
     compress = sign_compression(AXIS, error_feedback=ef, server_error_feedback=ef)
   tx = optax.chain(compress, optax.sgd(learning_rate, momentum=momentum))
+  record = train_digits(
+      tx, steps=steps, replicas=replicas, per_replica_batch=per_replica_batch,
+      hidden=hidden, seed=seed,
+  )
+  return {"mode": mode, **record}
+
+
+def train_digits(
+    tx: optax.GradientTransformation,
+    *,
+    steps: int = 200,
+    replicas: int = 8,
+    per_replica_batch: int = 16,
+    hidden: int = 64,
+    seed: int = 0,
+) -> dict:
+  """Trains the digits MLP with ``tx`` (fed each replica's local gradients).
+
+  ``tx`` must average the gradients itself (``_exact_mean`` in a chain,
+  :func:`jmp_train.sign_compression`, :func:`jmp_train.one_bit_adam`, ...).
+  Same data, initialisation and batches for a given ``seed``. Returns the
+  record described in :func:`run_digits` (without ``mode``).
+  """
+  from jmp_train import sign_compression_specs
+  from jmp_train.examples.data import load_digits
+
+  if jax.device_count() < replicas:
+    raise ValueError(
+        f"train_digits needs {replicas} devices, found {jax.device_count()}: set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before JAX starts."
+    )
+  data = load_digits(seed=seed)
+  mesh = jax.make_mesh((replicas,), (AXIS,), devices=jax.devices()[:replicas])
+  params = _init_mlp(jax.random.key(seed), (64, hidden, 10))
 
   rng = np.random.default_rng(seed)
   global_batch = replicas * per_replica_batch
@@ -161,7 +186,6 @@ def run_digits(
   accuracy = float((_logits(params, data.x_test).argmax(-1) == data.y_test).mean())
   norms = np.asarray(norms)
   return {
-      "mode": mode,
       "replicas": replicas,
       "steps": steps,
       "final_loss": final_loss,

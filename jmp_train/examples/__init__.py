@@ -2,7 +2,8 @@
 
 * :mod:`jmp_train.examples.cli`: the ``jmp-train`` command (``python -m
   jmp_train`` runs it too).
-* :mod:`jmp_train.examples.demo`: the configurations it trains and compares.
+* :mod:`jmp_train.examples.demo`: the configurations it trains and compares;
+  :mod:`jmp_train.examples.demo_plot` draws its figure.
 * :mod:`jmp_train.examples.data`: small data sets that need no download (the
   Python standard library's source as a character corpus; scikit-learn's
   8x8 digits).

@@ -1,10 +1,7 @@
 """``jmp-train`` / ``python -m jmp_train``: the demo in one command.
 
-Trains a character-level Transformer on the Python standard library's source
-in float32, mixed float16 (with and without loss scaling), mixed bfloat16,
-float16 weights (two momentum SGD variants) and 8-device data parallelism
-(uncompressed and 1-bit SGD with error feedback); prints one table and
-writes ``results.json`` and ``results.png``.
+This module imports nothing heavy at import time: ``jmp-train --help`` and
+flag errors answer without starting JAX.
 """
 
 from __future__ import annotations
@@ -15,6 +12,22 @@ import sys
 
 _NUM_DEVICES = 8
 _PROG = "jmp-train"
+
+# Plain text for --help (no reST markup).
+_DESCRIPTION = (
+    "Trains a character-level Transformer on the Python standard library's source "
+    "(or an MLP on scikit-learn's digits) in nine configurations, under one warm-up + "
+    "cosine-decay learning-rate schedule, and compares them: float32; mixed float16 "
+    "without and with dynamic loss scaling; mixed bfloat16; float16 weights with plain "
+    "momentum SGD and with the modified momentum SGD; 8 data-parallel devices with a "
+    "float32 all-reduce, 1-bit compression without error feedback, and 1-bit SGD with "
+    "error feedback. Prints one table and writes results.json and (with matplotlib) "
+    "results.png to --out."
+)
+_EPILOG = (
+    "Without matplotlib the table and results.json are still written; "
+    "pip install 'jmp_train[plot]' adds the figure. JMP_TRAIN_DEBUG=1 shows tracebacks."
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,6 +51,26 @@ def _positive_int(text: str) -> int:
   return value
 
 
+def _nonnegative_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+  return value
+
+
+def _fraction(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+  if not 0.0 < value <= 1.0:
+    raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+  return value
+
+
 def _positive_float(text: str) -> float:
   try:
     value = float(text)
@@ -52,12 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
   """The CLI's argument parser."""
   # Names only; importing the demo module here would import JAX first.
   config_names = (
-      "f32", "f16", "f16-dls", "bf16", "f16w-sgd", "f16w-mmsgd", "8dev-f32", "8dev-1bit",
+      "f32", "f16", "f16-dls", "bf16", "f16w-sgd", "f16w-mmsgd",
+      "8dev-f32", "8dev-1bit-noef", "8dev-1bit",
   )
-  parser = _Parser(
-      prog=_PROG,
-      description=__doc__.split("\n\n")[1].replace("\n", " "),
-  )
+  parser = _Parser(prog=_PROG, description=_DESCRIPTION, epilog=_EPILOG)
   parser.add_argument("--task", choices=("text", "digits"), default="text",
                       help="char-level LM on the stdlib source, or MLP on sklearn digits "
                            "(default: %(default)s)")
@@ -69,19 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per sequence for --task text (default 64; 16 with --quick)")
   parser.add_argument("--d-model", type=_positive_int, default=None,
                       help="model width, a multiple of 16 (default 64; 16 with --quick)")
-  parser.add_argument("--layers", type=_positive_int, default=1,
-                      help="Transformer layers (text) or hidden layers (digits) (default: %(default)s)")
+  parser.add_argument("--layers", type=_positive_int, default=None,
+                      help="Transformer layers (text) or hidden layers (digits) (default 1)")
   parser.add_argument("--hidden", type=_positive_int, default=128,
                       help="hidden width of the digits MLP (default: %(default)s)")
-  parser.add_argument("--lr", type=_positive_float, default=0.15,
-                      help="learning rate of the single-device configurations (default: %(default)s)")
-  parser.add_argument("--dp-lr", type=_positive_float, default=0.5,
-                      help="learning rate of the two 8-device configurations, which run "
-                           "plain SGD (1-bit SGD with momentum 0.9 diverged in our runs) (default: %(default)s)")
+  parser.add_argument("--lr", type=_positive_float, default=None,
+                      help="peak learning rate of every configuration (default 0.15)")
+  parser.add_argument("--final-lr", type=_fraction, default=0.01,
+                      help="the rate the cosine decay ends at, as a fraction of --lr "
+                           "(default: %(default)s)")
   parser.add_argument("--configs", default=",".join(config_names),
                       help="comma-separated subset of (default: all): " + ", ".join(config_names))
   parser.add_argument("--out", default="jmp_train_output", help="output folder (default: %(default)s)")
-  parser.add_argument("--seed", type=int, default=0, help="seed of weights and data (default: %(default)s)")
+  parser.add_argument("--seed", type=_nonnegative_int, default=0,
+                      help="seed of weights and data (default: %(default)s)")
   parser.add_argument("--num-processes", type=_positive_int, default=1,
                       help="run the 8-device configurations as N local processes "
                            "(jax.distributed, gloo, 127.0.0.1); N in 1, 2, 4, 8")
@@ -113,10 +145,10 @@ def _settings(args: argparse.Namespace, config_names) -> dict:
       batch=args.batch or (16 if quick else 32),
       seq_len=args.seq_len or (16 if quick else 64),
       d_model=args.d_model or (16 if quick else 64),
-      layers=args.layers,
+      layers=args.layers or 1,
       hidden=32 if quick and args.hidden == 128 else args.hidden,
-      learning_rate=args.lr,
-      dp_learning_rate=args.dp_lr,
+      learning_rate=args.lr or 0.15,
+      final_lr_fraction=args.final_lr,
       configs=configs,
       out=args.out,
       seed=args.seed,
@@ -139,14 +171,23 @@ def _settings(args: argparse.Namespace, config_names) -> dict:
   return settings
 
 
-def _check_optional_dependencies(settings: dict) -> None:
-  if settings["plot"]:
-    try:
-      import matplotlib  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
-    except ImportError:
-      raise _DependencyError(
-          "results.png needs matplotlib: pip install 'jmp_train[plot]' (or pass --no-plot)"
-      ) from None
+def _check_output_dir(path: str) -> None:
+  """Creates ``--out`` if needed and checks a file can be written there."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise _UsageError(f"--out {path}: exists and is not a folder")
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".jmp_train_write_check_"):
+      pass
+  except OSError as e:
+    reason = e.strerror or type(e).__name__
+    raise _UsageError(f"--out {path}: cannot write there ({reason})") from None
+
+
+def _check_optional_dependencies(settings: dict) -> str | None:
+  """Raises for a missing dependency the run needs; returns a note for the plot."""
   if settings["task"] == "digits":
     try:
       import sklearn  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
@@ -155,6 +196,14 @@ def _check_optional_dependencies(settings: dict) -> None:
           "--task digits needs scikit-learn: pip install 'jmp_train[examples]' "
           "(or use --task text)"
       ) from None
+  if settings["plot"]:
+    try:
+      import matplotlib  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+    except ImportError:
+      settings["plot"] = False
+      return ("results.png not drawn: matplotlib is not installed; "
+              "pip install 'jmp_train[plot]' to get the figure")
+  return None
 
 
 class _DependencyError(Exception):
@@ -185,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     args = parser.parse_args(argv)
     settings = _settings(args, parser.config_names)  # type: ignore[attr-defined]
-    _check_optional_dependencies(settings)
+    plot_note = _check_optional_dependencies(settings)
+    _check_output_dir(settings["out"])
   except _UsageError as e:
     print(f"{_PROG}: error: {e} (see {_PROG} --help)", file=sys.stderr)
     return 2
@@ -203,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
       print(demo.format_table(rows))
       print(f"\nwritten: {os.path.join(s.out, 'results.json')}"
             + (f", {os.path.join(s.out, 'results.png')}" if s.plot else ""))
+      if plot_note:
+        print(plot_note)
   except KeyboardInterrupt:
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 130

@@ -1,23 +1,36 @@
-"""The demo behind ``jmp-train``: the seeds' comparisons on a real task.
+"""The demo behind ``jmp-train``: each fix of the mixed-precision papers, on a real task.
 
-Trains one model, from the same initial weights, on the same batches, in
-each configuration of :data:`CONFIGS` (float32; mixed float16 without and
-with dynamic loss scaling; mixed bfloat16; float16 weights with momentum SGD
-that keeps the learning rate in its buffer, and with the modified momentum
-SGD; data-parallel float32 SGD over 8 devices, uncompressed and 1-bit with
-error feedback), and reports one table: final train and validation loss and
-accuracy, steps per second, skipped steps, final loss scale, the share of
-gradients that would underflow float16 without loss scaling, bytes of
-parameters + optimizer state, and wire bytes per step read from the
-compiled HLO. Writes ``results.json`` and ``results.png`` (learning curves
-and a gradient histogram).
+Trains one model, from the same initial weights, on the same batches, under
+one learning-rate schedule (linear warm-up, then cosine decay to a small
+rate), in each configuration of :data:`CONFIGS`, in three comparisons:
+
+* **loss scaling**: float32; mixed float16 without loss scaling (gradients
+  below float16's range flush to zero); mixed float16 with dynamic loss
+  scaling; mixed bfloat16 (float32's range, no scaling needed);
+* **weight updates**: float16 weights (no float32 master copy) with the
+  float32 row's momentum SGD (``optax.sgd``), whose step ``lr·G`` is lost
+  once it falls below half an ulp of the weights as the rate decays, and
+  with :func:`jmp_train.modified_momentum_sgd` (the modified momentum of
+  NVIDIA's mixed-precision training guide, with error feedback of what
+  rounding drops);
+* **compression**: data parallelism over 8 devices with a float32
+  all-reduce, 1-bit compression without error feedback, and 1-bit SGD with
+  error feedback (Seide et al.).
+
+Reports one table (final train and validation loss and accuracy, the
+validation loss relative to the comparison's float32 reference, steps per
+second, skipped steps, final loss scale, the share of gradients that would
+underflow float16 without loss scaling, bytes of parameters + optimizer
+state, and wire bytes per step read from the compiled HLO) and writes
+``results.json`` and, with matplotlib, ``results.png``
+(:mod:`jmp_train.examples.demo_plot`).
 
 The task is a character-level Transformer language model on the Python
 standard library's own source (:func:`jmp_train.examples.data.load_text_corpus`),
-or an MLP on scikit-learn's 8x8 digits (``--task digits``).
-
-The process must have 8 CPU devices before JAX starts its backend;
-:func:`jmp_train.examples.cli.main` sees to it.
+or an MLP on scikit-learn's 8x8 digits (``--task digits``). Single-device
+rows run on JAX's default device (a GPU when there is one); the 8-device rows
+need 8 devices of one kind, which on a one-GPU machine are 8 simulated CPU
+devices (:func:`jmp_train.examples.cli.main` creates them).
 """
 
 from __future__ import annotations
@@ -40,12 +53,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+import jmp_train
 from jmp_train.examples import data as data_lib
-from jmp_train._src import tables
-from jmp_train._src import train as train_lib
 
 __all__ = [
     "CONFIGS", "COLUMNS", "DemoError", "DemoSettings", "RunConfig", "format_table", "run_demo",
+    "learning_rate_schedule", "data_parallel_optimizer",
 ]
 
 NUM_DEVICES = 8
@@ -63,12 +76,15 @@ class RunConfig(NamedTuple):
     description: what the row shows.
     policy: the dtype policy spec.
     loss_scale: ``"none"`` or ``"dynamic"``.
-    optimizer: ``"momentum"`` (optax SGD with momentum, which accumulates
-      gradients; plain SGD for the 8-device configurations), ``"momentum-lr-in-buffer"`` (``H ← mH − λg; W ← W + H``,
-      the plain form of the seeds) or ``"modified-momentum"``
-      (:func:`jmp_train.modified_momentum_sgd`).
+    optimizer: ``"momentum"`` (``optax.sgd`` with momentum: the buffer
+      accumulates gradients, the learning rate is applied last),
+      ``"momentum-lr-in-buffer"`` (``H ← mH − λg; W ← W + H``, the plain form
+      that keeps the learning rate inside the buffer) or
+      ``"modified-momentum"`` (:func:`jmp_train.modified_momentum_sgd`).
     devices: 1 (``jit``) or 8 (``shard_map`` over a data-parallel mesh).
-    compression: 1-bit SGD with error feedback (:func:`jmp_train.sign_compression`).
+    compression: ``"none"``, ``"1bit"`` (with error feedback) or
+      ``"1bit-noef"`` (without).
+    reference: the row this one is compared with (``val_loss_gap``).
   """
 
   name: str
@@ -77,7 +93,8 @@ class RunConfig(NamedTuple):
   loss_scale: str = "none"
   optimizer: str = "momentum"
   devices: int = 1
-  compression: bool = False
+  compression: str = "none"
+  reference: str = "f32"
 
 
 _F16_WEIGHTS = "params=float16,compute=float16,output=float32"
@@ -89,18 +106,28 @@ CONFIGS: dict[str, RunConfig] = {
         RunConfig("f16", "mixed float16, no loss scaling", "mixed_float16"),
         RunConfig("f16-dls", "mixed float16, dynamic loss scaling", "mixed_float16", "dynamic"),
         RunConfig("bf16", "mixed bfloat16", "mixed_bfloat16"),
-        RunConfig("f16w-sgd", "float16 weights, momentum SGD with lr in buffer",
-                  _F16_WEIGHTS, "dynamic", "momentum-lr-in-buffer"),
+        RunConfig("f16w-sgd", "float16 weights, momentum SGD (optax.sgd)",
+                  _F16_WEIGHTS, "dynamic", "momentum"),
         RunConfig("f16w-mmsgd", "float16 weights, modified momentum SGD",
                   _F16_WEIGHTS, "dynamic", "modified-momentum"),
-        RunConfig("8dev-f32", "8 devices, float32 all-reduce", "float32", devices=NUM_DEVICES),
+        RunConfig("8dev-f32", "8 devices, float32 all-reduce", "float32",
+                  devices=NUM_DEVICES, reference="8dev-f32"),
+        RunConfig("8dev-1bit-noef", "8 devices, 1-bit, no error feedback", "float32",
+                  devices=NUM_DEVICES, compression="1bit-noef", reference="8dev-f32"),
         RunConfig("8dev-1bit", "8 devices, 1-bit SGD + error feedback", "float32",
-                  devices=NUM_DEVICES, compression=True),
+                  devices=NUM_DEVICES, compression="1bit", reference="8dev-f32"),
     )
 }
 
+# The three comparisons of the figure, each with its reference first.
+COMPARISONS = {
+    "loss scaling": ("f32", "f16", "f16-dls", "bf16"),
+    "weight updates": ("f32", "f16w-sgd", "f16w-mmsgd"),
+    "compression": ("8dev-f32", "8dev-1bit-noef", "8dev-1bit"),
+}
+
 COLUMNS = (
-    "config", "train_loss", "val_loss", "val_acc", "steps_per_s", "skipped",
+    "config", "train_loss", "val_loss", "val_loss_gap", "val_acc", "steps_per_s", "skipped",
     "loss_scale", "underflow_f16", "underflow_f16_logits", "state_bytes",
     "wire_bytes_per_step",
 )
@@ -118,7 +145,8 @@ class DemoSettings:
   layers: int = 1
   hidden: int = 128
   learning_rate: float = 0.15
-  dp_learning_rate: float = 0.5
+  warmup_fraction: float = 0.1
+  final_lr_fraction: float = 0.01
   momentum: float = 0.9
   configs: tuple[str, ...] = tuple(CONFIGS)
   out: str = "jmp_train_output"
@@ -129,8 +157,23 @@ class DemoSettings:
   progress: bool = True
 
 
+def learning_rate_schedule(s: DemoSettings) -> optax.Schedule:
+  """Linear warm-up over ``warmup_fraction`` of the steps, then cosine decay.
+
+  From 0 to ``learning_rate``, then down to ``learning_rate *
+  final_lr_fraction`` at the last step (``optax.warmup_cosine_decay_schedule``).
+  """
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=s.learning_rate,
+      warmup_steps=max(1, int(s.warmup_fraction * s.steps)),
+      decay_steps=max(2, s.steps),
+      end_value=s.learning_rate * s.final_lr_fraction,
+  )
+
+
 # ----------------------------------------------------------------------------
-# Tasks: deterministic, resumable batches (batch ``i`` depends on (seed, i)).
+# Tasks: deterministic batches (batch ``i`` depends on (seed, i) only).
 
 
 class Task(NamedTuple):
@@ -141,6 +184,7 @@ class Task(NamedTuple):
 
 
 def _loss_fn(logits, targets):
+  # The mean over every token of the batch: the usual language-model loss.
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
   accuracy = jnp.mean((jnp.argmax(logits, -1) == targets).astype(jnp.float32))
   return loss, {"accuracy": accuracy}
@@ -212,49 +256,83 @@ TASKS = {"text": _text_task, "digits": _digits_task}
 
 
 # ----------------------------------------------------------------------------
-# One configuration.
+# Optimizers.
 
 
-def _optimizer(cfg: RunConfig, s: DemoSettings) -> optax.GradientTransformation:
-  lr, m = s.learning_rate, s.momentum
-  if cfg.devices > 1:
-    # The 8-device pair runs plain SGD: 1-bit SGD with momentum 0.9 diverged
-    # within 200 steps at learning rates 0.15 and 0.3, where float32
-    # momentum SGD trains well, while plain SGD at 0.5 trains stably,
-    # compressed or not.
-    return optax.sgd(s.dp_learning_rate)
+def single_device_optimizer(cfg: RunConfig, s: DemoSettings) -> optax.GradientTransformation:
+  """The optimizer of a single-device row (all under one schedule)."""
+  lr, m = learning_rate_schedule(s), s.momentum
   if cfg.optimizer == "momentum":
     return optax.sgd(lr, momentum=m)
   if cfg.optimizer == "momentum-lr-in-buffer":
     # H <- m H - lr g ; W <- W + H, with H in the parameters' dtype.
-    return optax.chain(optax.scale(-lr), optax.trace(decay=m))
+    return optax.chain(optax.scale_by_learning_rate(lr), optax.trace(decay=m))
   if cfg.optimizer == "modified-momentum":
-    from jmp_train._src.low_precision import modified_momentum_sgd  # pylint: disable=g-import-not-at-top
+    return jmp_train.modified_momentum_sgd(lr, momentum=m)
+  raise ValueError(
+      f"Unknown optimizer {cfg.optimizer!r}; valid: 'momentum', 'momentum-lr-in-buffer', "
+      "'modified-momentum'."
+  )
 
-    return modified_momentum_sgd(lr, momentum=m)
-  raise ValueError(f"Unknown optimizer {cfg.optimizer!r}.")
+
+def _one_bit_momentum():
+  # Public as jmp_train.one_bit_momentum once exported; the module until then.
+  if hasattr(jmp_train, "one_bit_momentum"):
+    return jmp_train.one_bit_momentum
+  from jmp_train._src.one_bit_optimizers import one_bit_momentum  # pylint: disable=g-import-not-at-top
+
+  return one_bit_momentum
 
 
-def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> train_lib.TrainStep:
-  from jmp_train._src.flax_policy import apply_policy  # pylint: disable=g-import-not-at-top
+def data_parallel_optimizer(
+    cfg: RunConfig, s: DemoSettings, axis_name: str = "batch"
+) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
+  """``(compression, optimizer)`` of an 8-device row, for ``make_train_step``.
 
-  model = apply_policy(task.model, cfg.policy)
+  Every 8-device row runs the single-device rows' momentum SGD (momentum
+  ``s.momentum``) under the same schedule:
+
+  * ``8dev-f32``: float32 ``pmean`` of the gradients, then ``optax.sgd``;
+  * ``8dev-1bit-noef``: each replica's gradient sent as 1 bit per element
+    (:func:`jmp_train.sign_compression` with ``error_feedback=False``: what
+    the quantization drops is lost), then ``optax.sgd``;
+  * ``8dev-1bit``: 1-bit SGD with error feedback on the momentum
+    (``one_bit_momentum``): each replica adds its gradient to the momentum,
+    and the momentum crosses devices as 1 bit per element with worker and
+    server residuals. (Compressing gradients *before* a momentum buffer
+    lets the momentum integrate the quantization error, which diverged on
+    this task at momentum 0.9.)
+  """
+  lr, m = learning_rate_schedule(s), s.momentum
+  if cfg.compression == "none":
+    return None, optax.sgd(lr, momentum=m)
+  if cfg.compression == "1bit-noef":
+    compression = jmp_train.sign_compression(
+        axis_name, error_feedback=False, server_error_feedback=False)
+    return compression, optax.sgd(lr, momentum=m)
+  if cfg.compression == "1bit":
+    # It averages across replicas and applies the learning rate itself.
+    return _one_bit_momentum()(lr, m, axis_name=axis_name), optax.identity()
+  raise ValueError(
+      f"Unknown compression {cfg.compression!r}; valid: 'none', '1bit', '1bit-noef'."
+  )
+
+
+def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> jmp_train.TrainStep:
+  model = jmp_train.flax.apply_policy(task.model, cfg.policy)
   loss_scale = None
   if cfg.loss_scale == "dynamic":
-    from jmp_train._src.loss_scale import DynamicLossScale  # pylint: disable=g-import-not-at-top
-
-    # Growth every 100 good steps (2000 is the usual default for long runs;
+    # Growth after 50 good steps (2000 is the usual default for long runs;
     # a short demo would never see it grow).
-    loss_scale = DynamicLossScale(2.0**15, growth_interval=100)
-  compression = None
-  if cfg.compression:
-    from jmp_train._src.sign_compression import sign_compression  # pylint: disable=g-import-not-at-top
-
-    compression = sign_compression("batch")
-  return train_lib.make_train_step(
+    loss_scale = jmp_train.DynamicLossScale(2.0**15, growth_interval=50)
+  if cfg.devices > 1:
+    compression, optimizer = data_parallel_optimizer(cfg, s)
+  else:
+    compression, optimizer = None, single_device_optimizer(cfg, s)
+  return jmp_train.make_train_step(
       functools.partial(model.apply, train=True),
       _loss_fn,
-      _optimizer(cfg, s),
+      optimizer,
       policy=cfg.policy,
       loss_scale=loss_scale,
       compression=compression,
@@ -268,10 +346,10 @@ def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> train_lib.TrainS
 
 
 def _data_parallel_devices() -> list[Any]:
-  """8 devices for the data-parallel pair: the default backend's, else CPUs.
+  """8 devices for the data-parallel rows: the default backend's, else CPUs.
 
-  On a one-GPU machine the 8-device configurations run on the 8 simulated
-  CPU devices while the others use the GPU.
+  On a one-GPU machine the 8-device rows run on the 8 simulated CPU devices
+  while the single-device rows use the GPU.
   """
   devices = jax.devices()
   if len(devices) < NUM_DEVICES:
@@ -286,7 +364,7 @@ def _data_parallel_mesh() -> Mesh:
   return Mesh(np.asarray(_data_parallel_devices()), ("batch",))
 
 
-def _local_rows(batch, step: train_lib.TrainStep):
+def _local_rows(batch, step: jmp_train.TrainStep):
   """This process's rows of a global batch (all rows on one process)."""
   if step.mode == "single" or jax.process_count() == 1:
     return batch
@@ -295,8 +373,7 @@ def _local_rows(batch, step: train_lib.TrainStep):
 
 
 def _make_probe(task: Task):
-  """Float32 gradients (parameters and logits) and their float16 underflow."""
-  from jmp_train._src.diagnostics import underflow_fraction  # pylint: disable=g-import-not-at-top
+  """Float32 gradients (parameters and logits) and their float16 underflow at scale 1."""
 
   @jax.jit
   def probe(params, batch):
@@ -307,11 +384,53 @@ def _make_probe(task: Task):
     return {
         "params": g_params,
         "logits": g_logits,
-        "underflow_f16": underflow_fraction(g_params, jnp.float16),
-        "underflow_f16_logits": underflow_fraction(g_logits, jnp.float16),
+        "underflow_f16": jmp_train.diagnostics.underflow_fraction(g_params, jnp.float16),
+        "underflow_f16_logits": jmp_train.diagnostics.underflow_fraction(g_logits, jnp.float16),
     }
 
   return probe
+
+
+def _tree_bytes(tree: Any) -> int:
+  return int(sum(np.dtype(x.dtype).itemsize * np.size(x) for x in jax.tree.leaves(tree)))
+
+
+def _train(step, compiled, state, task, s, progress):
+  """Runs the steps; returns the state, the last metrics, curves and steps/s."""
+  losses, scales, start, metrics = [], [], None, None
+  first = step.shard_batch(_local_rows(task.train_batch(0), step))
+  for i in range(s.steps):
+    batch = first if i == 0 else step.shard_batch(_local_rows(task.train_batch(i), step))
+    state, metrics = compiled(state, batch)
+    losses.append(metrics["loss"])
+    scales.append(metrics["loss_scale"])
+    if step.mode != "single" or i == 0:
+      # Wait for each multi-device step before queueing the next: queued
+      # collectives can starve on XLA:CPU.
+      jax.block_until_ready(metrics)
+    if i == 0:
+      start = time.perf_counter()
+    if (i + 1) % 10 == 0 or i + 1 == s.steps:
+      progress(i + 1, {"loss": float(metrics["loss"])})
+  jax.block_until_ready(state)
+  elapsed = time.perf_counter() - start
+  steps_per_s = (s.steps - 1) / elapsed if s.steps > 1 and elapsed > 0 else float("nan")
+  curves = {
+      "loss": np.asarray(jax.device_get(jnp.stack(losses)), np.float64).tolist(),
+      "loss_scale": np.asarray(jax.device_get(jnp.stack(scales)), np.float64).tolist(),
+  }
+  return state, metrics, curves, steps_per_s
+
+
+def _evaluate(step, state, task) -> dict[str, dict[str, float]]:
+  evals = {}
+  for split, batches in task.eval_sets.items():
+    results = [
+        jax.device_get(step.evaluate(state, step.shard_batch(_local_rows(b, step))))
+        for b in batches
+    ]
+    evals[split] = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+  return evals
 
 
 def run_config(
@@ -325,47 +444,20 @@ def run_config(
   """Trains one configuration; returns its table row and its curves."""
   step = _build_step(cfg, task, s)
   state = step.init(init_params)
-  first = step.shard_batch(_local_rows(task.train_batch(0), step))
   t0 = time.perf_counter()
-  compiled = step.lower(state, first).compile()
+  compiled = step.lower(state, step.shard_batch(_local_rows(task.train_batch(0), step))).compile()
   compile_s = time.perf_counter() - t0
-  wire = 0
-  if cfg.devices > 1:
-    from jmp_train._src.hlo import collective_bytes  # pylint: disable=g-import-not-at-top
-
-    wire = collective_bytes(compiled, wire=True)["total"]
-  state_bytes = train_lib.tree_bytes(step.unreplicate((state.params, state.opt_state)))
-
-  losses = []
-  start = None
-  for i in range(s.steps):
-    batch = first if i == 0 else step.shard_batch(_local_rows(task.train_batch(i), step))
-    state, metrics = compiled(state, batch)
-    losses.append(metrics["loss"])
-    if i == 0:
-      jax.block_until_ready(metrics)
-      start = time.perf_counter()
-    if (i + 1) % 10 == 0 or i + 1 == s.steps:
-      progress(i + 1, {"loss": float(metrics["loss"])})
-  jax.block_until_ready(state)
-  elapsed = time.perf_counter() - start
-  steps_per_s = (s.steps - 1) / elapsed if s.steps > 1 and elapsed > 0 else float("nan")
-
-  evals = {}
-  for split, batches in task.eval_sets.items():
-    results = [
-        jax.device_get(step.evaluate(state, step.shard_batch(_local_rows(b, step))))
-        for b in batches
-    ]
-    evals[split] = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
-  params = jax.tree.map(
-      lambda x: np.asarray(x, np.float32), step.unreplicate(state.params)
-  )
+  wire = jmp_train.collective_bytes(compiled, wire=True)["total"] if cfg.devices > 1 else 0
+  state_bytes = _tree_bytes(step.unreplicate((state.params, state.opt_state)))
+  state, metrics, curves, steps_per_s = _train(step, compiled, state, task, s, progress)
+  evals = _evaluate(step, state, task)
+  params = jax.tree.map(lambda x: np.asarray(x, np.float32), step.unreplicate(state.params))
   probed = jax.device_get(probe(params, task.eval_sets["val"][0]))
   row = {
       "config": cfg.name,
       "description": cfg.description,
       "policy": cfg.policy,
+      "reference": cfg.reference,
       "train_loss": evals["train"]["loss"],
       "val_loss": evals["val"]["loss"],
       "train_acc": evals["train"]["accuracy"],
@@ -380,11 +472,10 @@ def run_config(
       "wire_bytes_per_step": int(wire),
       "devices": cfg.devices,
       "processes": jax.process_count() if cfg.devices > 1 else 1,
+      "backend": (step.mesh.devices.flat[0] if step.mesh is not None
+                  else jax.devices()[0]).platform,
   }
-  curves = {
-      "loss": np.asarray(jax.device_get(jnp.stack(losses))).tolist(),
-      "grads": {"params": probed["params"], "logits": probed["logits"]},
-  }
+  curves["grads"] = {"params": probed["params"], "logits": probed["logits"]}
   return row, curves
 
 
@@ -450,34 +541,15 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
   return payload["rows"], payload["curves"]
 
 
-def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = False) -> list[dict]:
-  """Runs the demo; writes ``results.json`` (and ``results.png``) to ``s.out``.
+def _add_gaps(rows: list[dict]) -> None:
+  """``val_loss_gap``: validation loss relative to the row's reference."""
+  by_name = {r["config"]: r for r in rows}
+  for r in rows:
+    ref = by_name.get(r["reference"])
+    r["val_loss_gap"] = (r["val_loss"] / ref["val_loss"] - 1.0) if ref else None
 
-  Args:
-    s: the settings.
-    argv_base: the CLI flags that describe ``s`` (passed on to worker
-      processes with ``--num-processes``).
-    worker: this process is one of ``--num-processes`` workers.
 
-  Returns:
-    The table rows.
-  """
-  if (len(_data_parallel_devices()) < NUM_DEVICES
-      and any(CONFIGS[n].devices > 1 for n in s.configs)):
-    raise DemoError(
-        f"the 8-device configurations need {NUM_DEVICES} devices, JAX has "
-        f"{jax.device_count()}; run through `jmp-train` (it sets them up), or "
-        "leave 8dev-f32 and 8dev-1bit out of --configs."
-    )
-  out = pathlib.Path(s.out)
-  out.mkdir(parents=True, exist_ok=True)
-  if worker:
-    rows, curves = run_configs(s, s.configs)
-    if jax.process_index() == 0:
-      (out / "worker.json").write_text(json.dumps(
-          {"rows": rows, "curves": {k: {"loss": v["loss"]} for k, v in curves.items()}}))
-    return rows
-
+def _run_all(s: DemoSettings, argv_base: Sequence[str]) -> tuple[list[dict], dict]:
   local = [n for n in s.configs if s.num_processes == 1 or CONFIGS[n].devices == 1]
   remote = [n for n in s.configs if n not in local]
   bar = None
@@ -500,7 +572,39 @@ def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = F
     curves.update(more_curves)
   order = {n: i for i, n in enumerate(s.configs)}
   rows.sort(key=lambda r: order[r["config"]])
+  _add_gaps(rows)
+  return rows, curves
 
+
+def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = False) -> list[dict]:
+  """Runs the demo; writes ``results.json`` (and ``results.png``) to ``s.out``.
+
+  Args:
+    s: the settings.
+    argv_base: the CLI flags that describe ``s`` (passed on to worker
+      processes with ``--num-processes``).
+    worker: this process is one of ``--num-processes`` workers.
+
+  Returns:
+    The table rows.
+  """
+  if (len(_data_parallel_devices()) < NUM_DEVICES
+      and any(CONFIGS[n].devices > 1 for n in s.configs)):
+    raise DemoError(
+        f"the 8-device configurations need {NUM_DEVICES} devices, JAX has "
+        f"{jax.device_count()}; run through `jmp-train` (it sets them up), or "
+        "leave the 8dev-* configurations out of --configs."
+    )
+  out = pathlib.Path(s.out)
+  out.mkdir(parents=True, exist_ok=True)
+  if worker:
+    rows, curves = run_configs(s, s.configs)
+    if jax.process_index() == 0:
+      (out / "worker.json").write_text(json.dumps(
+          {"rows": rows, "curves": {k: _json_curves(v) for k, v in curves.items()}}))
+    return rows
+  t0, cpu0 = time.perf_counter(), time.process_time()
+  rows, curves = _run_all(s, argv_base)
   payload = {
       "settings": dataclasses.asdict(s),
       "machine": {
@@ -509,14 +613,22 @@ def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = F
           "cpu_count": os.cpu_count(),
           "jax": jax.__version__,
       },
+      "timing": {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0},
       "columns": list(COLUMNS),
+      "comparisons": {k: list(v) for k, v in COMPARISONS.items()},
       "rows": rows,
-      "curves": {k: {"loss": v["loss"]} for k, v in curves.items()},
+      "curves": {k: _json_curves(v) for k, v in curves.items()},
   }
   (out / "results.json").write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
   if s.plot:
-    _plot(out / "results.png", curves, s)
+    from jmp_train.examples import demo_plot  # pylint: disable=g-import-not-at-top
+
+    demo_plot.plot(out / "results.png", rows, curves, s, learning_rate_schedule(s))
   return rows
+
+
+def _json_curves(curve: dict) -> dict:
+  return {k: v for k, v in curve.items() if k in ("loss", "loss_scale")}
 
 
 def _jsonable(x: Any) -> Any:
@@ -529,47 +641,25 @@ def _jsonable(x: Any) -> Any:
   return x
 
 
-def _plot(path: pathlib.Path, curves: dict, s: DemoSettings) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-  from jmp_train._src.diagnostics_plot import plot_gradient_histogram  # pylint: disable=g-import-not-at-top
-
-  fig, (ax_curve, ax_hist) = plt.subplots(1, 2, figsize=(14, 5))
-  window = max(1, s.steps // 20)
-  for name, curve in curves.items():
-    loss = np.asarray(curve["loss"], np.float64)
-    # A diverged run (inf/NaN) is drawn up to its last finite value.
-    finite = np.isfinite(loss)
-    if not finite.all():
-      loss = loss[: np.argmin(finite)]
-    if len(loss) < window:
-      continue
-    smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
-    ax_curve.plot(np.arange(len(smooth)) + window, smooth, label=name)
-  ax_curve.set_xlabel("step")
-  ax_curve.set_ylabel(f"train loss (moving mean over {window} steps)")
-  ax_curve.set_title(f"Learning curves ({s.task}, batch {s.batch})")
-  ax_curve.legend()
-  grads = next((c["grads"] for n, c in curves.items() if "grads" in c and n == "f32"), None)
-  if grads is None:
-    grads = next((c["grads"] for c in curves.values() if "grads" in c), None)
-  if grads is not None:
-    plot_gradient_histogram(
-        {"params": grads["params"], "logits": grads["logits"]},
-        scales=(1.0, 2.0**15),
-        target_dtype="float16",
-        ax=ax_hist,
-        title="float32 gradients at the end of training vs float16's range",
-    )
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+def _cell(v: Any, column: str) -> str:
+  if v is None:
+    return "-"
+  if column == "val_loss_gap":
+    return f"{v:+.1%}"
+  if isinstance(v, float):
+    return str(v) if not np.isfinite(v) else (f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3g}")
+  return str(v)
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
   """The rows as a GitHub-markdown table, in the demo's column order."""
-  return tables.format_table(rows, columns)
+  if not rows:
+    return "(no rows)"
+  cells = [[_cell(r.get(c), c) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
 
+  def line(values):
+    return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+  sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+  return "\n".join([line(columns), sep, *(line(r) for r in cells)])
