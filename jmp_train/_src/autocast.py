@@ -205,7 +205,7 @@ class _nullcontext:
 
 
 def _bind(eqn: Any, vals: Sequence[Any], params: dict | None = None) -> list[Any]:
-  params = dict(eqn.params if params is None else params)
+  params = eqn.primitive.get_bind_params(dict(eqn.params if params is None else params))
   out = eqn.primitive.bind(*vals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -277,7 +277,11 @@ def _opaque(eqn: Any, vals: list, tags: list):
 
 # Primitives whose parameters fix their operand dtypes (scatter's combiner
 # jaxpr, bitcasts): evaluated as traced, like opaque calls.
-_LOCKED = frozenset({"bitcast_convert_type", "reduce_precision"})
+_LOCKED = frozenset({
+    "bitcast_convert_type", "reduce_precision", "pure_callback", "io_callback",
+    "callback", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
+    "custom_partitioning", "cudnn_dot_product_attention",
+})
 
 
 # ---------------------------------------------------------------------------
@@ -457,10 +461,10 @@ def _shard_map(rules, eqn, vals, tags, scope):
   def body(*xs):
     outs, out_tags = _eval(rules, p["jaxpr"], [], [], xs, tags, scope + ("shard_map",))
     box.append(out_tags)
-    return outs
+    return tuple(outs)
 
   fn = jax.shard_map(body, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
-                     out_specs=tuple(p["out_specs"]), axis_names=set(p["manual_axes"]),
+                     out_specs=tuple(p["out_specs"]), axis_names=set(p.get("newly_manual_axes", p.get("manual_axes"))),
                      check_vma=p["check_vma"])
   outs = fn(*vals)
   return list(outs), box[0]
@@ -478,6 +482,7 @@ _HANDLERS: dict[str, Callable[..., Any]] = {
     "cond": _cond,
     "checkpoint": _remat,
     "remat": _remat,
+    "remat2": _remat,
     "shard_map": _shard_map,
 }
 
