@@ -574,8 +574,8 @@ def test_digits_training_parity():
   except ImportError as e:
     pytest.skip(str(e))
   model = models.MLP(features=(64, 64))
-  variables = model.init(jax.random.key(0), ds.x[:8])
-  x, y = jnp.asarray(ds.x[:512]), jnp.asarray(ds.y[:512])
+  variables = model.init(jax.random.key(0), ds.x_train[:8])
+  x, y = jnp.asarray(ds.x_train[:512]), jnp.asarray(ds.y_train[:512])
 
   def train(apply):
     tx = optax.adam(3e-3)
