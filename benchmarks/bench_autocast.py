@@ -91,7 +91,7 @@ def _instructions(text: str) -> int:
 
 def run(quick: bool) -> list[dict[str, Any]]:
   policy = "mixed_float16" if half_dtype() == jnp.float16 else "mixed_bfloat16"
-  repeats = 3 if quick else 30
+  repeats = 3 if quick else 20
   records = []
   for name, (model, x, y) in _cases(quick).items():
     variables = model.init(jax.random.key(1), x)
