@@ -1,0 +1,132 @@
+"""autocast against apply_policy: step time, compiled HLO, tracing and compiling.
+
+For each example model (``jmp_train.examples.models``: an MLP, a small
+ResNet with batch norm, a one-layer Transformer language model), one
+training step (cross-entropy, ``value_and_grad``, SGD) under the backend's
+mixed policy, built two ways from the same float32 model:
+
+* ``apply_policy``: :func:`jmp_train.flax.apply_policy` (Flax's own
+  ``dtype``/``param_dtype`` fields);
+* ``autocast``: :func:`jmp_train.autocast` of the float32 ``model.apply``
+  (the jaxpr transformation).
+
+Figures: the step's median time (interleaved rounds, ratio autocast /
+apply_policy; target within 2%), the compiled HLO's matmul and convolution
+signatures (opcode, operand and result types; ``hlo_dots_match``) and
+instruction counts, and the time to trace (``jax.jit(...).trace``) and to
+compile (``lower(...).compile()``) the step: autocast traces the model twice
+(once to a jaxpr, once while evaluating it).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from benchmarks import _harness
+from jmp_train import half_dtype
+from jmp_train._src.autocast import autocast
+from jmp_train.examples import models
+from jmp_train.flax import apply_policy
+
+NAME = "autocast"
+COLUMNS = (
+    "model", "variant", "median_ms", "ratio", "hlo_dots_match", "hlo_instructions",
+    "trace_ms", "compile_ms", "repeats",
+)
+
+_DOT = re.compile(r"=\s*(\S+)\s+(dot|convolution)\(([^)]*)\)")
+
+
+def _cases(quick: bool) -> dict[str, tuple[Any, jax.Array, jax.Array]]:
+  key = jax.random.key(0)
+  batch = 16 if quick else 128
+  x = jax.random.uniform(key, (batch, 64))
+  labels = jnp.arange(batch) % 10
+  seq = 16 if quick else 64
+  tokens = jax.random.randint(key, (batch // 8, seq), 0, 256)
+  width = 32 if quick else 256
+  return {
+      "mlp": (models.MLP(features=(width, width)), x, labels),
+      "resnet": (models.ResNet(stage_features=(16, 32) if quick else (32, 64)), x, labels),
+      "transformer": (
+          models.TransformerBlock(d_model=width // 2 if quick else 128, num_heads=4,
+                                  mlp_dim=width, max_len=seq),
+          tokens, tokens,
+      ),
+  }
+
+
+def _step(apply, state):
+  def loss(params, x, y):
+    logits = apply({"params": params, **state}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  def step(params, x, y):
+    value, grads = jax.value_and_grad(loss)(params, x, y)
+    return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
+
+  return jax.jit(step)
+
+
+def _hlo_dots(text: str) -> collections.Counter:
+  """(opcode, result type, operand types) of every dot and convolution."""
+  found = collections.Counter()
+  for match in _DOT.finditer(text):
+    result, op, operands = match.groups()
+    types = tuple(re.findall(r"(bf16|f16|f32|f64)\[", operands))
+    found[(op, result.split("[")[0], types)] += 1
+  return found
+
+
+def _instructions(text: str) -> int:
+  return sum(1 for line in text.splitlines() if " = " in line and not line.lstrip().startswith("//"))
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+  policy = "mixed_float16" if half_dtype() == jnp.float16 else "mixed_bfloat16"
+  repeats = 3 if quick else 20
+  records = []
+  for name, (model, x, y) in _cases(quick).items():
+    variables = model.init(jax.random.key(1), x)
+    params = variables.pop("params")  # batch statistics stay (evaluation mode)
+    steps = {
+        "apply_policy": _step(apply_policy(model, policy).apply, variables),
+        "autocast": _step(autocast(model.apply, policy), variables),
+    }
+    info = {}
+    for variant, step in steps.items():
+      start = time.perf_counter()
+      traced = step.trace(params, x, y)
+      trace_s = time.perf_counter() - start
+      start = time.perf_counter()
+      compiled = traced.lower().compile()
+      compile_s = time.perf_counter() - start
+      text = compiled.as_text()
+      info[variant] = dict(trace_ms=1e3 * trace_s, compile_ms=1e3 * compile_s,
+                           dots=_hlo_dots(text), hlo_instructions=_instructions(text))
+    times = _harness.interleaved_median_seconds(
+        {v: (lambda s=s: s(params, x, y)) for v, s in steps.items()},
+        warmup=2, repeats=repeats,
+    )
+    match = info["autocast"]["dots"] == info["apply_policy"]["dots"]
+    for variant in steps:
+      records.append({
+          "model": name, "variant": variant, "policy": policy,
+          "median_ms": 1e3 * times[variant],
+          "ratio": times[variant] / times["apply_policy"],
+          "hlo_dots_match": match,
+          "hlo_dots": sorted(f"{op} {r}<-{','.join(t)} x{n}"
+                             for (op, r, t), n in info[variant]["dots"].items()),
+          "hlo_instructions": info[variant]["hlo_instructions"],
+          "trace_ms": info[variant]["trace_ms"],
+          "compile_ms": info[variant]["compile_ms"],
+          "repeats": repeats,
+      })
+  return records
