@@ -21,6 +21,11 @@ from jmp_train._src.policy import get_policy
 from jmp_train._src.policy import half_dtype
 from jmp_train._src.remat import half_precision_saveable
 
+# autocast: a policy as a function transformation
+from jmp_train._src.autocast import autocast
+from jmp_train._src.autocast_lists import DEFAULT_FLOAT32_OPS
+from jmp_train._src.autocast_lists import DEFAULT_HALF_OPS
+
 # FP8 products
 from jmp_train._src.fp8 import Fp8DotMeta
 from jmp_train._src.fp8 import Fp8Recipe
@@ -72,6 +77,9 @@ __all__ = (
     "get_policy",
     "half_dtype",
     "half_precision_saveable",
+    "autocast",
+    "DEFAULT_FLOAT32_OPS",
+    "DEFAULT_HALF_OPS",
     "Fp8DotMeta",
     "Fp8Recipe",
     "Fp8TensorMeta",
