@@ -101,6 +101,7 @@ __all__ = [
 ]
 
 ScalarOrSchedule = float | Callable[[jax.Array], Any]
+EXCHANGES = ("preconditioned", "momentum")
 
 
 class OneBitAdamState(NamedTuple):
@@ -184,6 +185,7 @@ def one_bit_adam(
     axis_name: str,
     warmup_steps: int,
     scale: str = "l2",
+    exchange: str = "preconditioned",
     num_replicas: int | None = None,
 ) -> optax.GradientTransformation:
   r"""1-bit Adam (AdamW): Adam whose momentum crosses devices as 1 bit per element.
@@ -241,7 +243,11 @@ def one_bit_adam(
     https://arxiv.org/abs/1711.05101
   """
   _check_common(axis_name, warmup_steps, 1)
+  if exchange not in EXCHANGES:
+    raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
   compression = sign_compression(axis_name, scale=scale, num_replicas=num_replicas)
+  # The second moment's bias correction, frozen at the end of warm-up.
+  c2 = lambda t: 1 - b2 ** jnp.minimum(t, warmup_steps).astype(jnp.float32)
 
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
@@ -256,9 +262,21 @@ def one_bit_adam(
     return mu, nu, state.compression
 
   def compressed(grads, state):
+    # Elements whose frozen v is 0 (no gradient in warm-up) keep m = 0: a
+    # later gradient there would step by g/eps (DeepSpeed's exp_avg_mask,
+    # derived from v instead of given).
+    live = jax.tree.map(lambda v: v > 0, state.nu)
+    mask = lambda tree: jax.tree.map(lambda x, ok: jnp.where(ok, x, 0.0), tree, live)
     local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, _f32(grads))
-    mu, cstate = _exchange(compression, local, state.compression, "one_bit_adam")
-    return mu, state.nu, cstate
+    if exchange == "momentum":
+      mu, cstate = _exchange(compression, mask(local), state.compression, "one_bit_adam")
+      return mask(mu), state.nu, cstate
+    # The frozen preconditioner d is the same on every replica: exchange m/d.
+    frozen = c2(jnp.asarray(warmup_steps, jnp.int32))
+    d = jax.tree.map(lambda v: jnp.sqrt(v / frozen) + eps, state.nu)
+    local = mask(jax.tree.map(jnp.divide, local, d))
+    avg, cstate = _exchange(compression, local, state.compression, "one_bit_adam")
+    return mask(jax.tree.map(jnp.multiply, avg, d)), state.nu, cstate
 
   def update_fn(updates, state, params=None):
     if weight_decay and params is None:
@@ -268,9 +286,9 @@ def one_bit_adam(
     )
     t = optax.safe_increment(state.count)
     c1 = 1 - b1 ** t.astype(jnp.float32)
-    c2 = 1 - b2 ** jnp.minimum(t, warmup_steps).astype(jnp.float32)
+    c2_t = c2(t)
     lr = _lr(learning_rate, state.count)
-    step = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+    step = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2_t) + eps), mu, nu)
     if weight_decay:
       step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(jnp.float32), step, params)
     new = jax.tree.map(lambda s: -lr * s, step)
