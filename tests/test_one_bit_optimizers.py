@@ -557,3 +557,66 @@ def test_make_train_step_with_one_bit_adam_as_the_whole_optimizer(tmp_path):
   found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, OneBitAdamState))
            if isinstance(s, OneBitAdamState)]
   assert len(found) == 1 and np.asarray(found[0].count).max() == 8
+
+
+# ---------------------------------------------------------------------------
+# Two processes on loopback (jax.distributed, gloo) equal one process.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer, per_process", [("adam", 1), ("momentum", 2)])
+def test_two_processes_equal_one_process(tmp_path, optimizer, per_process):
+  import os
+  import pathlib
+  import socket
+  import subprocess
+  import sys
+
+  import _one_bit_multiprocess_worker as worker
+
+  here = pathlib.Path(__file__).parent
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+  env["PYTHONPATH"] = os.pathsep.join([str(here.parent), env.get("PYTHONPATH", "")])
+  outs = [tmp_path / f"out_{i}.npz" for i in range(2)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(here / "_one_bit_multiprocess_worker.py"), str(i), "2", str(port), str(out),
+           optimizer, str(per_process)],
+          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      )
+      for i, out in enumerate(outs)
+  ]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=300)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-4000:]
+  k = 2 * per_process
+  devices = jax.devices()[:k]
+  expected = worker.train(devices, optimizer)
+  got = {}
+  for out in outs:
+    with np.load(out) as f:
+      got.update({name: f[name] for name in f.files})
+  # Parameters on every process; residuals of process 0's devices, then
+  # process 1's, matched to the one-process run's devices in order.
+  for name in worker.initial_params():
+    np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    assert not np.array_equal(worker.initial_params()[name], expected[name])
+  for field in ("worker_residual", "server_residual"):
+    mine = [expected[f"{field}/{d.id}"] for d in devices]
+    theirs = [got[k] for k in sorted((k for k in got if k.startswith(field)), key=lambda k: int(k.split("/")[1]))]
+    assert len(theirs) == k
+    for a, b in zip(mine, theirs):
+      np.testing.assert_array_equal(a, b)
+    assert any(np.abs(a).max() > 0 for a in mine)
