@@ -3,39 +3,49 @@ r"""1-bit Adam and 1-bit momentum SGD: the momentum, not the gradient, is compre
 Why not compress the gradients in front of the optimizer
 --------------------------------------------------------
 :func:`jmp_train.sign_compression` chained *before* an optimizer averages the
-replicas' gradients with 1-bit error feedback: what the optimizer receives is
-the average gradient plus a quantization error ``q_t`` that error feedback
-pays back on later steps (``q_t = (r_t - r_{t+1}) + (e_t - e_{t+1})`` with
-worker and server residuals ``r``, ``e``: the sum of the errors telescopes).
+replicas' gradients with 1-bit error feedback. With the worker residual
+``r`` (the server residual adds a second, similar term), the optimizer sees
 
-* Adam's second moment is not linear in its input: ``q_t`` enters ``v``
-  squared and never leaves it, and a single ``g/sqrt(v)`` scaling per
-  element turns the released residual into a step of full size in
-  directions where the true gradient is small (Tang et al., 2021).
-* Momentum is linear, but it *integrates* the error: a burst of residual
-  released at step ``t`` keeps moving the weights for ``~1/(1-m)`` steps
-  (``10`` steps at ``m = 0.9``), so the effective step of a residual of norm
-  ``|r|`` is ``lr·|r|/(1-m)``, ten times what plain SGD at the same learning
-  rate sees. The scheme stays stable only while that is small next to the
-  curvature scale; at learning rates where uncompressed momentum SGD is
-  already near its own stability limit, the compressed run is not. This is
-  a property of error feedback in front of momentum, not a defect of the
-  compressor: the residuals stay conserved exactly each step, and with the
-  same compressor the momentum-compressed optimizers below train at the
-  uncompressed learning rate.
+.. math::
+  \hat g_t = \bar g_t + r_{t-1} - r_t ,
+
+the true average plus what the quantizer held back at the previous step,
+minus what it holds back now: part of every gradient reaches the optimizer
+one or more steps late.
+
+* Adam's second moment is not linear in its input: the error enters ``v``
+  squared and never leaves it (Tang et al., 2021).
+* Momentum SGD is linear, and the residual is conserved exactly and stays
+  bounded, yet it is the *delay* that hurts: at the learning rates where
+  momentum SGD trains fastest, it runs beyond plain SGD's stability limit
+  (the heavy ball is stable up to ``lr·λ < 2(1+m)``, plain SGD up to
+  ``lr·λ < 2``) and a gradient applied a step late destabilises it. The
+  delayed part is then integrated by the momentum for ``~1/(1-m)`` steps.
+
+So the divergence is inherent to error feedback on gradients in front of
+momentum, not a defect of the compressor. The evidence (digits MLP, 8
+replicas, momentum 0.9; ``benchmarks/bench_one_bit_convergence.py``, study
+``momentum_lr``): both residuals stay bounded at every learning rate,
+diverging runs included; exact momentum SGD fed the *exact* average
+gradient one step late fails at the learning rates where gradient
+compression fails, while the undelayed one trains; dropping the second
+delay stage (the server residual) helps; and per-tensor RMS scales
+(``scale="l2"``) hold back more than ``"column"`` and fail earlier.
 
 Compressing the momentum (1-bit Adam)
 -------------------------------------
 Each replica updates the momentum with its *own* gradient and the momentum
 goes through the 1-bit exchange; its average replaces the momentum on every
-replica. The quantity compressed is smooth (an average over ``1/(1-m)``
-steps), its quantization error is paid back into the *momentum* (not added
-on top of it), and the error reaches the weights once, not ``1/(1-m)``
-times. With ``K`` replicas, local gradient :math:`g_j` and the compressed
+replica. With ``K`` replicas, local gradient :math:`g_j` and the compressed
 average :math:`C(\cdot)` (worker + server error feedback):
 
 .. math::
-  m_j = \beta_1 m + (1-\beta_1) g_j, \qquad m \leftarrow C(m_1, \dots, m_K),
+  m_j = \beta_1 m + (1-\beta_1) g_j, \qquad m \leftarrow C(m_1, \dots, m_K).
+
+The error per step is not smaller than with gradient compression (the
+momentum is the larger vector), but what the residual holds back is now
+part of the momentum, a slowly varying average, so releasing it a step
+late barely changes the trajectory; no gradient arrives late.
 
 1-bit Adam (Tang et al., 2021; DeepSpeed's ``OnebitAdam``):
 
@@ -44,6 +54,19 @@ average :math:`C(\cdot)` (worker + server error feedback):
 * **after**: ``v`` is frozen; the update is
   :math:`-\eta_t\,(\hat m / (\sqrt{\hat v} + \epsilon) + \lambda p)` with
   ``m`` from the compressed exchange (decoupled weight decay, AdamW).
+
+Two departures from DeepSpeed's ``OnebitAdam``, both for elements whose
+frozen ``v`` is tiny or zero (the weights of an input that is always zero,
+an embedding row not seen during warm-up), where ``m/(sqrt(v)+eps)``
+amplifies any quantization error up to ``1/eps``:
+
+* ``exchange="preconditioned"`` (default): the replicas exchange
+  ``m / d`` with the frozen preconditioner ``d = sqrt(v_hat) + eps`` (the
+  same on every replica, so the average is unchanged) and multiply back:
+  the 1-bit scales and residuals are those of the *update*, not of ``m``.
+  ``exchange="momentum"`` exchanges ``m`` itself, as in the paper.
+* Elements with ``v == 0`` after warm-up keep ``m = 0`` (DeepSpeed asks the
+  user for such an ``exp_avg_mask``).
 
 Bias corrections follow ``optax.adamw``: :math:`\hat m = m/(1-\beta_1^t)`;
 the frozen :math:`\hat v = v/(1-\beta_2^{W})` with ``W = warmup_steps``. Run
