@@ -13,9 +13,9 @@ seed; 3 seeds. Rows (``mode``):
   ``pmean``), ``adam_grad_1bit`` (gradient compression before
   ``optax.adam``, for contrast), ``adam_frozen_v`` (exact exchange, ``v``
   frozen after the warm-up: what 1-bit Adam would do with a lossless
-  exchange), ``one_bit_adam`` (default: preconditioned exchange) and
-  ``one_bit_adam_momentum_exchange`` (the momentum itself exchanged, as in
-  Tang et al. / DeepSpeed).
+  exchange), ``one_bit_adam`` (the momentum exchanged, as in Tang et al. /
+  DeepSpeed) and ``one_bit_adam_preconditioned`` (``m / (sqrt(v)+eps)``
+  exchanged).
 
 Columns: final training loss (whole training set) as mean and spread over
 seeds, test accuracy (mean), ``rel_to_float32`` (mean final loss over the
@@ -96,8 +96,8 @@ def _optimizers(lr_momentum: tuple[float, ...], lr_adam: float, steps: int):
       ("adam", "adam_grad_1bit", lr, optax.chain(sign_compression(AXIS), optax.adam(lr))),
       ("adam", "adam_frozen_v", lr, _frozen_v_adam(lr, warmup)),
       ("adam", "one_bit_adam", lr, one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup)),
-      ("adam", "one_bit_adam_momentum_exchange", lr,
-       one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, exchange="momentum")),
+      ("adam", "one_bit_adam_preconditioned", lr,
+       one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, exchange="preconditioned")),
   ]
   return rows
 
