@@ -569,6 +569,7 @@ def test_make_train_step_with_one_bit_adam_as_the_whole_optimizer(tmp_path):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer, per_process", [("adam", 1), ("momentum", 2)])
 def test_two_processes_equal_one_process(tmp_path, optimizer, per_process):
   import os

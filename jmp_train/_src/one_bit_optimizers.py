@@ -28,8 +28,9 @@ replicas, momentum 0.9; ``benchmarks/bench_one_bit_convergence.py``, study
 ``momentum_lr``): both residuals stay bounded at every learning rate,
 diverging runs included; exact momentum SGD fed the *exact* average
 gradient one step late fails at the learning rates where gradient
-compression fails, while the undelayed one trains; dropping the second
-delay stage (the server residual) helps; and per-tensor RMS scales
+compression fails, while the undelayed one trains; at those learning
+rates, dropping the second delay stage (the server residual) helps, though
+it costs accuracy at small ones; and per-tensor RMS scales
 (``scale="l2"``) hold back more than ``"column"`` and fail earlier.
 
 Compressing the momentum (1-bit Adam)
@@ -306,9 +307,9 @@ def one_bit_adam(
   def update_fn(updates, state, params=None):
     if weight_decay and params is None:
       raise ValueError("one_bit_adam with weight_decay needs params in update.")
-    mu, nu, cstate = lax.cond(
-        state.count < warmup_steps, warmup, compressed, updates, state
-    )
+    # lax.cond, not jnp.where: a step runs either the float all-reduce or
+    # the 1-bit exchange, never both; the counter is the same everywhere.
+    mu, nu, cstate = lax.cond(state.count < warmup_steps, warmup, compressed, updates, state)
     t = optax.safe_increment(state.count)
     c1 = 1 - b1 ** t.astype(jnp.float32)
     c2_t = c2(t)
