@@ -13,6 +13,15 @@ loss relative to the uncompressed run, and the worker residual's norm
 (largest over replicas) at the end and its maximum over training: error
 feedback needs it bounded. ``seconds`` is the wall time of the whole
 training call, compilation included (the steps run in one ``lax.scan``).
+
+A second study (``study="momentum_lr"``, seed 0, 300 steps, momentum 0.9)
+asks why gradient compression in front of momentum SGD fails at large
+learning rates. At each learning rate: ``float32``; ``float32_delayed``
+(the exact average gradient, applied one step late: a pure delay, no
+quantization); ``1bit_ef`` (column scales), ``1bit_ef_l2`` (per-tensor RMS
+scales), ``1bit_worker_ef`` (worker error feedback only: one delay stage
+instead of two); and ``one_bit_momentum`` (the momentum exchanged instead,
+:func:`jmp_train.one_bit_momentum`).
 """
 
 from __future__ import annotations
@@ -28,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 NAME = "one_bit_convergence"
 COLUMNS = (
-    "mode", "replicas", "steps", "final_loss", "rel_to_float32", "test_accuracy",
-    "residual_norm_final", "residual_norm_max", "seconds",
+    "study", "mode", "learning_rate", "replicas", "steps", "final_loss", "rel_to_float32",
+    "test_accuracy", "residual_norm_final", "residual_norm_max", "seconds",
 )
 AXIS = "data"
 MODES = ("float32", "1bit_ef", "1bit_no_ef")
@@ -197,11 +206,54 @@ def train_digits(
   }
 
 
+def _delayed_mean(axis_name):
+  """The exact ``pmean`` of the gradients, returned one step late."""
+
+  def init_fn(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update_fn(updates, state, params=None):
+    del params
+    return state, jax.lax.pmean(updates, axis_name)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def momentum_study(learning_rates, *, steps: int = 300, seed: int = 0) -> list[dict]:
+  """Gradient compression vs a pure delay vs momentum compression (see above)."""
+  from jmp_train import sign_compression
+  from jmp_train._src.one_bit_optimizers import one_bit_momentum
+
+  records = []
+  for lr in learning_rates:
+    sgdm = lambda: optax.sgd(lr, momentum=0.9)
+    txs = {
+        "float32": optax.chain(_exact_mean(AXIS), sgdm()),
+        "float32_delayed": optax.chain(_delayed_mean(AXIS), sgdm()),
+        "1bit_ef": optax.chain(sign_compression(AXIS), sgdm()),
+        "1bit_ef_l2": optax.chain(sign_compression(AXIS, scale="l2"), sgdm()),
+        "1bit_worker_ef": optax.chain(sign_compression(AXIS, server_error_feedback=False), sgdm()),
+        "one_bit_momentum": one_bit_momentum(lr, 0.9, axis_name=AXIS),
+    }
+    rows = []
+    for mode, tx in txs.items():
+      r = train_digits(tx, steps=steps, seed=seed)
+      r.pop("residual_norms")
+      rows.append({"study": "momentum_lr", "mode": mode, "learning_rate": lr, **r})
+    for r in rows:
+      r["rel_to_float32"] = r["final_loss"] / rows[0]["final_loss"] - 1.0
+    records += rows
+  return records
+
+
 def run(quick: bool) -> list[dict]:
   steps = 60 if quick else 600
   records = [run_digits(mode, steps=steps) for mode in MODES]
   base = records[0]["final_loss"]
   for r in records:
+    r["study"] = "ef_on_off"
+    r["learning_rate"] = 0.1
     r["rel_to_float32"] = r["final_loss"] / base - 1.0
     r.pop("residual_norms")
-  return records
+  study = momentum_study((0.1,), steps=30) if quick else momentum_study((0.1, 0.3, 0.6, 1.0))
+  return records + study
