@@ -64,6 +64,12 @@ from jmp_train._src.sign_compression import SignCompressionState
 from jmp_train._src.sign_compression import sign_compression
 from jmp_train._src.sign_compression import sign_compression_specs
 
+# 1-bit Adam and 1-bit momentum SGD
+from jmp_train._src.one_bit_optimizers import OneBitAdamState
+from jmp_train._src.one_bit_optimizers import OneBitMomentumState
+from jmp_train._src.one_bit_optimizers import one_bit_adam
+from jmp_train._src.one_bit_optimizers import one_bit_momentum
+
 # train-step builder
 from jmp_train._src.train import TrainState
 from jmp_train._src.train import TrainStep
@@ -110,6 +116,10 @@ __all__ = (
     "SignCompressionState",
     "sign_compression",
     "sign_compression_specs",
+    "OneBitAdamState",
+    "OneBitMomentumState",
+    "one_bit_adam",
+    "one_bit_momentum",
     "TrainState",
     "TrainStep",
     "make_train_step",

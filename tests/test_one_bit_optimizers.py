@@ -528,7 +528,6 @@ def test_bad_arguments():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="exported from jmp_train at merge")
 def test_public_names():
   assert jmp_train.one_bit_adam is one_bit_adam
   assert jmp_train.one_bit_momentum is one_bit_momentum
@@ -536,7 +535,6 @@ def test_public_names():
   assert jmp_train.OneBitMomentumState is OneBitMomentumState
 
 
-@pytest.mark.xfail(strict=False, reason="make_train_step(optimizer=None, compression=...) lands with the train-step change")
 def test_make_train_step_with_one_bit_adam_as_the_whole_optimizer(tmp_path):
   import flax.linen as nn
 
