@@ -1,4 +1,4 @@
-"""Tests for jmp_train.diagnostics (issue 6)."""
+"""Tests for jmp_train.diagnostics."""
 
 from __future__ import annotations
 
@@ -456,7 +456,7 @@ def test_recurses_into_sub_jaxprs():
 
 
 def test_backward_pass_follows_the_gemm_table():
-  # Dense layer, batch 6: forward M=batch... per the seed's table the weight
+  # Dense layer, batch 6: forward M=batch... per NVIDIA's GEMM table the weight
   # gradient's K is the batch size.
   def dense(w, x):
     return (x @ w).astype(jnp.float32).sum()
@@ -490,7 +490,7 @@ def test_speedup_bound_is_amdahl():
   x = full / (half + full)  # share outside Tensor Cores
   assert r.tensor_core_fraction == pytest.approx(1 - x)
   assert r.speedup_bound == pytest.approx(1 / (x + (1 - x) / 5.0))
-  # The seed's example: half the time at 5x gives 1.67x.
+  # NVIDIA's Amdahl example: half the time at 5x gives 1.67x.
   assert r.speedup_bound == pytest.approx(1 / (0.5 + 0.5 / 5)) == pytest.approx(1.6667, abs=1e-4)
   text = str(r)
   assert "float16xfloat16->float16" in text and "no: float32" in text and "1.67x" in text
