@@ -9,8 +9,9 @@ and its fragile numerics stay in float32, using Flax's own mechanisms:
   float32 batch statistics; the NNX norms always reduce in float32);
 * the layers' ``attention_fn`` hook, set to :func:`dot_product_attention`,
   which runs both attention matmuls in the compute dtype and the softmax in
-  float32 (see the function for why Flax's ``force_fp32_for_softmax`` is not
-  enough on its own).
+  float32, through cuDNN's fused kernel where it is available (see the
+  function for why Flax's ``force_fp32_for_softmax`` is not enough on its
+  own).
 
 Modules kept in float32 (by class, :data:`DEFAULT_FLOAT32_MODULES`, or by
 path) run entirely in float32: their floating inputs are cast to float32 on
@@ -36,11 +37,11 @@ import numpy as np
 from flax import nnx
 
 from jmp_train._src import policy as policy_lib
+from jmp_train._src.attention import dot_product_attention
 
 __all__ = [
     "DEFAULT_FLOAT32_MODULES",
     "apply_policy",
-    "dot_product_attention",
     "LinenPolicyWrapper",
     "NNXPolicyWrapper",
 ]
@@ -64,112 +65,6 @@ DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (
 )
 
 _F32 = np.dtype(jnp.float32)
-
-
-# --------------------------------------------------------------------------
-# Attention: half-precision matmuls, float32 softmax.
-# --------------------------------------------------------------------------
-
-
-def dot_product_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: Any = None,
-    force_fp32_for_softmax: bool = True,
-    is_causal: bool = False,
-) -> jax.Array:
-  r"""Dot-product attention with matmuls in ``dtype`` and softmax in float32.
-
-  .. math::
-
-    \mathrm{out} = \mathrm{cast}_{d}\big(\mathrm{softmax}_{f32}(
-      \mathrm{cast}_{f32}(q k^\top / \sqrt{d_k}) + b)\big)\, v
-
-  A drop-in ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention``
-  and ``flax.nnx.MultiHeadAttention`` (it takes the keyword arguments of
-  both). Flax's ``force_fp32_for_softmax=True`` (linen only) computes the
-  softmax in float32 but leaves the weights in float32, so the
-  weights-times-values matmul then runs in float32 too; here the weights go
-  back to ``dtype`` first, so both matmuls use half-precision Tensor Cores
-  and only the ``exp``/``sum`` of the softmax run in float32. The logits are
-  rounded to ``dtype`` before the softmax, as with Flax's flag: keeping the
-  matmul's float32 accumulator (``preferred_element_type``) would give the
-  backward pass a float32 operand, a float32 matmul.
-
-  Args:
-    query: ``[batch..., q_length, num_heads, head_dim]``.
-    key: ``[batch..., kv_length, num_heads, head_dim]``.
-    value: ``[batch..., kv_length, num_heads, v_dim]``.
-    bias: optional additive bias, broadcastable to
-      ``[batch..., num_heads, q_length, kv_length]``.
-    mask: optional boolean mask of the same broadcast shape (``False``:
-      masked out).
-    broadcast_dropout: share the dropout mask over batch and head dims.
-    dropout_rng: PRNG key for dropout.
-    dropout_rate: attention-weight dropout rate.
-    deterministic: disable dropout.
-    dtype: dtype of the two matmuls (default: promoted from the inputs).
-    precision: ``jax.lax.Precision`` of the matmuls.
-    module: a linen or NNX module to sow the float32 attention weights into
-      (``intermediates`` / ``nnx.Intermediate``), or ``None``.
-    force_fp32_for_softmax: softmax in float32 (the point of this function;
-      ``False`` computes it in ``dtype`` like Flax's default).
-    is_causal: apply a causal mask as well.
-
-  Returns:
-    ``[batch..., q_length, num_heads, v_dim]`` in ``dtype``.
-
-  Examples:
-    >>> q = k = v = jnp.ones((2, 8, 4, 16), jnp.bfloat16)
-    >>> dot_product_attention(q, k, v).dtype
-    dtype(bfloat16)
-  """
-  if dtype is None:
-    dtype = jnp.result_type(query, key, value)
-  dtype = np.dtype(dtype)
-  query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
-  depth = query.shape[-1]
-  query = query / jnp.sqrt(depth).astype(dtype)
-  logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
-  # At least float32 (float64 stays float64), without jnp.promote_types,
-  # which strict dtype promotion forbids for bfloat16/float32.
-  widen = force_fp32_for_softmax and dtype.itemsize < _F32.itemsize
-  softmax_dtype = _F32 if widen else dtype
-  logits = logits.astype(softmax_dtype)
-  if bias is not None:
-    logits = logits + jnp.asarray(bias, softmax_dtype)
-  if is_causal:
-    q_len, kv_len = logits.shape[-2:]
-    causal = jnp.tril(jnp.ones((q_len, kv_len), bool), kv_len - q_len)
-    mask = causal if mask is None else jnp.logical_and(mask, causal)
-  if mask is not None:
-    big_neg = jnp.finfo(softmax_dtype).min
-    logits = jnp.where(mask, logits, jnp.asarray(big_neg, softmax_dtype))
-  weights = jax.nn.softmax(logits, axis=-1)
-  if module is not None:
-    if isinstance(module, nn.Module):
-      module.sow("intermediates", "attention_weights", weights)
-    else:
-      module.sow(nnx.Intermediate, "attention_weights", weights)
-  weights = weights.astype(dtype)
-  if not deterministic and dropout_rate > 0.0:
-    keep_prob = 1.0 - dropout_rate
-    if broadcast_dropout:
-      shape = (1,) * (key.ndim - 2) + weights.shape[-2:]
-    else:
-      shape = weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
-  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
 
 
 # The attention functions we replace: Flax's defaults. A user's own
