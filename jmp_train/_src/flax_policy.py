@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_train._src import policy as policy_lib
+from jmp_train._src import remat
 from jmp_train._src.attention import dot_product_attention
 
 __all__ = [
@@ -128,6 +129,32 @@ def _path_matches(path: Sequence[Any], patterns: tuple[str, ...]) -> bool:
 
 
 # --------------------------------------------------------------------------
+# Memory: what the backward pass keeps.
+# --------------------------------------------------------------------------
+
+RECOMPUTE_OPTIONS = ("float32", None)
+
+
+def _check_recompute(recompute: Any) -> str | None:
+  if recompute not in RECOMPUTE_OPTIONS:
+    raise ValueError(
+        f"recompute must be one of {RECOMPUTE_OPTIONS}, got {recompute!r}."
+    )
+  return recompute
+
+
+def _remat_policy(policy: policy_lib.Policy, recompute: str | None):
+  """The ``jax.checkpoint`` policy around the model, or None for none.
+
+  Only under a half-precision compute dtype: under float32 nothing is
+  half precision and the policy would recompute the whole model.
+  """
+  if recompute is None or np.dtype(policy.compute_dtype).itemsize >= _F32.itemsize:
+    return None
+  return remat.policy_saveable
+
+
+# --------------------------------------------------------------------------
 # Linen.
 # --------------------------------------------------------------------------
 
@@ -180,6 +207,8 @@ class LinenPolicyWrapper(nn.Module):
     float32_modules: module classes run in float32.
     float32_paths: glob patterns of module paths run in float32.
     cast_inputs: cast the floating inputs to the compute dtype on entry.
+    recompute: ``"float32"`` (recompute float32 values and casts in the
+      backward pass, keep the half-precision ones) or ``None``.
   """
 
   module: nn.Module
@@ -187,16 +216,32 @@ class LinenPolicyWrapper(nn.Module):
   float32_modules: tuple[type, ...] = DEFAULT_FLOAT32_MODULES
   float32_paths: tuple[str, ...] = ()
   cast_inputs: bool = True
+  recompute: str | None = "float32"
 
   def setup(self):
     nn.share_scope(self, self.module)
 
   def __call__(self, *args, **kwargs):
+    if _remat_policy(self.policy, self.recompute) is None:
+      out = self._run(args, kwargs)
+    else:
+      # Lifted (nn.checkpoint), so that parameters, mutable collections and
+      # RNGs pass into the checkpointed function; the arguments are closed
+      # over (non-array arguments such as `train=True` stay Python values),
+      # and cast inside, so that the half copy of a float32 batch is
+      # recomputed too.
+      run = nn.checkpoint(
+          lambda wrapper: wrapper._run(args, kwargs),
+          policy=_remat_policy(self.policy, self.recompute),
+      )
+      out = run(self)
+    return self.policy.cast_to_output(out)
+
+  def _run(self, args, kwargs):
     if self.cast_inputs:
       args, kwargs = self.policy.cast_to_compute((args, kwargs))
     with nn.intercept_methods(self._interceptor):
-      out = self.module(*args, **kwargs)
-    return self.policy.cast_to_output(out)
+      return self.module(*args, **kwargs)
 
   @nn.nowrap
   def _float32(self, module: nn.Module, root: tuple[Any, ...]) -> tuple[bool, bool]:
@@ -282,17 +327,50 @@ class NNXPolicyWrapper(nnx.Module):
     module: the policy-configured module.
     policy: the :class:`~jmp_train.Policy` (static).
     cast_inputs: cast the floating inputs to the compute dtype on entry.
+    recompute: ``"float32"`` or ``None``, as in :func:`apply_policy`.
   """
 
-  def __init__(self, module: nnx.Module, policy: policy_lib.Policy, cast_inputs: bool):
+  def __init__(self, module: nnx.Module, policy: policy_lib.Policy, cast_inputs: bool,
+               recompute: str | None = "float32"):
     self.module = module
     self.policy = policy
     self.cast_inputs = cast_inputs
+    self.recompute = _check_recompute(recompute)
 
   def __call__(self, *args, **kwargs):
-    if self.cast_inputs:
-      args, kwargs = self.policy.cast_to_compute((args, kwargs))
-    return self.policy.cast_to_output(self.module(*args, **kwargs))
+    policy, cast_inputs = self.policy, self.cast_inputs
+
+    def run(module):
+      # Cast inside, so that the half copy of a float32 batch is recomputed.
+      a, k = policy.cast_to_compute((args, kwargs)) if cast_inputs else (args, kwargs)
+      return module(*a, **k)
+
+    remat_policy = _remat_policy(policy, self.recompute)
+    if remat_policy is None:
+      return policy.cast_to_output(run(self.module))
+    # jax.checkpoint on the module's state, split and merged by hand (the
+    # arguments closed over: non-array ones stay Python values); the state
+    # the call changed (batch statistics, RNG counts) is written back.
+    graphdef, state = nnx.split(self.module)
+    out, changed = jax.checkpoint(
+        functools.partial(_run_nnx, run, graphdef), policy=remat_policy)(state)
+    nnx.update(self.module, changed)
+    return policy.cast_to_output(out)
+
+
+def _run_nnx(run, graphdef, state):
+  """``run`` on the merged module; its output and the state it changed."""
+  # The values before the call, by identity: the module may update the very
+  # Variable objects of `state` in place.
+  before = {path: jax.tree.leaves(var) for path, var in nnx.to_flat_state(state)}
+  module = nnx.merge(graphdef, state)
+  out = run(module)
+  changed = [
+      (path, var) for path, var in nnx.to_flat_state(nnx.state(module))
+      if path not in before
+      or any(a is not b for a, b in zip(jax.tree.leaves(var), before[path]))
+  ]
+  return out, nnx.from_flat_state(changed)
 
 
 def _apply_policy_nnx(
@@ -301,6 +379,7 @@ def _apply_policy_nnx(
     float32_modules: tuple[type, ...],
     float32_paths: tuple[str, ...],
     cast_inputs: bool,
+    recompute: str | None,
 ) -> NNXPolicyWrapper:
   # NNX layers are created eagerly with their fields as plain attributes,
   # read at call time: a deep copy (`nnx.clone`, so the caller's module is
@@ -322,7 +401,7 @@ def _apply_policy_nnx(
       setattr(m, name, value)
   params = nnx.state(model, nnx.Param)
   nnx.update(model, jax.tree.map(functools.partial(_cast_param, policy), params))
-  return NNXPolicyWrapper(model, policy, cast_inputs)
+  return NNXPolicyWrapper(model, policy, cast_inputs, recompute)
 
 
 def _cast_param(policy: policy_lib.Policy, x: Any) -> Any:
@@ -346,6 +425,7 @@ def apply_policy(
     float32_modules: Sequence[type] = DEFAULT_FLOAT32_MODULES,
     float32_paths: Sequence[str] = (),
     cast_inputs: bool = True,
+    recompute: str | None = "float32",
 ) -> LinenPolicyWrapper | NNXPolicyWrapper:
   """Runs a Flax (linen or NNX) module under a mixed-precision policy.
 
@@ -367,7 +447,20 @@ def apply_policy(
   * floating inputs are cast to ``compute_dtype`` on entry (``cast_inputs``),
     and floating outputs to ``policy.output_dtype``, so the loss is computed
     in float32 with a float32 output dtype;
-  * gradients with respect to the parameters come back in ``param_dtype``.
+  * gradients with respect to the parameters come back in ``param_dtype``;
+  * with ``recompute="float32"`` (the default) and a half-precision compute
+    dtype, the backward pass keeps only the half-precision values the
+    forward pass computed (the matmul and convolution outputs, the
+    half-precision activations) and recomputes the rest from them: the half
+    copies of the float32 weights and of the batch (casts), the float32
+    regions (normalizations, the softmax) and comparison masks. That is
+    ``jax.checkpoint`` around the model with
+    :func:`jmp_train.half_precision_saveable`'s rule (outputs of a fused
+    attention kernel are kept as well); it holds the activation memory
+    under half of float32's at the price of the recomputed elementwise and
+    normalization work. ``recompute=None`` keeps what JAX keeps by default,
+    which under a mixed policy includes a half copy of every float32
+    weight.
 
   Integer inputs (token ids, labels) pass through untouched. Layers' own
   ``dtype`` settings are overridden: to keep a layer in float32, name it in
@@ -404,13 +497,15 @@ def apply_policy(
       ``("stem", "head")`` to keep the first convolution and the classifier
       head in float32.
     cast_inputs: cast the model's floating inputs to the compute dtype.
+    recompute: ``"float32"`` or ``None`` (see above).
 
   Returns:
     The wrapped module.
 
   Raises:
     ValueError: if ``module`` is not a Flax module, ``policy`` is not a
-      valid policy or spec, or the overrides are malformed.
+      valid policy or spec, the overrides are malformed, or ``recompute``
+      is not one of ``("float32", None)``.
 
   Examples:
     >>> import flax.linen as nn
@@ -437,6 +532,7 @@ def apply_policy(
     )
   classes = _check_float32_modules(float32_modules)
   paths = _check_float32_paths(float32_paths)
+  recompute = _check_recompute(recompute)
   if isinstance(module, nn.Module):
     return LinenPolicyWrapper(
         module=module,
@@ -444,9 +540,10 @@ def apply_policy(
         float32_modules=classes,
         float32_paths=paths,
         cast_inputs=bool(cast_inputs),
+        recompute=recompute,
     )
   if isinstance(module, nnx.Module):
-    return _apply_policy_nnx(module, policy, classes, paths, bool(cast_inputs))
+    return _apply_policy_nnx(module, policy, classes, paths, bool(cast_inputs), recompute)
   if isinstance(module, type) and issubclass(module, (nn.Module, nnx.Module)):
     raise ValueError(
         f"apply_policy needs a module instance, got the class {module.__name__}; "

@@ -25,13 +25,18 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["half_precision_saveable"]
+__all__ = ["half_precision_saveable", "policy_saveable"]
 
 # Casts are never saved: their input is either an argument (a float32
 # weight: no memory beyond what the caller holds) or another value that is
 # itself saved or recomputed, so saving the cast's output would store the
 # same data twice.
 _NEVER_SAVED = frozenset({"convert_element_type", "reduce_precision"})
+# Fused attention kernels (cuDNN's, through jax.nn.dot_product_attention):
+# their outputs, the attention output in half precision and the float32
+# softmax statistics (one value per query and head, small), are saved;
+# recomputing them would rerun the whole attention forward pass.
+_ALWAYS_SAVED = frozenset({"dot_product_attention_fwd", "dot_product_attention_fwd_wrapper"})
 
 
 def _is_half_floating(aval: Any) -> bool:
@@ -108,3 +113,30 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     out = out[0]
   outs = out if isinstance(out, (list, tuple)) else (out,)
   return bool(outs) and all(_is_half_floating(o) for o in outs)
+
+
+def policy_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+  """The ``jax.checkpoint`` policy :func:`jmp_train.flax.apply_policy` uses.
+
+  :func:`half_precision_saveable`, except that the outputs of a fused
+  attention kernel are saved too: its float32 softmax statistics are one
+  value per query and head, and recomputing them would rerun the kernel.
+
+  Args:
+    prim: the JAX primitive of an equation (given by ``jax.checkpoint``).
+    *avals: the abstract values of its inputs.
+    **params: its parameters.
+
+  Returns:
+    Whether the equation's outputs may be saved for the backward pass.
+
+  Examples:
+    >>> import jax
+    >>> f = jax.checkpoint(lambda x: jnp.exp(x.astype(jnp.float32)).sum(),
+    ...                    policy=policy_saveable)
+    >>> jax.grad(f)(jnp.ones(3, jnp.bfloat16)).dtype
+    dtype(bfloat16)
+  """
+  if prim.name in _ALWAYS_SAVED:
+    return True
+  return half_precision_saveable(prim, *avals, **params)
