@@ -47,9 +47,9 @@ Each model is measured four ways:
   sides, so the ratio is the dtype's effect alone.
 * ``remat="half"``: ``recompute=None`` and the mixed policies under
   ``jax.checkpoint`` with :func:`jmp_train.half_precision_saveable` applied
-  by hand around the whole forward pass (the default's rule, from outside:
-  the float32 batch's cast lies outside it); ratios over the float32 row
-  with ``"none"`` (a float32 model has no half-precision values, so that
+  by hand around the whole forward pass: the default's rule from outside,
+  a cross-check that should give the default's figures; ratios over the
+  float32 row with ``"none"`` (a float32 model has no half-precision values, so that
   policy would recompute everything: no float32 row of its own).
 
 Nothing is executed: the jaxprs are traced and the steps compiled, so even
