@@ -7,8 +7,10 @@ try it on live in :mod:`jmp_train.examples.models`.
 * :func:`apply_policy` runs a linen or NNX module under a
   :class:`jmp_train.Policy`: half-precision matmuls and convolutions,
   parameters in ``param_dtype``, normalization and softmax in float32,
-  outputs in ``output_dtype``; :data:`DEFAULT_FLOAT32_MODULES` lists the
-  module classes kept in float32 by default.
+  outputs in ``output_dtype``, and by default only half-precision values
+  kept for the backward pass (``recompute="float32"``);
+  :data:`DEFAULT_FLOAT32_MODULES` lists the module classes kept in float32
+  by default.
 * :func:`dot_product_attention`: the attention function it installs
   (half-precision matmuls, float32 softmax; cuDNN's fused kernel on GPUs).
 

@@ -25,20 +25,16 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
-import functools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from jmp_train._src import flax_layers
+from jmp_train._src import flax_nnx
 from jmp_train._src import policy as policy_lib
-from jmp_train._src import remat
-from jmp_train._src.attention import dot_product_attention
+from jmp_train._src.flax_layers import DEFAULT_FLOAT32_MODULES
+from jmp_train._src.flax_nnx import NNXPolicyWrapper
 
 __all__ = [
     "DEFAULT_FLOAT32_MODULES",
@@ -47,151 +43,9 @@ __all__ = [
     "NNXPolicyWrapper",
 ]
 
-# Normalization layers, linen and NNX: their statistics (mean, variance,
-# rsqrt) lose too much precision in float16/bfloat16 (NNabla's and NVIDIA's
-# AMP lists keep batch-norm and reductions in float32). Softmax and the loss
-# are covered elsewhere: attention through `dot_product_attention`, the loss
-# by the model's float32 `output_dtype`.
-DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (
-    nn.BatchNorm,
-    nn.LayerNorm,
-    nn.RMSNorm,
-    nn.GroupNorm,
-    nn.InstanceNorm,
-    nnx.BatchNorm,
-    nnx.LayerNorm,
-    nnx.RMSNorm,
-    nnx.GroupNorm,
-    nnx.InstanceNorm,
-)
-
-_F32 = np.dtype(jnp.float32)
-
-
-# The attention functions we replace: Flax's defaults. A user's own
-# `attention_fn` is left alone.
-_FLAX_DEFAULT_ATTENTION_FNS = (
-    nn.dot_product_attention,
-    nnx.dot_product_attention,
-)
-
-
-# --------------------------------------------------------------------------
-# Argument checking.
-# --------------------------------------------------------------------------
-
-
-def _check_float32_modules(float32_modules: Any) -> tuple[type, ...]:
-  if isinstance(float32_modules, type):
-    float32_modules = (float32_modules,)
-  try:
-    classes = tuple(float32_modules)
-  except TypeError:
-    raise ValueError(
-        f"float32_modules must be a tuple of module classes, got "
-        f"{float32_modules!r}."
-    ) from None
-  for c in classes:
-    if not (isinstance(c, type) and issubclass(c, (nn.Module, nnx.Module))):
-      raise ValueError(
-          f"float32_modules must hold flax.linen.Module or flax.nnx.Module "
-          f"subclasses, got {c!r}."
-      )
-  return classes
-
-
-def _check_float32_paths(float32_paths: Any) -> tuple[str, ...]:
-  if isinstance(float32_paths, str):
-    float32_paths = (float32_paths,)
-  out = []
-  for p in float32_paths:
-    if isinstance(p, (tuple, list)):
-      p = "/".join(str(k) for k in p)
-    if not isinstance(p, str):
-      raise ValueError(
-          f"float32_paths must hold strings such as 'head' or 'blocks/*/conv1' "
-          f"(or tuples of path keys), got {p!r}."
-      )
-    out.append(p.strip("/"))
-  return tuple(out)
-
-
-def _path_str(path: Iterable[Any]) -> str:
-  return "/".join(str(k) for k in path)
-
-
-def _path_matches(path: Sequence[Any], patterns: tuple[str, ...]) -> bool:
-  """Whether a module path is named by a pattern (glob on '/'-joined keys)."""
-  if not patterns:
-    return False
-  text = _path_str(path)
-  return any(fnmatch.fnmatchcase(text, p) for p in patterns)
-
-
-# --------------------------------------------------------------------------
-# Memory: what the backward pass keeps.
-# --------------------------------------------------------------------------
-
-RECOMPUTE_OPTIONS = ("float32", None)
-
-
-def _check_recompute(recompute: Any) -> str | None:
-  if recompute not in RECOMPUTE_OPTIONS:
-    raise ValueError(
-        f"recompute must be one of {RECOMPUTE_OPTIONS}, got {recompute!r}."
-    )
-  return recompute
-
-
-def _remat_policy(policy: policy_lib.Policy, recompute: str | None):
-  """The ``jax.checkpoint`` policy around the model, or None for none.
-
-  Only under a half-precision compute dtype: under float32 nothing is
-  half precision and the policy would recompute the whole model.
-  """
-  if recompute is None or np.dtype(policy.compute_dtype).itemsize >= _F32.itemsize:
-    return None
-  return remat.policy_saveable
-
-
 # --------------------------------------------------------------------------
 # Linen.
 # --------------------------------------------------------------------------
-
-
-def _linen_field_names(module: nn.Module) -> frozenset[str]:
-  return frozenset(f.name for f in dataclasses.fields(module))
-
-
-def _layer_overrides(
-    fields: frozenset[str] | set[str],
-    current: Callable[[str], Any],
-    dtype: np.dtype,
-    param_dtype: np.dtype,
-) -> dict[str, Any]:
-  """The attribute values a policy gives one layer (linen or NNX)."""
-  overrides: dict[str, Any] = {}
-  if "dtype" in fields:
-    overrides["dtype"] = dtype
-  if "param_dtype" in fields:
-    overrides["param_dtype"] = param_dtype
-  if "force_float32_reductions" in fields:
-    overrides["force_float32_reductions"] = True
-  if "force_fp32_for_softmax" in fields:
-    overrides["force_fp32_for_softmax"] = True
-  # Flax's default attention only: a custom `attention_fn`, or custom
-  # (e.g. quantized) attention einsums that only Flax's function uses, stay.
-  custom_einsums = any(
-      name in fields and current(name) is not None
-      for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
-  )
-  if (
-      "attention_fn" in fields
-      and not custom_einsums
-      and any(current("attention_fn") is f for f in _FLAX_DEFAULT_ATTENTION_FNS)
-  ):
-    overrides["attention_fn"] = dot_product_attention
-  return overrides
 
 
 class LinenPolicyWrapper(nn.Module):
@@ -222,7 +76,7 @@ class LinenPolicyWrapper(nn.Module):
     nn.share_scope(self, self.module)
 
   def __call__(self, *args, **kwargs):
-    if _remat_policy(self.policy, self.recompute) is None:
+    if flax_layers.remat_policy(self.policy, self.recompute) is None:
       out = self._run(args, kwargs)
     else:
       # Lifted (nn.checkpoint), so that parameters, mutable collections and
@@ -232,7 +86,7 @@ class LinenPolicyWrapper(nn.Module):
       # recomputed too.
       run = nn.checkpoint(
           lambda wrapper: wrapper._run(args, kwargs),
-          policy=_remat_policy(self.policy, self.recompute),
+          policy=flax_layers.remat_policy(self.policy, self.recompute),
       )
       out = run(self)
     return self.policy.cast_to_output(out)
@@ -254,7 +108,7 @@ class LinenPolicyWrapper(nn.Module):
 
     def named(m: nn.Module) -> bool:
       rel = tuple(m.scope.path)[len(root):]
-      return isinstance(m, self.float32_modules) or _path_matches(
+      return isinstance(m, self.float32_modules) or flax_layers.path_matches(
           rel, self.float32_paths
       )
 
@@ -287,9 +141,9 @@ class LinenPolicyWrapper(nn.Module):
     if module.scope is None or tuple(module.scope.path)[: len(root)] != root:
       return next_fun(*args, **kwargs)
     in_f32, named_f32 = self._float32(module, root)
-    dtype = _F32 if in_f32 else self.policy.compute_dtype
-    fields = _linen_field_names(module)
-    overrides = _layer_overrides(
+    dtype = flax_layers.F32 if in_f32 else self.policy.compute_dtype
+    fields = flax_layers.linen_field_names(module)
+    overrides = flax_layers.layer_overrides(
         fields,
         lambda name: getattr(module, name),
         dtype,
@@ -299,7 +153,7 @@ class LinenPolicyWrapper(nn.Module):
       # Float32 on entry: linen norms normalize their input as given (only
       # their statistics are promoted), so a half input would make them
       # mix dtypes (an error under strict promotion).
-      args, kwargs = policy_lib.cast_floating((args, kwargs), _F32)
+      args, kwargs = policy_lib.cast_floating((args, kwargs), flax_layers.F32)
     saved = {name: getattr(module, name) for name in overrides}
     for name, value in overrides.items():
       object.__setattr__(module, name, value)
@@ -308,109 +162,6 @@ class LinenPolicyWrapper(nn.Module):
     finally:
       for name, value in saved.items():
         object.__setattr__(module, name, value)
-
-
-# --------------------------------------------------------------------------
-# NNX.
-# --------------------------------------------------------------------------
-
-
-class NNXPolicyWrapper(nnx.Module):
-  """An NNX module under a dtype policy; see :func:`apply_policy`.
-
-  Calling it casts the floating inputs to the compute dtype (when
-  ``cast_inputs``), calls ``module`` (a policy-configured copy of the
-  caller's module), and casts the floating outputs to ``output_dtype``.
-  The variables live under ``module``.
-
-  Attributes:
-    module: the policy-configured module.
-    policy: the :class:`~jmp_train.Policy` (static).
-    cast_inputs: cast the floating inputs to the compute dtype on entry.
-    recompute: ``"float32"`` or ``None``, as in :func:`apply_policy`.
-  """
-
-  def __init__(self, module: nnx.Module, policy: policy_lib.Policy, cast_inputs: bool,
-               recompute: str | None = "float32"):
-    self.module = module
-    self.policy = policy
-    self.cast_inputs = cast_inputs
-    self.recompute = _check_recompute(recompute)
-
-  def __call__(self, *args, **kwargs):
-    policy, cast_inputs = self.policy, self.cast_inputs
-
-    def run(module):
-      # Cast inside, so that the half copy of a float32 batch is recomputed.
-      a, k = policy.cast_to_compute((args, kwargs)) if cast_inputs else (args, kwargs)
-      return module(*a, **k)
-
-    remat_policy = _remat_policy(policy, self.recompute)
-    if remat_policy is None:
-      return policy.cast_to_output(run(self.module))
-    # jax.checkpoint on the module's state, split and merged by hand (the
-    # arguments closed over: non-array ones stay Python values); the state
-    # the call changed (batch statistics, RNG counts) is written back.
-    graphdef, state = nnx.split(self.module)
-    out, changed = jax.checkpoint(
-        functools.partial(_run_nnx, run, graphdef), policy=remat_policy)(state)
-    nnx.update(self.module, changed)
-    return policy.cast_to_output(out)
-
-
-def _run_nnx(run, graphdef, state):
-  """``run`` on the merged module; its output and the state it changed."""
-  # The values before the call, by identity: the module may update the very
-  # Variable objects of `state` in place.
-  before = {path: jax.tree.leaves(var) for path, var in nnx.to_flat_state(state)}
-  module = nnx.merge(graphdef, state)
-  out = run(module)
-  changed = [
-      (path, var) for path, var in nnx.to_flat_state(nnx.state(module))
-      if path not in before
-      or any(a is not b for a, b in zip(jax.tree.leaves(var), before[path]))
-  ]
-  return out, nnx.from_flat_state(changed)
-
-
-def _apply_policy_nnx(
-    module: nnx.Module,
-    policy: policy_lib.Policy,
-    float32_modules: tuple[type, ...],
-    float32_paths: tuple[str, ...],
-    cast_inputs: bool,
-    recompute: str | None,
-) -> NNXPolicyWrapper:
-  # NNX layers are created eagerly with their fields as plain attributes,
-  # read at call time: a deep copy (`nnx.clone`, so the caller's module is
-  # untouched) whose layers get new attributes and whose parameters are
-  # cast to `param_dtype` is the whole job. Batch statistics stay float32.
-  model = nnx.clone(module)
-  modules = dict(nnx.iter_modules(model))
-  f32_paths = set()
-  for path, m in modules.items():
-    if isinstance(m, float32_modules) or _path_matches(path, float32_paths):
-      f32_paths.add(path)
-  for path, m in modules.items():
-    in_f32 = any(path[:i] in f32_paths for i in range(len(path) + 1))
-    dtype = _F32 if in_f32 else policy.compute_dtype
-    attrs = set(vars(m))
-    for name, value in _layer_overrides(
-        attrs, lambda name: getattr(m, name), dtype, policy.param_dtype
-    ).items():
-      setattr(m, name, value)
-  params = nnx.state(model, nnx.Param)
-  nnx.update(model, jax.tree.map(functools.partial(_cast_param, policy), params))
-  return NNXPolicyWrapper(model, policy, cast_inputs, recompute)
-
-
-def _cast_param(policy: policy_lib.Policy, x: Any) -> Any:
-  # Abstract models (`nnx.eval_shape`) hold ShapeDtypeStructs: cast those too.
-  if isinstance(x, jax.ShapeDtypeStruct):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return jax.ShapeDtypeStruct(x.shape, policy.param_dtype, sharding=x.sharding)
-    return x
-  return policy.cast_to_param(x)
 
 
 # --------------------------------------------------------------------------
@@ -530,9 +281,9 @@ def apply_policy(
         f"'mixed_bfloat16' or 'params=float32,compute=float16,output=float32', "
         f"got {policy!r}."
     )
-  classes = _check_float32_modules(float32_modules)
-  paths = _check_float32_paths(float32_paths)
-  recompute = _check_recompute(recompute)
+  classes = flax_layers.check_float32_modules(float32_modules)
+  paths = flax_layers.check_float32_paths(float32_paths)
+  recompute = flax_layers.check_recompute(recompute)
   if isinstance(module, nn.Module):
     return LinenPolicyWrapper(
         module=module,
@@ -543,7 +294,7 @@ def apply_policy(
         recompute=recompute,
     )
   if isinstance(module, nnx.Module):
-    return _apply_policy_nnx(module, policy, classes, paths, bool(cast_inputs), recompute)
+    return flax_nnx.apply_policy_nnx(module, policy, classes, paths, bool(cast_inputs), recompute)
   if isinstance(module, type) and issubclass(module, (nn.Module, nnx.Module)):
     raise ValueError(
         f"apply_policy needs a module instance, got the class {module.__name__}; "
