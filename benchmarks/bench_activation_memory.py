@@ -28,26 +28,29 @@ figures for one training step:
   whole step (gradients included), so on CPU ``temp_ratio`` need not follow
   the residuals; read it from a GPU run.
 
-Each model is measured three ways:
+Each model is measured four ways:
 
-* ``remat="none"``: what JAX saves by default; ratios over the float32 row
-  with ``"none"``. Under a mixed policy this includes float32 values (the
+* ``remat="default"``: :func:`jmp_train.flax.apply_policy` as it comes
+  (``recompute="float32"``: the model under ``jax.checkpoint`` with
+  half-precision values saved and casts, float32 regions and masks
+  recomputed); ratios over the float32 row with ``"none"`` (under float32
+  the default recomputes nothing). This is the target's row: mixed <= 0.55x.
+* ``remat="none"``: ``apply_policy(..., recompute=None)``, what JAX saves
+  by default; ratios over the float32 row with ``"none"``. Under a mixed policy this includes float32 values (the
   float32 regions: normalizations, the attention softmax, the loss's
   logits), the half-precision copies of the float32 weights, and boolean
   masks, so the ratio stays above one half.
-* ``remat="dots"``: the model under ``jax.checkpoint`` with
+* ``remat="dots"``: ``recompute=None`` and the model under ``jax.checkpoint`` with
   ``jax.checkpoint_policies.dots_saveable``, which saves only matmul and
   convolution outputs (in the compute dtype) and recomputes the rest; ratios
   over the float32 row with ``"dots"``: the same recomputation on both
   sides, so the ratio is the dtype's effect alone.
-* ``remat="half"``: the mixed policies under ``jax.checkpoint`` with
-  :func:`jmp_train.half_precision_saveable`, which saves every
-  half-precision value and recomputes only what the policy keeps in float32
-  (and casts and masks); ratios over the float32 row with ``"none"`` (a
-  float32 model has no half-precision values, so that policy would
-  recompute everything: no float32 row of its own). This is the library's
-  answer to the target: the activations a mixed model keeps, stored in half
-  precision, against what float32 training keeps by default.
+* ``remat="half"``: ``recompute=None`` and the mixed policies under
+  ``jax.checkpoint`` with :func:`jmp_train.half_precision_saveable` applied
+  by hand around the whole forward pass: the default's rule from outside,
+  a cross-check that should give the default's figures; ratios over the
+  float32 row with ``"none"`` (a float32 model has no half-precision values, so that
+  policy would recompute everything: no float32 row of its own).
 
 Nothing is executed: the jaxprs are traced and the steps compiled, so even
 the full sizes take seconds per row. ``quick=True`` uses tiny models and
@@ -68,7 +71,7 @@ from benchmarks import _harness
 from jmp_train.examples import models
 from jmp_train._src.policy import Policy, get_policy
 from jmp_train._src.remat import half_precision_saveable
-from jmp_train._src.remat import saved_residuals
+from jmp_train._src.diagnostics.residuals import saved_residuals
 from jmp_train.flax import apply_policy
 
 NAME = "activation_memory"
@@ -79,10 +82,12 @@ COLUMNS = (
 )
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 TARGET_RATIO = 0.55
+# remat -> (apply_policy's `recompute`, a checkpoint policy around the model).
 REMATS = {
-    "none": None,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "half": half_precision_saveable,
+    "default": ("float32", None),
+    "none": (None, None),
+    "dots": (None, jax.checkpoint_policies.dots_saveable),
+    "half": (None, half_precision_saveable),
 }
 
 
@@ -146,11 +151,13 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *,
   Args:
     case: the model and its input shapes.
     policy: the dtype policy.
-    remat: ``"none"`` (JAX saves what it saves), ``"dots"`` (the model
-      under ``jax.checkpoint(policy=dots_saveable)``: only matmul and
-      convolution outputs are saved, everything else is recomputed) or
-      ``"half"`` (under ``jax.checkpoint(policy=half_precision_saveable)``:
-      only half-precision values are saved).
+    remat: ``"default"`` (``apply_policy`` as it comes: its
+      ``recompute="float32"``), ``"none"`` (``recompute=None``: JAX saves
+      what it saves), ``"dots"`` (``recompute=None``, the model under
+      ``jax.checkpoint(policy=dots_saveable)``: only matmul and convolution
+      outputs are saved, everything else is recomputed) or ``"half"``
+      (``recompute=None``, under
+      ``jax.checkpoint(policy=half_precision_saveable)``).
     compile_step: also compile the train step for ``memory_analysis()``
       (XLA's ``*_bytes`` are ``None`` otherwise).
 
@@ -162,7 +169,8 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *,
   """
   if remat not in REMATS:
     raise ValueError(f"Unknown remat {remat!r}; valid: {', '.join(REMATS)}.")
-  model = apply_policy(case.module, policy)
+  recompute, checkpoint_policy = REMATS[remat]
+  model = apply_policy(case.module, policy, recompute=recompute)
   x, labels = case.inputs, case.labels
   variables = jax.eval_shape(
       lambda: model.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype)))
@@ -174,8 +182,8 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *,
     out = model.apply({"params": params, **state}, x, **kwargs)
     return out if "mutable" in kwargs else (out, state)
 
-  if REMATS[remat] is not None:
-    forward = jax.checkpoint(forward, policy=REMATS[remat])
+  if checkpoint_policy is not None:
+    forward = jax.checkpoint(forward, policy=checkpoint_policy)
 
   def loss_fn(params, state, x, labels):
     logits, new_state = forward(params, state, x)
@@ -241,21 +249,23 @@ def run(quick: bool) -> list[dict[str, Any]]:
   Returns:
     The records. ``residual_ratio``, ``activation_ratio`` and
     ``temp_ratio`` are this row's bytes over those of the float32 row with
-    the same model and remat (``"none"`` for the ``"half"`` rows);
+    the same model and remat (``"none"`` for the ``"default"`` and
+    ``"half"`` rows);
     ``meets_target`` says whether
     ``residual_ratio <= 0.55`` (``None`` on the float32 rows).
   """
   records = []
   for i, case in enumerate(_cases(quick)):
     base_by_remat = {}
-    for remat in REMATS:
+    for remat in ("none", "default", "dots", "half"):
       compile_step = not quick or (i == 0 and remat == "none")
-      # A float32 model has nothing to save under half_precision_saveable:
-      # the "half" rows compare with float32 as JAX runs it by default.
-      names = POLICIES[1:] if remat == "half" else POLICIES
+      # A float32 model has nothing to save under half_precision_saveable
+      # (and apply_policy's default recomputes nothing under float32): the
+      # "default" and "half" rows compare with float32 as JAX runs it.
+      names = POLICIES[1:] if remat in ("default", "half") else POLICIES
       rows = [measure(case, get_policy(name), remat, compile_step=compile_step)
               for name in names]
-      if remat == "half":
+      if remat in ("default", "half"):
         base = base_by_remat["none"]
       else:
         base = base_by_remat[remat] = rows[0]

@@ -20,6 +20,11 @@ Two kinds of rows (``kind``):
   matmuls, forward and backward (:func:`jmp_train.diagnostics.
   tensor_core_report` on the step's jaxpr), over the median time. No loss
   scaling is in the step (its overhead is ``bench_loss_scaling``'s subject).
+  Memory: ``temp_bytes`` is XLA's planned scratch (``memory_analysis()``,
+  where the activations kept for the backward pass live), ``peak_bytes`` the
+  device's ``peak_bytes_in_use`` counter after one step (steps run in
+  increasing order of ``temp_bytes``, since the counter never drops), and
+  ``peak_ratio`` that over the first setup's (float32).
 * ``matmul``: one large square matmul per dtype (float32 highest, float32
   default, bfloat16, float16; half-precision inputs and output, float32
   accumulation), achieved TFLOP/s ``2 n^3 / t`` against the device's dense
@@ -42,7 +47,8 @@ from jmp_train.diagnostics import tensor_core_report
 NAME = "gpu"
 COLUMNS = (
     "kind", "model", "policy", "shape", "median_ms", "speedup", "items_per_s",
-    "tflops", "peak_tflops", "fraction_of_peak",
+    "tflops", "peak_tflops", "fraction_of_peak", "temp_bytes", "peak_bytes",
+    "peak_ratio",
 )
 
 # Dense (no structured sparsity) peak TFLOP/s from NVIDIA's datasheets, per
@@ -175,7 +181,7 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...],
     model_name, module, x, y, items, shape = cases[key]()
     # Every policy stores float32 parameters with the same tree: init once.
     params = jax.jit(module.init)(jax.random.key(0), x)["params"]
-    fns, flops = {}, {}
+    fns, flops, memory = {}, {}, {}
     for setup in setups:
       policy, precision, _ = _SETUPS[setup]
       with _precision(precision):
@@ -187,6 +193,8 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...],
         flops[setup] = tensor_core_report(
             _step_fn(module, policy), params, x, y).total_flops
       fns[setup] = (lambda c=compiled: c(params, x, y))
+      memory[setup] = _harness.compiled_memory(compiled)["temp_bytes"]
+    peaks = _peak_bytes(fns, memory)
     times = _harness.interleaved_median_seconds(
         fns, warmup=2, repeats=sizes["repeats"])
     base = times[setups[0]]
@@ -202,8 +210,31 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...],
           "tflops": flops[setup] / t / 1e12 if flops[setup] else None,
           "peak_tflops": None,
           "fraction_of_peak": None,
+          "temp_bytes": memory[setup],
+          "peak_bytes": peaks[setup],
+          "peak_ratio": (peaks[setup] / peaks[setups[0]]
+                         if peaks[setup] and peaks[setups[0]] else None),
       })
   return rows
+
+
+def _peak_bytes(fns: dict[str, Callable[[], Any]],
+                temp_bytes: dict[str, int | None]) -> dict[str, int | None]:
+  """The device's peak bytes in use while each step runs (None if unknown).
+
+  The device counts one peak per process and never lowers it, so the steps
+  run once each in increasing order of XLA's planned temp bytes
+  (``memory_analysis()``): each reading is then that step's own peak, or
+  an earlier, smaller step's, and the order is checked against XLA's plan.
+  """
+  device = jax.devices()[0]
+  order = sorted(fns, key=lambda k: temp_bytes[k] or 0)
+  peaks = {}
+  for setup in order:
+    jax.block_until_ready(fns[setup]())
+    stats = device.memory_stats() or {}
+    peaks[setup] = stats.get("peak_bytes_in_use")
+  return peaks
 
 
 def _matmul_rows(sizes: dict[str, Any], device_kind: str) -> list[dict[str, Any]]:

@@ -10,28 +10,32 @@
   and matmuls left in float32; usable as a test assertion.
 * :func:`saved_residuals`: the arrays the backward pass keeps (activation
   memory), each with its dtype and what produced it.
+* :func:`collective_bytes`, :func:`collective_ops`: the bytes a compiled
+  step exchanges between devices, read from its HLO.
 * :func:`plot_gradient_histogram`: the histogram as a bar chart against the
   float16 range (needs matplotlib: ``pip install 'jmp_train[plot]'``).
 """
 
-from jmp_train._src.diagnostics import GradientHistogram
-from jmp_train._src.diagnostics import Histogram
-from jmp_train._src.diagnostics import ISSUE_KINDS
-from jmp_train._src.diagnostics import LossScaleSuggestion
-from jmp_train._src.diagnostics import MatmulEntry
-from jmp_train._src.diagnostics import PrecisionIssue
-from jmp_train._src.diagnostics import PrecisionReport
-from jmp_train._src.diagnostics import TensorCoreReport
-from jmp_train._src.diagnostics import gradient_histogram
-from jmp_train._src.diagnostics import overflow_fraction
-from jmp_train._src.diagnostics import pad_to_multiple
-from jmp_train._src.diagnostics import precision_audit
-from jmp_train._src.diagnostics import suggest_loss_scale
-from jmp_train._src.diagnostics import tensor_core_report
-from jmp_train._src.diagnostics import underflow_fraction
-from jmp_train._src.diagnostics_plot import plot_gradient_histogram
-from jmp_train._src.remat import SavedResidual
-from jmp_train._src.remat import saved_residuals
+from jmp_train._src.diagnostics.fractions import LossScaleSuggestion
+from jmp_train._src.diagnostics.fractions import overflow_fraction
+from jmp_train._src.diagnostics.fractions import suggest_loss_scale
+from jmp_train._src.diagnostics.fractions import underflow_fraction
+from jmp_train._src.diagnostics.histograms import GradientHistogram
+from jmp_train._src.diagnostics.histograms import Histogram
+from jmp_train._src.diagnostics.histograms import gradient_histogram
+from jmp_train._src.diagnostics.plotting import plot_gradient_histogram
+from jmp_train._src.diagnostics.precision_audit import ISSUE_KINDS
+from jmp_train._src.diagnostics.precision_audit import PrecisionIssue
+from jmp_train._src.diagnostics.precision_audit import PrecisionReport
+from jmp_train._src.diagnostics.precision_audit import precision_audit
+from jmp_train._src.diagnostics.residuals import SavedResidual
+from jmp_train._src.diagnostics.residuals import saved_residuals
+from jmp_train._src.diagnostics.tensor_cores import MatmulEntry
+from jmp_train._src.diagnostics.tensor_cores import TensorCoreReport
+from jmp_train._src.diagnostics.tensor_cores import pad_to_multiple
+from jmp_train._src.diagnostics.tensor_cores import tensor_core_report
+from jmp_train._src.hlo import collective_bytes
+from jmp_train._src.hlo import collective_ops
 
 __all__ = (
     "GradientHistogram",
@@ -43,6 +47,8 @@ __all__ = (
     "PrecisionReport",
     "SavedResidual",
     "TensorCoreReport",
+    "collective_bytes",
+    "collective_ops",
     "gradient_histogram",
     "overflow_fraction",
     "pad_to_multiple",

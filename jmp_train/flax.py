@@ -7,10 +7,12 @@ try it on live in :mod:`jmp_train.examples.models`.
 * :func:`apply_policy` runs a linen or NNX module under a
   :class:`jmp_train.Policy`: half-precision matmuls and convolutions,
   parameters in ``param_dtype``, normalization and softmax in float32,
-  outputs in ``output_dtype``; :data:`DEFAULT_FLOAT32_MODULES` lists the
-  module classes kept in float32 by default.
+  outputs in ``output_dtype``, and by default only half-precision values
+  kept for the backward pass (``recompute="float32"``);
+  :data:`DEFAULT_FLOAT32_MODULES` lists the module classes kept in float32
+  by default.
 * :func:`dot_product_attention`: the attention function it installs
-  (half-precision matmuls, float32 softmax).
+  (half-precision matmuls, float32 softmax; cuDNN's fused kernel on GPUs).
 
 Examples:
   >>> import flax.linen as nn
@@ -27,7 +29,7 @@ from jmp_train._src.flax_policy import DEFAULT_FLOAT32_MODULES
 from jmp_train._src.flax_policy import LinenPolicyWrapper
 from jmp_train._src.flax_policy import NNXPolicyWrapper
 from jmp_train._src.flax_policy import apply_policy
-from jmp_train._src.flax_policy import dot_product_attention
+from jmp_train._src.attention import dot_product_attention
 from jmp_train._src.fp8_flax import FP8_COLLECTION
 from jmp_train._src.fp8_flax import Fp8ConvGeneralDilated
 from jmp_train._src.fp8_flax import Fp8DotGeneral

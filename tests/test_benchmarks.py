@@ -236,15 +236,16 @@ def test_activation_memory_quick_records(quick_run):
   records = payload["records"]
   models = {r["model"] for r in records}
   assert len(models) == 3
-  # models x (3 policies for "none" and "dots", 2 mixed ones for "half")
-  assert len(records) == 3 * (3 + 3 + 2)
+  # models x (3 policies for "none" and "dots", 2 mixed ones for "default"
+  # and "half")
+  assert len(records) == 3 * (3 + 3 + 2 + 2)
   by_key = {(r["model"], r["remat"], r["policy"]): r for r in records}
   for r in records:
     assert r["residual_bytes"] > 0
     if r["policy"] == "float32":
       assert r["residual_ratio"] == 1.0 and r["meets_target"] is None
       assert r["half_residual_share"] == 0.0 and r["cast_copy_bytes"] == 0
-    elif r["remat"] == "half":
+    elif r["remat"] in ("default", "half"):
       # No weight copies (recomputed from the float32 weights), and less
       # than the same policy saves by default (tests/test_remat.py checks
       # that the model's residuals are all half precision).

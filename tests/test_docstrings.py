@@ -14,7 +14,7 @@ import pytest
 import jmp_train._src
 
 MODULES = sorted(
-    ["jmp_train._src." + m.name for m in pkgutil.iter_modules(jmp_train._src.__path__)]
+    [m.name for m in pkgutil.walk_packages(jmp_train._src.__path__, "jmp_train._src.")]
     + ["jmp_train.flax", "jmp_train.diagnostics"]
 )
 
@@ -36,7 +36,8 @@ def test_the_public_modules_have_examples():
   attempted = {
       name: doctest.DocTestFinder().find(importlib.import_module(name))
       for name in ("jmp_train._src.loss_scaling", "jmp_train._src.remat",
-                   "jmp_train._src.policy")
+                   "jmp_train._src.policy", "jmp_train._src.diagnostics.histograms",
+                   "jmp_train._src.diagnostics.precision_audit")
   }
   for name, tests in attempted.items():
     assert sum(len(t.examples) for t in tests) > 0, name

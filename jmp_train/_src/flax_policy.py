@@ -9,8 +9,9 @@ and its fragile numerics stay in float32, using Flax's own mechanisms:
   float32 batch statistics; the NNX norms always reduce in float32);
 * the layers' ``attention_fn`` hook, set to :func:`dot_product_attention`,
   which runs both attention matmuls in the compute dtype and the softmax in
-  float32 (see the function for why Flax's ``force_fp32_for_softmax`` is not
-  enough on its own).
+  float32, through cuDNN's fused kernel where it is available (see the
+  function for why Flax's ``force_fp32_for_softmax`` is not enough on its
+  own).
 
 Modules kept in float32 (by class, :data:`DEFAULT_FLOAT32_MODULES`, or by
 path) run entirely in float32: their floating inputs are cast to float32 on
@@ -24,253 +25,28 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
-import functools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from jmp_train._src import flax_layers
+from jmp_train._src import flax_nnx
 from jmp_train._src import fp8_flax
 from jmp_train._src import policy as policy_lib
+from jmp_train._src.flax_layers import DEFAULT_FLOAT32_MODULES
+from jmp_train._src.flax_nnx import NNXPolicyWrapper
 
 __all__ = [
     "DEFAULT_FLOAT32_MODULES",
     "apply_policy",
-    "dot_product_attention",
     "LinenPolicyWrapper",
     "NNXPolicyWrapper",
 ]
 
-# Normalization layers, linen and NNX: their statistics (mean, variance,
-# rsqrt) lose too much precision in float16/bfloat16 (NNabla's and NVIDIA's
-# AMP lists keep batch-norm and reductions in float32). Softmax and the loss
-# are covered elsewhere: attention through `dot_product_attention`, the loss
-# by the model's float32 `output_dtype`.
-DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (
-    nn.BatchNorm,
-    nn.LayerNorm,
-    nn.RMSNorm,
-    nn.GroupNorm,
-    nn.InstanceNorm,
-    nnx.BatchNorm,
-    nnx.LayerNorm,
-    nnx.RMSNorm,
-    nnx.GroupNorm,
-    nnx.InstanceNorm,
-)
-
-_F32 = np.dtype(jnp.float32)
-
-
-# --------------------------------------------------------------------------
-# Attention: half-precision matmuls, float32 softmax.
-# --------------------------------------------------------------------------
-
-
-def dot_product_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: Any = None,
-    force_fp32_for_softmax: bool = True,
-    is_causal: bool = False,
-) -> jax.Array:
-  r"""Dot-product attention with matmuls in ``dtype`` and softmax in float32.
-
-  .. math::
-
-    \mathrm{out} = \mathrm{cast}_{d}\big(\mathrm{softmax}_{f32}(
-      \mathrm{cast}_{f32}(q k^\top / \sqrt{d_k}) + b)\big)\, v
-
-  A drop-in ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention``
-  and ``flax.nnx.MultiHeadAttention`` (it takes the keyword arguments of
-  both). Flax's ``force_fp32_for_softmax=True`` (linen only) computes the
-  softmax in float32 but leaves the weights in float32, so the
-  weights-times-values matmul then runs in float32 too; here the weights go
-  back to ``dtype`` first, so both matmuls use half-precision Tensor Cores
-  and only the ``exp``/``sum`` of the softmax run in float32. The logits are
-  rounded to ``dtype`` before the softmax, as with Flax's flag: keeping the
-  matmul's float32 accumulator (``preferred_element_type``) would give the
-  backward pass a float32 operand, a float32 matmul.
-
-  Args:
-    query: ``[batch..., q_length, num_heads, head_dim]``.
-    key: ``[batch..., kv_length, num_heads, head_dim]``.
-    value: ``[batch..., kv_length, num_heads, v_dim]``.
-    bias: optional additive bias, broadcastable to
-      ``[batch..., num_heads, q_length, kv_length]``.
-    mask: optional boolean mask of the same broadcast shape (``False``:
-      masked out).
-    broadcast_dropout: share the dropout mask over batch and head dims.
-    dropout_rng: PRNG key for dropout.
-    dropout_rate: attention-weight dropout rate.
-    deterministic: disable dropout.
-    dtype: dtype of the two matmuls (default: promoted from the inputs).
-    precision: ``jax.lax.Precision`` of the matmuls.
-    module: a linen or NNX module to sow the float32 attention weights into
-      (``intermediates`` / ``nnx.Intermediate``), or ``None``.
-    force_fp32_for_softmax: softmax in float32 (the point of this function;
-      ``False`` computes it in ``dtype`` like Flax's default).
-    is_causal: apply a causal mask as well.
-
-  Returns:
-    ``[batch..., q_length, num_heads, v_dim]`` in ``dtype``.
-
-  Examples:
-    >>> q = k = v = jnp.ones((2, 8, 4, 16), jnp.bfloat16)
-    >>> dot_product_attention(q, k, v).dtype
-    dtype(bfloat16)
-  """
-  if dtype is None:
-    dtype = jnp.result_type(query, key, value)
-  dtype = np.dtype(dtype)
-  query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
-  depth = query.shape[-1]
-  query = query / jnp.sqrt(depth).astype(dtype)
-  logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
-  # At least float32 (float64 stays float64), without jnp.promote_types,
-  # which strict dtype promotion forbids for bfloat16/float32.
-  widen = force_fp32_for_softmax and dtype.itemsize < _F32.itemsize
-  softmax_dtype = _F32 if widen else dtype
-  logits = logits.astype(softmax_dtype)
-  if bias is not None:
-    logits = logits + jnp.asarray(bias, softmax_dtype)
-  if is_causal:
-    q_len, kv_len = logits.shape[-2:]
-    causal = jnp.tril(jnp.ones((q_len, kv_len), bool), kv_len - q_len)
-    mask = causal if mask is None else jnp.logical_and(mask, causal)
-  if mask is not None:
-    big_neg = jnp.finfo(softmax_dtype).min
-    logits = jnp.where(mask, logits, jnp.asarray(big_neg, softmax_dtype))
-  weights = jax.nn.softmax(logits, axis=-1)
-  if module is not None:
-    if isinstance(module, nn.Module):
-      module.sow("intermediates", "attention_weights", weights)
-    else:
-      module.sow(nnx.Intermediate, "attention_weights", weights)
-  weights = weights.astype(dtype)
-  if not deterministic and dropout_rate > 0.0:
-    keep_prob = 1.0 - dropout_rate
-    if broadcast_dropout:
-      shape = (1,) * (key.ndim - 2) + weights.shape[-2:]
-    else:
-      shape = weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
-  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
-
-
-# The attention functions we replace: Flax's defaults. A user's own
-# `attention_fn` is left alone.
-_FLAX_DEFAULT_ATTENTION_FNS = (
-    nn.dot_product_attention,
-    nnx.dot_product_attention,
-)
-
-
-# --------------------------------------------------------------------------
-# Argument checking.
-# --------------------------------------------------------------------------
-
-
-def _check_float32_modules(float32_modules: Any) -> tuple[type, ...]:
-  if isinstance(float32_modules, type):
-    float32_modules = (float32_modules,)
-  try:
-    classes = tuple(float32_modules)
-  except TypeError:
-    raise ValueError(
-        f"float32_modules must be a tuple of module classes, got "
-        f"{float32_modules!r}."
-    ) from None
-  for c in classes:
-    if not (isinstance(c, type) and issubclass(c, (nn.Module, nnx.Module))):
-      raise ValueError(
-          f"float32_modules must hold flax.linen.Module or flax.nnx.Module "
-          f"subclasses, got {c!r}."
-      )
-  return classes
-
-
-def _check_float32_paths(float32_paths: Any) -> tuple[str, ...]:
-  if isinstance(float32_paths, str):
-    float32_paths = (float32_paths,)
-  out = []
-  for p in float32_paths:
-    if isinstance(p, (tuple, list)):
-      p = "/".join(str(k) for k in p)
-    if not isinstance(p, str):
-      raise ValueError(
-          f"float32_paths must hold strings such as 'head' or 'blocks/*/conv1' "
-          f"(or tuples of path keys), got {p!r}."
-      )
-    out.append(p.strip("/"))
-  return tuple(out)
-
-
-def _path_str(path: Iterable[Any]) -> str:
-  return "/".join(str(k) for k in path)
-
-
-def _path_matches(path: Sequence[Any], patterns: tuple[str, ...]) -> bool:
-  """Whether a module path is named by a pattern (glob on '/'-joined keys)."""
-  if not patterns:
-    return False
-  text = _path_str(path)
-  return any(fnmatch.fnmatchcase(text, p) for p in patterns)
-
-
 # --------------------------------------------------------------------------
 # Linen.
 # --------------------------------------------------------------------------
-
-
-def _linen_field_names(module: nn.Module) -> frozenset[str]:
-  return frozenset(f.name for f in dataclasses.fields(module))
-
-
-def _layer_overrides(
-    fields: frozenset[str] | set[str],
-    current: Callable[[str], Any],
-    dtype: np.dtype,
-    param_dtype: np.dtype,
-) -> dict[str, Any]:
-  """The attribute values a policy gives one layer (linen or NNX)."""
-  overrides: dict[str, Any] = {}
-  if "dtype" in fields:
-    overrides["dtype"] = dtype
-  if "param_dtype" in fields:
-    overrides["param_dtype"] = param_dtype
-  if "force_float32_reductions" in fields:
-    overrides["force_float32_reductions"] = True
-  if "force_fp32_for_softmax" in fields:
-    overrides["force_fp32_for_softmax"] = True
-  # Flax's default attention only: a custom `attention_fn`, or custom
-  # (e.g. quantized) attention einsums that only Flax's function uses, stay.
-  custom_einsums = any(
-      name in fields and current(name) is not None
-      for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
-  )
-  if (
-      "attention_fn" in fields
-      and not custom_einsums
-      and any(current("attention_fn") is f for f in _FLAX_DEFAULT_ATTENTION_FNS)
-  ):
-    overrides["attention_fn"] = dot_product_attention
-  return overrides
 
 
 class LinenPolicyWrapper(nn.Module):
@@ -286,6 +62,8 @@ class LinenPolicyWrapper(nn.Module):
     float32_modules: module classes run in float32.
     float32_paths: glob patterns of module paths run in float32.
     cast_inputs: cast the floating inputs to the compute dtype on entry.
+    recompute: ``"float32"`` (recompute float32 values and casts in the
+      backward pass, keep the half-precision ones) or ``None``.
   """
 
   module: nn.Module
@@ -293,16 +71,32 @@ class LinenPolicyWrapper(nn.Module):
   float32_modules: tuple[type, ...] = DEFAULT_FLOAT32_MODULES
   float32_paths: tuple[str, ...] = ()
   cast_inputs: bool = True
+  recompute: str | None = "float32"
 
   def setup(self):
     nn.share_scope(self, self.module)
 
   def __call__(self, *args, **kwargs):
+    if flax_layers.remat_policy(self.policy, self.recompute) is None:
+      out = self._run(args, kwargs)
+    else:
+      # Lifted (nn.checkpoint), so that parameters, mutable collections and
+      # RNGs pass into the checkpointed function; the arguments are closed
+      # over (non-array arguments such as `train=True` stay Python values),
+      # and cast inside, so that the half copy of a float32 batch is
+      # recomputed too.
+      run = nn.checkpoint(
+          lambda wrapper: wrapper._run(args, kwargs),
+          policy=flax_layers.remat_policy(self.policy, self.recompute),
+      )
+      out = run(self)
+    return self.policy.cast_to_output(out)
+
+  def _run(self, args, kwargs):
     if self.cast_inputs:
       args, kwargs = self.policy.cast_to_compute((args, kwargs))
     with nn.intercept_methods(self._interceptor):
-      out = self.module(*args, **kwargs)
-    return self.policy.cast_to_output(out)
+      return self.module(*args, **kwargs)
 
   @nn.nowrap
   def _float32(self, module: nn.Module, root: tuple[Any, ...]) -> tuple[bool, bool]:
@@ -315,7 +109,7 @@ class LinenPolicyWrapper(nn.Module):
 
     def named(m: nn.Module) -> bool:
       rel = tuple(m.scope.path)[len(root):]
-      return isinstance(m, self.float32_modules) or _path_matches(
+      return isinstance(m, self.float32_modules) or flax_layers.path_matches(
           rel, self.float32_paths
       )
 
@@ -348,9 +142,9 @@ class LinenPolicyWrapper(nn.Module):
     if module.scope is None or tuple(module.scope.path)[: len(root)] != root:
       return next_fun(*args, **kwargs)
     in_f32, named_f32 = self._float32(module, root)
-    dtype = _F32 if in_f32 else self.policy.compute_dtype
-    fields = _linen_field_names(module)
-    overrides = _layer_overrides(
+    dtype = flax_layers.F32 if in_f32 else self.policy.compute_dtype
+    fields = flax_layers.linen_field_names(module)
+    overrides = flax_layers.layer_overrides(
         fields,
         lambda name: getattr(module, name),
         dtype,
@@ -362,7 +156,7 @@ class LinenPolicyWrapper(nn.Module):
       # Float32 on entry: linen norms normalize their input as given (only
       # their statistics are promoted), so a half input would make them
       # mix dtypes (an error under strict promotion).
-      args, kwargs = policy_lib.cast_floating((args, kwargs), _F32)
+      args, kwargs = policy_lib.cast_floating((args, kwargs), flax_layers.F32)
     saved = {name: getattr(module, name) for name in overrides}
     for name, value in overrides.items():
       object.__setattr__(module, name, value)
@@ -371,78 +165,6 @@ class LinenPolicyWrapper(nn.Module):
     finally:
       for name, value in saved.items():
         object.__setattr__(module, name, value)
-
-
-# --------------------------------------------------------------------------
-# NNX.
-# --------------------------------------------------------------------------
-
-
-class NNXPolicyWrapper(nnx.Module):
-  """An NNX module under a dtype policy; see :func:`apply_policy`.
-
-  Calling it casts the floating inputs to the compute dtype (when
-  ``cast_inputs``), calls ``module`` (a policy-configured copy of the
-  caller's module), and casts the floating outputs to ``output_dtype``.
-  The variables live under ``module``.
-
-  Attributes:
-    module: the policy-configured module.
-    policy: the :class:`~jmp_train.Policy` (static).
-    cast_inputs: cast the floating inputs to the compute dtype on entry.
-  """
-
-  def __init__(self, module: nnx.Module, policy: policy_lib.Policy, cast_inputs: bool):
-    self.module = module
-    self.policy = policy
-    self.cast_inputs = cast_inputs
-
-  def __call__(self, *args, **kwargs):
-    if self.cast_inputs:
-      args, kwargs = self.policy.cast_to_compute((args, kwargs))
-    return self.policy.cast_to_output(self.module(*args, **kwargs))
-
-
-def _apply_policy_nnx(
-    module: nnx.Module,
-    policy: policy_lib.Policy,
-    float32_modules: tuple[type, ...],
-    float32_paths: tuple[str, ...],
-    cast_inputs: bool,
-) -> NNXPolicyWrapper:
-  # NNX layers are created eagerly with their fields as plain attributes,
-  # read at call time: a deep copy (`nnx.clone`, so the caller's module is
-  # untouched) whose layers get new attributes and whose parameters are
-  # cast to `param_dtype` is the whole job. Batch statistics stay float32.
-  model = nnx.clone(module)
-  modules = dict(nnx.iter_modules(model))
-  f32_paths = set()
-  for path, m in modules.items():
-    if isinstance(m, float32_modules) or _path_matches(path, float32_paths):
-      f32_paths.add(path)
-  for path, m in modules.items():
-    in_f32 = any(path[:i] in f32_paths for i in range(len(path) + 1))
-    dtype = _F32 if in_f32 else policy.compute_dtype
-    attrs = set(vars(m))
-    for name, value in _layer_overrides(
-        attrs, lambda name: getattr(m, name), dtype, policy.param_dtype
-    ).items():
-      setattr(m, name, value)
-    if not in_f32:
-      for name, value in fp8_flax.nnx_fp8_attributes(m, policy.fp8).items():
-        setattr(m, name, value)
-  params = nnx.state(model, nnx.Param)
-  nnx.update(model, jax.tree.map(functools.partial(_cast_param, policy), params))
-  return NNXPolicyWrapper(model, policy, cast_inputs)
-
-
-def _cast_param(policy: policy_lib.Policy, x: Any) -> Any:
-  # Abstract models (`nnx.eval_shape`) hold ShapeDtypeStructs: cast those too.
-  if isinstance(x, jax.ShapeDtypeStruct):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return jax.ShapeDtypeStruct(x.shape, policy.param_dtype, sharding=x.sharding)
-    return x
-  return policy.cast_to_param(x)
 
 
 # --------------------------------------------------------------------------
@@ -457,6 +179,7 @@ def apply_policy(
     float32_modules: Sequence[type] = DEFAULT_FLOAT32_MODULES,
     float32_paths: Sequence[str] = (),
     cast_inputs: bool = True,
+    recompute: str | None = "float32",
 ) -> LinenPolicyWrapper | NNXPolicyWrapper:
   """Runs a Flax (linen or NNX) module under a mixed-precision policy.
 
@@ -485,7 +208,20 @@ def apply_policy(
   * floating inputs are cast to ``compute_dtype`` on entry (``cast_inputs``),
     and floating outputs to ``policy.output_dtype``, so the loss is computed
     in float32 with a float32 output dtype;
-  * gradients with respect to the parameters come back in ``param_dtype``.
+  * gradients with respect to the parameters come back in ``param_dtype``;
+  * with ``recompute="float32"`` (the default) and a half-precision compute
+    dtype, the backward pass keeps only the half-precision values the
+    forward pass computed (the matmul and convolution outputs, the
+    half-precision activations) and recomputes the rest from them: the half
+    copies of the float32 weights and of the batch (casts), the float32
+    regions (normalizations, the softmax) and comparison masks. That is
+    ``jax.checkpoint`` around the model with
+    :func:`jmp_train.half_precision_saveable`'s rule (outputs of a fused
+    attention kernel are kept as well); it holds the activation memory
+    under half of float32's at the price of the recomputed elementwise and
+    normalization work. ``recompute=None`` keeps what JAX keeps by default,
+    which under a mixed policy includes a half copy of every float32
+    weight.
 
   Integer inputs (token ids, labels) pass through untouched. Layers' own
   ``dtype`` settings are overridden: to keep a layer in float32, name it in
@@ -522,13 +258,15 @@ def apply_policy(
       ``("stem", "head")`` to keep the first convolution and the classifier
       head in float32.
     cast_inputs: cast the model's floating inputs to the compute dtype.
+    recompute: ``"float32"`` or ``None`` (see above).
 
   Returns:
     The wrapped module.
 
   Raises:
     ValueError: if ``module`` is not a Flax module, ``policy`` is not a
-      valid policy or spec, or the overrides are malformed.
+      valid policy or spec, the overrides are malformed, or ``recompute``
+      is not one of ``("float32", None)``.
 
   Examples:
     >>> import flax.linen as nn
@@ -553,8 +291,9 @@ def apply_policy(
         f"'mixed_bfloat16' or 'params=float32,compute=float16,output=float32', "
         f"got {policy!r}."
     )
-  classes = _check_float32_modules(float32_modules)
-  paths = _check_float32_paths(float32_paths)
+  classes = flax_layers.check_float32_modules(float32_modules)
+  paths = flax_layers.check_float32_paths(float32_paths)
+  recompute = flax_layers.check_recompute(recompute)
   if isinstance(module, nn.Module):
     return LinenPolicyWrapper(
         module=module,
@@ -562,9 +301,10 @@ def apply_policy(
         float32_modules=classes,
         float32_paths=paths,
         cast_inputs=bool(cast_inputs),
+        recompute=recompute,
     )
   if isinstance(module, nnx.Module):
-    return _apply_policy_nnx(module, policy, classes, paths, bool(cast_inputs))
+    return flax_nnx.apply_policy_nnx(module, policy, classes, paths, bool(cast_inputs), recompute)
   if isinstance(module, type) and issubclass(module, (nn.Module, nnx.Module)):
     raise ValueError(
         f"apply_policy needs a module instance, got the class {module.__name__}; "

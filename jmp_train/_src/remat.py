@@ -20,20 +20,23 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
-__all__ = ["SavedResidual", "half_precision_saveable", "saved_residuals"]
+__all__ = ["half_precision_saveable", "policy_saveable"]
 
 # Casts are never saved: their input is either an argument (a float32
 # weight: no memory beyond what the caller holds) or another value that is
 # itself saved or recomputed, so saving the cast's output would store the
 # same data twice.
 _NEVER_SAVED = frozenset({"convert_element_type", "reduce_precision"})
+# Fused attention kernels (cuDNN's, through jax.nn.dot_product_attention):
+# their outputs, the attention output in half precision and the float32
+# softmax statistics (one value per query and head, small), are saved;
+# recomputing them would rerun the whole attention forward pass.
+_ALWAYS_SAVED = frozenset({"dot_product_attention_fwd", "dot_product_attention_fwd_wrapper"})
 
 
 def _is_half_floating(aval: Any) -> bool:
@@ -112,89 +115,28 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
   return bool(outs) and all(_is_half_floating(o) for o in outs)
 
 
-class SavedResidual(NamedTuple):
-  """One array that ``jax.vjp`` keeps for the backward pass.
+def policy_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+  """The ``jax.checkpoint`` policy :func:`jmp_train.flax.apply_policy` uses.
 
-  Attributes:
-    shape_dtype: its shape and dtype.
-    kind: ``"argument"`` (one of the inputs, kept as is: no memory beyond
-      what the caller holds), ``"cast_copy"`` (a dtype cast of an input:
-      the half-precision copy of a float32 weight or of the input batch),
-      ``"constant"`` (a broadcast literal, such as the zeros in ``relu``'s
-      derivative: XLA fuses it into its consumer and never stores it) or
-      ``"activation"`` (everything else the forward pass computed).
-  """
-
-  shape_dtype: jax.ShapeDtypeStruct
-  kind: str
-
-  @property
-  def nbytes(self) -> int:
-    """Bytes of the array."""
-    return int(np.prod(self.shape_dtype.shape, dtype=np.int64)) * np.dtype(
-        self.shape_dtype.dtype).itemsize
-
-  @property
-  def costs_memory(self) -> bool:
-    """Whether it is memory the forward pass adds (activation or cast copy)."""
-    return self.kind in ("activation", "cast_copy")
-
-
-def saved_residuals(fun: Callable[..., Any], *args: Any) -> list[SavedResidual]:
-  """The arrays ``jax.vjp(fun, *args)`` keeps for the backward pass.
-
-  Traces ``jax.vjp`` to a jaxpr (nothing runs, so ``args`` may be
-  ``jax.ShapeDtypeStruct``) and reads the values that make up the VJP
-  function's closure, classifying each by what produced it (the inspection
-  behind ``jax.ad_checkpoint.print_saved_residuals``, as data). Summing
-  :attr:`SavedResidual.nbytes` over those that
-  :attr:`~SavedResidual.costs_memory` gives the activation memory of one
-  training step; the dtypes show what a policy keeps in float32.
+  :func:`half_precision_saveable`, except that the outputs of a fused
+  attention kernel are saved too: its float32 softmax statistics are one
+  value per query and head, and recomputing them would rerun the kernel.
 
   Args:
-    fun: the function to differentiate (e.g. a loss of parameters and a
-      batch), possibly under ``jax.checkpoint``.
-    *args: its arguments (arrays, pytrees, or ``jax.ShapeDtypeStruct``).
+    prim: the JAX primitive of an equation (given by ``jax.checkpoint``).
+    *avals: the abstract values of its inputs.
+    **params: its parameters.
 
   Returns:
-    One :class:`SavedResidual` per distinct residual (a buffer saved twice
-    is listed once); literals baked into the program are left out.
+    Whether the equation's outputs may be saved for the backward pass.
 
   Examples:
-    >>> def f(w, x):
-    ...   return jnp.sum(jnp.sin(x @ w.astype(jnp.float16)).astype(jnp.float32))
-    >>> res = saved_residuals(f, jnp.ones((3, 4)), jnp.ones((2, 3), jnp.float16))
-    >>> sorted((r.kind, r.shape_dtype.shape) for r in res)
-    [('activation', (2, 4)), ('argument', (2, 3)), ('cast_copy', (3, 4))]
+    >>> import jax
+    >>> f = jax.checkpoint(lambda x: jnp.exp(x.astype(jnp.float32)).sum(),
+    ...                    policy=policy_saveable)
+    >>> jax.grad(f)(jnp.ones(3, jnp.bfloat16)).dtype
+    dtype(bfloat16)
   """
-  leaves, treedef = jax.tree.flatten(args)
-
-  def vjp_residuals(*flat):
-    _, vjp_fun = jax.vjp(lambda *xs: fun(*jax.tree.unflatten(treedef, xs)), *flat)
-    return jax.tree.leaves(vjp_fun)
-
-  jaxpr = jax.make_jaxpr(vjp_residuals)(*leaves).jaxpr
-  invars = set(jaxpr.invars)
-  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-  seen = set()
-  out = []
-  for var in jaxpr.outvars:
-    if isinstance(var, jex_core.Literal) or var in seen:
-      continue
-    seen.add(var)
-    eqn = producer.get(var)
-    if var in invars:
-      kind = "argument"
-    elif eqn is None:
-      kind = "constant"  # A closed-over constant of the traced function.
-    elif (eqn.primitive.name == "convert_element_type"
-          and eqn.invars[0] in invars):
-      kind = "cast_copy"
-    elif (eqn.primitive.name == "broadcast_in_dim"
-          and isinstance(eqn.invars[0], jex_core.Literal)):
-      kind = "constant"
-    else:
-      kind = "activation"
-    out.append(SavedResidual(
-        jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype), kind))
-  return out
+  if prim.name in _ALWAYS_SAVED:
+    return True
+  return half_precision_saveable(prim, *avals, **params)

@@ -1,4 +1,4 @@
-"""Plain-text tables for the demo's and the benchmarks' results."""
+"""Plain-text tables: the diagnostics' reports, the demo's and the benchmarks' results."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ def _cell(v: Any) -> str:
     if not math.isfinite(v):
       return str(v)
     return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3g}"
+  if isinstance(v, tuple):
+    if all(isinstance(d, int) and not isinstance(d, bool) for d in v):
+      return "x".join(map(str, v))  # a shape; () for a scalar
+    return ",".join(map(str, v))
   return str(v)
 
 
@@ -26,8 +30,8 @@ def format_table(
   """A GitHub-markdown table of ``rows``.
 
   Floats are printed to 4 significant digits (3 from 1e5 on), ``None`` as
-  ``-`` and booleans as ``yes``/``no``; a row missing a column gets an empty
-  cell.
+  ``-``, booleans as ``yes``/``no``, tuples of ints as shapes (``4x8``) and
+  other tuples comma-separated; a row missing a column gets an empty cell.
 
   Args:
     rows: the records.
@@ -35,6 +39,12 @@ def format_table(
 
   Returns:
     The table as one string (``"(no rows)"`` for no rows).
+
+  Examples:
+    >>> print(format_table([{"op": "exp", "shape": (4, 8), "share": 0.123456, "ok": False}]))
+    | op  | shape | share  | ok |
+    |-----|-------|--------|----|
+    | exp | 4x8   | 0.1235 | no |
   """
   rows = list(rows)
   if not rows:

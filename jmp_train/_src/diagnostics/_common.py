@@ -1,0 +1,213 @@
+"""What the diagnostics share: argument checks and walking a function's jaxpr.
+
+The Tensor Core report and the precision audit read the jaxpr of a function
+(nothing runs): :func:`trace` makes the forward pass's jaxpr and, if asked,
+the pullback's, and :func:`walk` visits every equation with how often it
+runs and the user's source line. The histogram tools share the checks of
+their arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_train._src import policy as policy_lib
+from jmp_train._src.policy import is_floating_array
+
+F16 = np.dtype(jnp.float16)
+BF16 = np.dtype(jnp.bfloat16)
+F32 = np.dtype(jnp.float32)
+HALF_DTYPES = (F16, BF16)
+# Smallest and largest binary exponents a float32 value can have.
+MIN_EXPONENT = -149
+MAX_EXPONENT = 128
+
+
+# ---------------------------------------------------------------------------
+# Argument checking.
+
+
+def target_dtype(dtype: Any) -> np.dtype:
+  """Parses the half type values are cast to; float16 or bfloat16 only."""
+  valid = "float16 (f16, fp16) or bfloat16 (bf16), or 'half'"
+  try:
+    parsed = policy_lib.parse_dtype(dtype)
+  except ValueError as e:
+    raise ValueError(f"Bad target dtype {dtype!r}: {e} Valid targets: {valid}.") from None
+  if parsed not in HALF_DTYPES:
+    raise ValueError(
+        f"Bad target dtype {dtype!r} ({parsed.name}): the diagnostics cast to a "
+        f"half-precision type; valid targets: {valid}."
+    )
+  return parsed
+
+
+def check_positive(name: str, value: Any, *, minimum: float = 0.0, inclusive: bool = False):
+  """Raises ValueError if a concrete ``value`` is not finite and > minimum."""
+  if isinstance(value, jax.core.Tracer):
+    return  # A traced value (e.g. a loss scale inside jit) cannot be checked.
+  try:
+    arr = np.asarray(value, dtype=np.float64)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a positive number, got {value!r}.") from None
+  if arr.shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {arr.shape}.")
+  v = float(arr)
+  ok = math.isfinite(v) and (v >= minimum if inclusive else v > minimum)
+  if not ok:
+    bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+    raise ValueError(f"{name} must be finite and {bound}, got {value!r}.")
+
+
+def floating_leaves(tree: Any, fn_name: str) -> list[tuple[str, Any]]:
+  """``(path, leaf)`` for the floating-point array leaves of ``tree``."""
+  with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+  out = [(jax.tree_util.keystr(p) or "<root>", x) for p, x in with_path if is_floating_array(x)]
+  if not out:
+    kinds = sorted({type(x).__name__ + (f"[{x.dtype}]" if hasattr(x, "dtype") else "")
+                    for _, x in with_path})
+    hint = ""
+    if any(isinstance(x, float) for _, x in with_path):
+      hint = " Python floats are not counted: wrap them with jnp.asarray."
+    raise ValueError(
+        f"{fn_name} needs a pytree with floating-point array leaves (float16, "
+        f"bfloat16, float32, ...); got {len(with_path)} leaves of types "
+        f"{kinds or '(none: the tree is empty)'}.{hint}"
+    )
+  return out
+
+
+def check_callable(fn: Any, fn_name: str):
+  if not callable(fn):
+    raise ValueError(
+        f"{fn_name} needs a callable (the function to trace, e.g. a loss "
+        f"function or `model.apply`) as its first argument; got "
+        f"{type(fn).__name__} {fn!r:.80}."
+    )
+
+
+# ---------------------------------------------------------------------------
+# Counting casts.
+def is_traced(tree: Any) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+def _where(eqn) -> str:
+  """``file.py:line (function)`` of the user code that emitted ``eqn``."""
+  try:
+    text = source_info_util.summarize(eqn.source_info)
+  except Exception:  # pragma: no cover - source info is best effort.
+    return ""
+  match = re.match(r"^(.*?):(\d+)(?::\d+)?(.*)$", text)
+  if match:
+    return f"{os.path.basename(match.group(1))}:{match.group(2)}{match.group(3)}"
+  return text
+
+
+def _context_label(eqn) -> str:
+  name = eqn.primitive.name
+  if name in ("pjit", "jit", "closed_call", "core_call"):
+    return str(eqn.params.get("name", name))
+  return name
+
+
+def walk(
+    jaxpr, repeats: int = 1, context: tuple[str, ...] = (), site: str = ""
+) -> Iterator[tuple[Any, int, str]]:
+  """Yields ``(eqn, times it runs, where)`` for every equation.
+
+  Recurses into every sub-jaxpr found in the parameters (jit, scan, cond,
+  while, remat, custom_jvp/custom_vjp, shard_map, ...). ``scan`` bodies
+  count ``length`` times; ``while`` bodies once (the trip count is not
+  static); every ``cond`` branch is visited (an upper bound). ``where`` is
+  the enclosing calls (``log_softmax/...``) and the user's source line; ops
+  inside library functions inherit the line of the call into the library.
+  """
+  for eqn in jaxpr.eqns:
+    own = _where(eqn) or site
+    where = " ".join(s for s in ("/".join(context), own) if s)
+    yield eqn, repeats, where
+    inner = repeats * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else repeats
+    label = context + (_context_label(eqn),)
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      yield from walk(sub, inner, label, own)
+
+
+def _split_args(args: tuple) -> tuple[list, list, list[bool], Any]:
+  leaves, treedef = jax.tree.flatten(args)
+  is_float = [is_floating_array(x) for x in leaves]
+  floats = [x for x, f in zip(leaves, is_float) if f]
+  others = [x for x, f in zip(leaves, is_float) if not f]
+  return floats, others, is_float, treedef
+
+
+def trace(fn: Callable, args: tuple, backward: bool) -> list[tuple[str, Any]]:
+  """``[(phase, jaxpr)]``: the forward pass and, if asked, the backward pass.
+
+  The backward pass is the pullback of ``jax.vjp(fn, ...)`` with respect to
+  every floating-point leaf of ``args``, traced on its own (from abstract
+  residuals and cotangents for every floating output), so the forward pass
+  is not counted twice.
+  """
+  phases = [("forward", jax.make_jaxpr(fn)(*args).jaxpr)]
+  if not backward:
+    return phases
+  floats, others, is_float, treedef = _split_args(args)
+  if not floats:
+    raise ValueError(
+        "backward=True differentiates with respect to the floating-point "
+        "leaves of the arguments, and there are none."
+    )
+
+  def rebuild(fl, ot):
+    fl, ot = iter(fl), iter(ot)
+    return jax.tree.unflatten(treedef, [next(fl) if f else next(ot) for f in is_float])
+
+  def forward_and_pullback(fl, ot):
+    return jax.vjp(lambda fl_: fn(*rebuild(fl_, ot)), fl)
+
+  out_shape, pullback_shape = jax.eval_shape(forward_and_pullback, floats, others)
+  res_leaves, pullback_def = jax.tree.flatten(pullback_shape)
+  out_leaves, out_def = jax.tree.flatten(out_shape)
+  out_float = [is_floating_array(o) for o in out_leaves]
+  if not any(out_float):
+    raise ValueError("backward=True needs a function with a floating-point output.")
+
+  def pullback(res, cts):
+    cts = iter(cts)
+    full = [
+        next(cts) if f else np.zeros(o.shape, jax.dtypes.float0)
+        for f, o in zip(out_float, out_leaves)
+    ]
+    return jax.tree.unflatten(pullback_def, res)(jax.tree.unflatten(out_def, full))
+
+  cts = [o for o, f in zip(out_leaves, out_float) if f]
+  phases.append(("backward", jax.make_jaxpr(pullback)(res_leaves, cts).jaxpr))
+  return phases
+def is_float_dtype(dtype) -> bool:
+  try:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+  except TypeError:
+    return False
+
+
+def prod(xs: Iterable[int]) -> int:
+  return int(math.prod(int(x) for x in xs))
+
+
+def has_subjaxpr(eqn) -> bool:
+  return any(True for _ in jex_core.jaxprs_in_params(eqn.params))
+
+
+# ---------------------------------------------------------------------------
+# Padding.
