@@ -4,8 +4,11 @@
   :func:`overflow_fraction`: where values lie against float16/bfloat16's
   range, and what a cast does to them.
 * :func:`suggest_loss_scale`: the largest power-of-two loss scale that fits.
+* :func:`fp8_cast_fractions`: the share of values an FP8 cast saturates,
+  flushes to zero or leaves subnormal, at a given scale.
 * :func:`tensor_core_report`, :func:`pad_to_multiple`: matmuls and
-  convolutions against the Tensor Core shape rules, and the Amdahl bound.
+  convolutions against the Tensor Core shape rules (FP8 products: multiples
+  of 16), and the Amdahl bound.
 * :func:`precision_audit`: ops in half precision that should be float32,
   and matmuls left in float32; usable as a test assertion.
 * :func:`saved_residuals`: the arrays the backward pass keeps (activation
@@ -16,6 +19,8 @@
   float16 range (needs matplotlib: ``pip install 'jmp_train[plot]'``).
 """
 
+from jmp_train._src.diagnostics.fp8_casts import Fp8CastFractions
+from jmp_train._src.diagnostics.fp8_casts import fp8_cast_fractions
 from jmp_train._src.diagnostics.fractions import LossScaleSuggestion
 from jmp_train._src.diagnostics.fractions import overflow_fraction
 from jmp_train._src.diagnostics.fractions import suggest_loss_scale
@@ -38,6 +43,8 @@ from jmp_train._src.hlo import collective_bytes
 from jmp_train._src.hlo import collective_ops
 
 __all__ = (
+    "Fp8CastFractions",
+    "fp8_cast_fractions",
     "GradientHistogram",
     "Histogram",
     "ISSUE_KINDS",

@@ -393,3 +393,48 @@ def test_make_train_step_updates_and_agrees_on_fp8_state(kind, mode):
     hist, grads = hist[0], grads[0]
   assert np.count_nonzero(hist) == 2 and np.count_nonzero(grads) == 2
   assert int(metrics["skipped_steps"]) == 0
+
+
+# --- diagnostics ----------------------------------------------------------------
+
+
+def test_tensor_core_report_holds_fp8_products_to_multiples_of_16():
+  import jmp_train.diagnostics as diag
+
+  meta = jmp_train.init_fp8_meta()
+
+  def f(x, w):
+    return jmp_train.fp8_dot_general(x, w, DN, meta=meta).astype(jnp.float32).sum()
+
+  # K = 24 is a multiple of 8 (bfloat16's rule) but not of 16 (FP8's).
+  report = diag.tensor_core_report(f, jnp.ones((32, 24), jnp.bfloat16),
+                                   jnp.ones((24, 32), jnp.bfloat16))
+  fp8 = [e for e in report.entries if e.fp8]
+  assert fp8 and all(e.required_multiple == 16 for e in fp8)
+  assert any("K" in e.misaligned for e in fp8)
+  plain = diag.tensor_core_report(lambda x, w: (x @ w).astype(jnp.float32).sum(),
+                                  jnp.ones((32, 24), jnp.bfloat16), jnp.ones((24, 32), jnp.bfloat16))
+  assert not plain.misaligned and not any(e.fp8 for e in plain.entries)
+  assert "fp8 (" in str(report)
+
+
+@pytest.mark.parametrize("dtype, fp8", [("e4m3", E4M3), ("e5m2", E5M2)])
+def test_fp8_cast_fractions_match_numpy(dtype, fp8):
+  import jmp_train.diagnostics as diag
+
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-12, 6, 4096)).astype(np.float32)
+  x[:7] = 0.0
+  scale = 3.0
+  got = diag.fp8_cast_fractions({"a": jnp.asarray(x[:1000]), "b": jnp.asarray(x[1000:])},
+                                dtype, scale)
+  info = ml_dtypes.finfo(fp8)
+  v = x * np.float32(scale)
+  nz = v != 0
+  q = np.abs(np.clip(v, -float(info.max), float(info.max)).astype(fp8).astype(np.float32))
+  want = [np.sum(nz & (np.abs(v) > float(info.max))), np.sum(nz & (q == 0)),
+          np.sum(nz & (q > 0) & (q < float(info.smallest_normal)))]
+  np.testing.assert_allclose([float(g) for g in got], np.array(want) / nz.sum(), rtol=1e-6)
+  assert all(0 < float(g) < 1 for g in got)
+  with pytest.raises(ValueError, match="e4m3"):
+    diag.fp8_cast_fractions(x, "float16")

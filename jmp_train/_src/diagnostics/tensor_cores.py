@@ -1,7 +1,10 @@
 """Matmuls and convolutions against the Tensor Core shape rules.
 
 NVIDIA's Tensor Cores run a GEMM when both operands are 16-bit floats and its
-dimensions are multiples of 8 (8-bit operands: multiples of 16).
+dimensions are multiples of 8 (8-bit operands, FP8 included: multiples of
+16). Products of :func:`jmp_train.fp8_dot_general` (which multiply the
+dequantized FP8 operands under the ``fp8_product`` name scope, the pattern
+XLA turns into one FP8 GEMM on a GPU) are held to FP8's rule.
 :func:`tensor_core_report` lists every ``dot_general`` and convolution of a
 function (read from its jaxpr, forward and backward) against that rule, with
 the Amdahl bound on the speed-up, and :func:`pad_to_multiple` gives the size
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_train._src import tables
+from jmp_train._src.fp8 import FP8_SCOPE
 from jmp_train._src.diagnostics import _common
 
 __all__ = ["MatmulEntry", "TensorCoreReport", "pad_to_multiple", "tensor_core_report"]
@@ -64,6 +68,8 @@ class MatmulEntry(NamedTuple):
     misaligned: names of the checked dimensions that are not multiples.
     repeats: how often it runs per call (scan lengths multiplied).
     where: enclosing calls and ``file:line (function)``.
+    fp8: whether it is an FP8 product (:func:`jmp_train.fp8_dot_general`),
+      held to the 8-bit rule.
   """
 
   phase: str
@@ -83,6 +89,7 @@ class MatmulEntry(NamedTuple):
   misaligned: tuple[str, ...]
   repeats: int
   where: str
+  fp8: bool = False
 
   @property
   def half_precision(self) -> bool:
@@ -103,6 +110,9 @@ def _matmul_entry(eqn, phase: str, repeats: int, where: str) -> MatmulEntry | No
   out = eqn.outvars[0].aval
   lhs_dt, rhs_dt = np.dtype(lhs.dtype), np.dtype(rhs.dtype)
   multiple = _required_multiple(lhs_dt, rhs_dt)
+  fp8 = FP8_SCOPE in str(eqn.source_info.name_stack)
+  if fp8:
+    multiple = 16
   if name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     batch = _common.prod(lhs.shape[d] for d in lb)
@@ -132,7 +142,7 @@ def _matmul_entry(eqn, phase: str, repeats: int, where: str) -> MatmulEntry | No
       phase=phase, op=op, lhs_dtype=lhs_dt, rhs_dtype=rhs_dt, out_dtype=np.dtype(out.dtype),
       lhs_shape=tuple(int(s) for s in lhs.shape), rhs_shape=tuple(int(s) for s in rhs.shape),
       batch=batch, m=m, n=n, k=k, flops=int(flops), required_multiple=multiple,
-      checked=checked, misaligned=misaligned, repeats=repeats, where=where,
+      checked=checked, misaligned=misaligned, repeats=repeats, where=where, fp8=fp8,
   )
 
 
@@ -207,7 +217,9 @@ class TensorCoreReport:
       rows.append({
           "phase": e.phase,
           "op": e.op,
-          "dtypes": f"{e.lhs_dtype.name}x{e.rhs_dtype.name}->{e.out_dtype.name}",
+          "dtypes": ("fp8 (" if e.fp8 else "")
+                    + f"{e.lhs_dtype.name}x{e.rhs_dtype.name}->{e.out_dtype.name}"
+                    + (")" if e.fp8 else ""),
           "batch": e.batch,
           "M": e.m,
           "N": e.n,
