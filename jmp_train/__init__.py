@@ -1,7 +1,9 @@
 """jmp_train: mixed-precision training and 1-bit data parallelism for JAX.
 
-The public surface, re-exported from ``jmp_train._src``. Three submodules load
-on first use, so ``import jmp_train`` stays light:
+The public surface, re-exported from ``jmp_train._src``. Every name loads on
+first use (PEP 562), so ``import jmp_train`` imports neither JAX nor Flax
+until something is used (the ``jmp-train --help`` command stays fast); three
+submodules too:
 
 * ``jmp_train.flax``: policies on linen and NNX modules;
 * ``jmp_train.diagnostics``: histograms, Tensor Core shapes, precision
@@ -14,128 +16,79 @@ import importlib as _importlib
 
 __version__ = "0.1.0"
 
-# dtype policies
-from jmp_train._src.policy import Policy
-from jmp_train._src.policy import cast_floating
-from jmp_train._src.policy import get_policy
-from jmp_train._src.policy import half_dtype
-from jmp_train._src.remat import half_precision_saveable
-
-# autocast: a policy as a function transformation
-from jmp_train._src.autocast import autocast
-from jmp_train._src.autocast_lists import DEFAULT_FLOAT32_OPS
-from jmp_train._src.autocast_lists import DEFAULT_HALF_OPS
-
-# FP8 products
-from jmp_train._src.fp8 import Fp8DotMeta
-from jmp_train._src.fp8 import Fp8Recipe
-from jmp_train._src.fp8 import Fp8TensorMeta
-from jmp_train._src.fp8 import fp8_conv_general_dilated
-from jmp_train._src.fp8 import fp8_dequantize
-from jmp_train._src.fp8 import fp8_dot_general
-from jmp_train._src.fp8 import fp8_quantize
-from jmp_train._src.fp8 import fp8_scale
-from jmp_train._src.fp8 import init_fp8_meta
-from jmp_train._src.fp8 import update_fp8_meta
-
-# loss scaling
-from jmp_train._src.loss_scale import DynamicLossScale
-from jmp_train._src.loss_scale import NoOpLossScale
-from jmp_train._src.loss_scale import StaticLossScale
-from jmp_train._src.loss_scale import all_finite
-from jmp_train._src.loss_scaling import LossScaledState
-from jmp_train._src.loss_scaling import get_loss_scale
-from jmp_train._src.loss_scaling import loss_scale_metrics
-from jmp_train._src.loss_scaling import loss_scaled
-from jmp_train._src.loss_scaling import scaled_value_and_grad
-
-# half-precision weight updates
-from jmp_train._src.low_precision import KahanCompensationState
-from jmp_train._src.low_precision import ModifiedMomentumState
-from jmp_train._src.low_precision import StochasticRoundingState
-from jmp_train._src.low_precision import kahan_compensation
-from jmp_train._src.low_precision import modified_momentum_sgd
-from jmp_train._src.low_precision import stochastic_rounding
-
-# 1-bit SGD with error feedback
-from jmp_train._src.hlo import collective_bytes
-from jmp_train._src.hlo import collective_ops
-from jmp_train._src.sign_compression import SignCompressionState
-from jmp_train._src.sign_compression import sign_compression
-from jmp_train._src.sign_compression import sign_compression_specs
-
-# 1-bit Adam and 1-bit momentum SGD
-from jmp_train._src.one_bit_optimizers import OneBitAdamState
-from jmp_train._src.one_bit_optimizers import OneBitMomentumState
-from jmp_train._src.one_bit_optimizers import one_bit_adam
-from jmp_train._src.one_bit_optimizers import one_bit_momentum
-
-# train-step builder
-from jmp_train._src.train import TrainState
-from jmp_train._src.train import TrainStep
-from jmp_train._src.train import make_train_step
-from jmp_train._src.train import restore_checkpoint
-from jmp_train._src.train import save_checkpoint
-
-__all__ = (
-    "Policy",
-    "cast_floating",
-    "get_policy",
-    "half_dtype",
-    "half_precision_saveable",
-    "autocast",
-    "DEFAULT_FLOAT32_OPS",
-    "DEFAULT_HALF_OPS",
-    "Fp8DotMeta",
-    "Fp8Recipe",
-    "Fp8TensorMeta",
-    "fp8_conv_general_dilated",
-    "fp8_dequantize",
-    "fp8_dot_general",
-    "fp8_quantize",
-    "fp8_scale",
-    "init_fp8_meta",
-    "update_fp8_meta",
-    "DynamicLossScale",
-    "NoOpLossScale",
-    "StaticLossScale",
-    "all_finite",
-    "LossScaledState",
-    "get_loss_scale",
-    "loss_scale_metrics",
-    "loss_scaled",
-    "scaled_value_and_grad",
-    "KahanCompensationState",
-    "ModifiedMomentumState",
-    "StochasticRoundingState",
-    "kahan_compensation",
-    "modified_momentum_sgd",
-    "stochastic_rounding",
-    "collective_bytes",
-    "collective_ops",
-    "SignCompressionState",
-    "sign_compression",
-    "sign_compression_specs",
-    "OneBitAdamState",
-    "OneBitMomentumState",
-    "one_bit_adam",
-    "one_bit_momentum",
-    "TrainState",
-    "TrainStep",
-    "make_train_step",
-    "restore_checkpoint",
-    "save_checkpoint",
-)
+# Public name -> the module of jmp_train._src that defines it.
+_EXPORTS = {
+    # dtype policies
+    "Policy": "policy",
+    "cast_floating": "policy",
+    "get_policy": "policy",
+    "half_dtype": "policy",
+    "half_precision_saveable": "remat",
+    # autocast: a policy as a function transformation
+    "autocast": "autocast",
+    "DEFAULT_FLOAT32_OPS": "autocast_lists",
+    "DEFAULT_HALF_OPS": "autocast_lists",
+    # FP8 products
+    "Fp8DotMeta": "fp8",
+    "Fp8Recipe": "fp8",
+    "Fp8TensorMeta": "fp8",
+    "fp8_conv_general_dilated": "fp8",
+    "fp8_dequantize": "fp8",
+    "fp8_dot_general": "fp8",
+    "fp8_quantize": "fp8",
+    "fp8_scale": "fp8",
+    "init_fp8_meta": "fp8",
+    "update_fp8_meta": "fp8",
+    # loss scaling
+    "DynamicLossScale": "loss_scale",
+    "NoOpLossScale": "loss_scale",
+    "StaticLossScale": "loss_scale",
+    "all_finite": "loss_scale",
+    "LossScaledState": "loss_scaling",
+    "get_loss_scale": "loss_scaling",
+    "loss_scale_metrics": "loss_scaling",
+    "loss_scaled": "loss_scaling",
+    "scaled_value_and_grad": "loss_scaling",
+    # half-precision weight updates
+    "KahanCompensationState": "low_precision",
+    "ModifiedMomentumState": "low_precision",
+    "StochasticRoundingState": "low_precision",
+    "kahan_compensation": "low_precision",
+    "modified_momentum_sgd": "low_precision",
+    "stochastic_rounding": "low_precision",
+    # 1-bit SGD with error feedback
+    "collective_bytes": "hlo",
+    "collective_ops": "hlo",
+    "SignCompressionState": "sign_compression",
+    "sign_compression": "sign_compression",
+    "sign_compression_specs": "sign_compression",
+    # 1-bit Adam and 1-bit momentum SGD
+    "OneBitAdamState": "one_bit_optimizers",
+    "OneBitMomentumState": "one_bit_optimizers",
+    "one_bit_adam": "one_bit_optimizers",
+    "one_bit_momentum": "one_bit_optimizers",
+    # train-step builder
+    "TrainState": "train",
+    "TrainStep": "train",
+    "make_train_step": "train",
+    "restore_checkpoint": "train",
+    "save_checkpoint": "train",
+}
 
 _SUBMODULES = ("diagnostics", "examples", "flax")
 
+__all__ = tuple(_EXPORTS)
+
 
 def __getattr__(name):
-  # PEP 562: ``jmp_train.flax`` works after a bare ``import jmp_train``.
+  if name in _EXPORTS:
+    value = getattr(_importlib.import_module(f"jmp_train._src.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
   if name in _SUBMODULES:
     return _importlib.import_module(f"{__name__}.{name}")
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-  return sorted(set(globals()) | set(_SUBMODULES))
+  return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

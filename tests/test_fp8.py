@@ -208,6 +208,7 @@ def test_linen_layers_keep_meta_out_of_params_and_update_it():
   x = jnp.linspace(-3.0, 3.0, 4 * 16).reshape(4, 16)
   variables = model.init(jax.random.key(0), x)
   assert set(variables) == {"params", jmp_train.flax.FP8_COLLECTION}
+  assert isinstance(model.layers[0].dot_general_cls(), jmp_train.flax.Fp8DotGeneral)
   assert not any("amax" in "/".join(map(str, p)) for p, _ in
                  jax.tree_util.tree_leaves_with_path(variables["params"]))
 
@@ -435,6 +436,16 @@ def test_fp8_cast_fractions_match_numpy(dtype, fp8):
   want = [np.sum(nz & (np.abs(v) > float(info.max))), np.sum(nz & (q == 0)),
           np.sum(nz & (q > 0) & (q < float(info.smallest_normal)))]
   np.testing.assert_allclose([float(g) for g in got], np.array(want) / nz.sum(), rtol=1e-6)
+  assert isinstance(got, diag.Fp8CastFractions)
   assert all(0 < float(g) < 1 for g in got)
   with pytest.raises(ValueError, match="e4m3"):
     diag.fp8_cast_fractions(x, "float16")
+
+
+def test_initial_meta_structure_and_dtypes():
+  meta = jmp_train.init_fp8_meta(jmp_train.Fp8Recipe(amax_history_len=5))
+  assert isinstance(meta, jmp_train.Fp8DotMeta)
+  assert all(isinstance(t, jmp_train.Fp8TensorMeta) for t in meta)
+  assert all(t.scale.dtype == jnp.float32 and t.amax_history.shape == (5,) for t in meta)
+  q = jmp_train.fp8_quantize(jnp.array([3.0]), jnp.float8_e4m3fn, jnp.float32(2.0))
+  assert float(jmp_train.fp8_dequantize(q, jnp.float32(2.0), jnp.float32)[0]) == 3.0

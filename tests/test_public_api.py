@@ -45,3 +45,31 @@ def test_public_name_is_documented_and_tested(module, name):
   assert re.search(rf"\b{re.escape(name)}\b", _test_sources()), (
       f"{module.__name__}.{name} is not used by any test"
   )
+
+
+def test_import_and_help_load_no_jax():
+  # Names load on first use: `import jmp_train` and `jmp-train --help` stay
+  # fast (no JAX, no Flax), and a name, once used, is a plain attribute.
+  import subprocess
+  import sys
+
+  code = (
+      "import sys, jmp_train, runpy\n"
+      "assert 'jax' not in sys.modules and 'flax' not in sys.modules\n"
+      "sys.argv = ['jmp-train', '--help']\n"
+      "try:\n"
+      "  runpy.run_module('jmp_train', run_name='__main__')\n"
+      "except SystemExit:\n"
+      "  pass\n"
+      "assert 'jax' not in sys.modules, 'help imported jax'\n"
+      "jmp_train.Policy\n"
+      "assert 'Policy' in vars(jmp_train)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "usage: jmp-train" in out.stdout
+
+
+def test_unknown_attribute_raises_attribute_error():
+  with pytest.raises(AttributeError, match="no_such_name"):
+    jmp_train.no_such_name  # noqa: B018
