@@ -73,20 +73,29 @@ def _check_unit(value: Any, name: str) -> None:
     raise ValueError(f"{name} must be in [0, 1); got {value!r}.")
 
 
-def _check_options(block_size: Any, code: Any, min_8bit_size: Any) -> None:
+ROUNDINGS = ("stochastic", "nearest")
+
+
+def _check_options(block_size: Any, code: Any, min_8bit_size: Any, rounding: Any) -> None:
   qs._check_block_size(block_size)
   qs._check_code(code)
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"rounding must be one of {ROUNDINGS}; got {rounding!r}.")
   if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
     raise ValueError(f"min_8bit_size must be an int >= 0; got {min_8bit_size!r}.")
 
 
 class _Moment:
-  """How one moment is stored: dtype (or 8 bits), code and block size."""
+  """How one moment is stored: dtype (or 8 bits), code, block size, rounding.
 
-  def __init__(self, dtype, signed, block_size, code, min_8bit_size):
+  An unsigned (second) moment in 8 bits is stored as its square root.
+  """
+
+  def __init__(self, dtype, signed, block_size, code, min_8bit_size, rounding="nearest"):
     self.dtype, self.signed = dtype, signed
     self.kwargs = dict(block_size=block_size, code=code, signed=signed)
     self.min_8bit_size = min_8bit_size
+    self.stochastic = rounding == "stochastic"
 
   def init(self, p: jax.Array) -> Any:
     if self.dtype != "8bit":
@@ -96,20 +105,22 @@ class _Moment:
 
   def load(self, stored: Any) -> jax.Array:
     if isinstance(stored, qs.QuantizedArray):
-      return qs.dequantize(stored, **self.kwargs)
+      x = qs.dequantize(stored, **self.kwargs)
+      return x if self.signed else jnp.square(x)
     return stored.astype(jnp.float32)
 
-  def store(self, x: jax.Array, like: Any) -> Any:
+  def store(self, x: jax.Array, like: Any, key: jax.Array | None = None) -> Any:
     if isinstance(like, qs.QuantizedArray):
-      return qs.quantize(x, **self.kwargs)
+      x = x if self.signed else jnp.sqrt(x)
+      return qs.quantize(x, key=key if self.stochastic else None, **self.kwargs)
     return x.astype(like.dtype)
 
 
 def _map_leaves(fn: Callable[..., tuple], updates: Any, *moments: Any) -> tuple:
-  """Applies ``fn(g, *moment_leaves)`` per leaf of ``updates``; unzips the results."""
+  """Applies ``fn(index, g, *moment_leaves)`` per leaf of ``updates``; unzips the results."""
   leaves, treedef = jax.tree.flatten(updates)
   per_moment = [treedef.flatten_up_to(m) for m in moments]
-  outs = [fn(g, *ms) for g, *ms in zip(leaves, *per_moment)]
+  outs = [fn(i, g, *ms) for i, (g, *ms) in enumerate(zip(leaves, *per_moment))]
   if not outs:  # an empty tree
     return (updates, *moments)
   return tuple(treedef.unflatten(list(col)) for col in zip(*outs))
@@ -126,6 +137,8 @@ def scale_by_adam(
     block_size: int = 256,
     code: str = "dynamic",
     min_8bit_size: int = 4096,
+    rounding: str = "stochastic",
+    seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""Adam's rescaling with a storage dtype for each moment, 8 bits included.
 
@@ -144,6 +157,18 @@ def scale_by_adam(
   before they are stored. Equal to ``optax.scale_by_adam`` when both dtypes
   are ``None`` or float32 (up to float32 rounding).
 
+  **8-bit moments.** :math:`\mathrm{Q}` is blockwise quantization
+  (:func:`~jmp_train._src.quantized_state.quantize`), signed for
+  :math:`m`; for :math:`v` the unsigned code stores :math:`\sqrt v`, the
+  quantity the update divides by, so the code's seven decades cover fourteen
+  of :math:`v`. Rounding is stochastic by default (unbiased: the expected
+  stored value is the float32 one). Rounding to nearest loses every EMA step
+  smaller than half a code interval: with :math:`1 - \beta_2 = 0.001` the
+  stored :math:`v` stops following :math:`v`, and the bias correction then
+  shrinks it, so the steps grow. The random bits come from ``seed``, the
+  step count and the leaf's position, so a resumed run draws the same ones
+  and replicas with the same state stay identical.
+
   Args:
     b1: decay of the first moment.
     b2: decay of the second moment.
@@ -159,16 +184,19 @@ def scale_by_adam(
     code: ``"dynamic"`` (bitsandbytes' exponent code) or ``"linear"``.
     min_8bit_size: leaves with fewer elements keep an ``"8bit"`` moment in
       float32.
+    rounding: ``"stochastic"`` or ``"nearest"`` rounding into 8-bit codes.
+    seed: seed of the stochastic rounding.
 
   Returns:
     An ``optax.GradientTransformation`` with state ``optax.ScaleByAdamState(
     count, mu, nu)``; an 8-bit moment's leaves are
-    :class:`~jmp_train._src.quantized_state.QuantizedArray`. The updates keep
-    the gradients' dtype.
+    :class:`~jmp_train._src.quantized_state.QuantizedArray` (for ``nu``, the
+    codes of :math:`\sqrt v`). The updates keep the gradients' dtype.
 
   Raises:
     ValueError: for a dtype not in ``STATE_DTYPES``, ``b1`` or ``b2`` outside
-      ``[0, 1)``, or a bad ``block_size``, ``code`` or ``min_8bit_size``.
+      ``[0, 1)``, or a bad ``block_size``, ``code``, ``min_8bit_size`` or
+      ``rounding``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -191,9 +219,9 @@ def scale_by_adam(
   nu_dtype = _parse_state_dtype(nu_dtype, "nu_dtype")
   _check_unit(b1, "b1")
   _check_unit(b2, "b2")
-  _check_options(block_size, code, min_8bit_size)
-  mu = _Moment(mu_dtype, True, block_size, code, min_8bit_size)
-  nu = _Moment(nu_dtype, False, block_size, code, min_8bit_size)
+  _check_options(block_size, code, min_8bit_size, rounding)
+  mu = _Moment(mu_dtype, True, block_size, code, min_8bit_size, rounding)
+  nu = _Moment(nu_dtype, False, block_size, code, min_8bit_size, rounding)
 
   def init_fn(params):
     return optax.ScaleByAdamState(
@@ -208,13 +236,15 @@ def scale_by_adam(
     t = count.astype(jnp.float32)
     correction1 = 1 - jnp.asarray(b1, jnp.float32) ** t
     correction2 = 1 - jnp.asarray(b2, jnp.float32) ** t
+    step_key = jax.random.fold_in(jax.random.key(seed), count)
 
-    def leaf(g, m_stored, v_stored):
+    def leaf(i, g, m_stored, v_stored):
       g32 = g.astype(jnp.float32)
       m = b1 * mu.load(m_stored) + (1 - b1) * g32
       v = b2 * nu.load(v_stored) + (1 - b2) * jnp.square(g32)
       u = (m / correction1) / (jnp.sqrt(v / correction2 + eps_root) + eps)
-      return u.astype(g.dtype), mu.store(m, m_stored), nu.store(v, v_stored)
+      key_m, key_v = jax.random.split(jax.random.fold_in(step_key, i))
+      return u.astype(g.dtype), mu.store(m, m_stored, key_m), nu.store(v, v_stored, key_v)
 
     new_updates, new_mu, new_nu = _map_leaves(leaf, updates, state.mu, state.nu)
     return new_updates, optax.ScaleByAdamState(count=count, mu=new_mu, nu=new_nu)
@@ -234,6 +264,8 @@ def adam_8bit(
     block_size: int = 256,
     code: str = "dynamic",
     min_8bit_size: int = 4096,
+    rounding: str = "stochastic",
+    seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""Adam (AdamW with ``weight_decay``) whose moments are stored in 8 bits.
 
@@ -258,6 +290,9 @@ def adam_8bit(
     block_size: elements per quantization block.
     code: ``"dynamic"`` (default) or ``"linear"`` code maps.
     min_8bit_size: leaves with fewer elements keep float32 moments.
+    rounding: ``"stochastic"`` (default) or ``"nearest"`` rounding into the
+      8-bit codes (see :func:`scale_by_adam`).
+    seed: seed of the stochastic rounding.
 
   Returns:
     An ``optax.GradientTransformation``; its state is the tuple of
@@ -265,7 +300,7 @@ def adam_8bit(
 
   Raises:
     ValueError: for ``b1`` or ``b2`` outside ``[0, 1)`` or a bad
-      ``block_size``, ``code`` or ``min_8bit_size``.
+      ``block_size``, ``code``, ``min_8bit_size`` or ``rounding``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -286,6 +321,7 @@ def adam_8bit(
       scale_by_adam(
           b1, b2, eps, eps_root, mu_dtype="8bit", nu_dtype="8bit",
           block_size=block_size, code=code, min_8bit_size=min_8bit_size,
+          rounding=rounding, seed=seed,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
@@ -301,7 +337,8 @@ def _trace(decay, nesterov, moment: _Moment) -> optax.GradientTransformation:
   def update_fn(updates, state, params=None):
     del params
 
-    def leaf(g, stored):
+    def leaf(i, g, stored):
+      del i
       g32 = g.astype(jnp.float32)
       t = decay * moment.load(stored) + g32
       u = g32 + decay * t if nesterov else t
@@ -328,7 +365,9 @@ def sgd_8bit(
   :math:`t \leftarrow m\,t + g` kept as blockwise signed 8-bit codes
   (dequantized to float32 for the step): the step is :math:`-\lambda_t t`
   (:math:`-\lambda_t (g + m\,t)` with Nesterov). One byte plus
-  ``4 / block_size`` per parameter of a large leaf, instead of 4.
+  ``4 / block_size`` per parameter of a large leaf, instead of 4. Codes are
+  rounded to nearest: with a decay of 0.9 every step moves the trace by a
+  tenth of the gradient, where Adam's second moment moves by a thousandth.
 
   Args:
     learning_rate: a scalar or an ``optax.Schedule`` of the step count.
@@ -361,8 +400,8 @@ def sgd_8bit(
   _check_unit(momentum, "momentum")
   if not isinstance(nesterov, (bool, np.bool_)):
     raise ValueError(f"nesterov must be a bool; got {nesterov!r}.")
-  _check_options(block_size, code, min_8bit_size)
-  moment = _Moment("8bit", True, block_size, code, min_8bit_size)
+  _check_options(block_size, code, min_8bit_size, "nearest")
+  moment = _Moment("8bit", True, block_size, code, min_8bit_size, "nearest")
   return optax.chain(
       _trace(momentum, bool(nesterov), moment),
       optax.scale_by_learning_rate(learning_rate),

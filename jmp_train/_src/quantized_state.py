@@ -160,8 +160,18 @@ def _blocks(x: jax.Array, block_size: int) -> jax.Array:
   return flat.reshape(num_blocks, block_size)
 
 
+def _stochastic_codes(normed: jax.Array, table: jax.Array, key: jax.Array) -> jax.Array:
+  """Rounds up or down to the neighbouring entries, with probability by distance."""
+  lo = jnp.clip(jnp.searchsorted(table, normed, side="right") - 1, 0, table.size - 2)
+  below, above = table[lo], table[lo + 1]
+  gap = above - below
+  p_up = jnp.where(gap > 0, (normed - below) / jnp.where(gap > 0, gap, 1.0), 0.0)
+  return lo + (jax.random.uniform(key, normed.shape) < p_up)
+
+
 def quantize(
-    x: jax.Array, *, block_size: int = 256, code: str = "dynamic", signed: bool = True
+    x: jax.Array, *, block_size: int = 256, code: str = "dynamic", signed: bool = True,
+    key: jax.Array | None = None,
 ) -> QuantizedArray:
   """Blockwise 8-bit quantization of ``x`` (rounding to the nearest code).
 
@@ -196,8 +206,11 @@ def quantize(
   absmax = jnp.max(jnp.abs(blocks), axis=1)
   normed = blocks / jnp.where(absmax > 0, absmax, 1.0)[:, None]
   # Nearest entry: the number of midpoints strictly below the value.
-  midpoints = (table[1:] + table[:-1]) / 2
-  codes = jnp.searchsorted(midpoints, normed, side="left").astype(jnp.uint8)
+  if key is None:
+    midpoints = (table[1:] + table[:-1]) / 2
+    codes = jnp.searchsorted(midpoints, normed, side="left").astype(jnp.uint8)
+  else:
+    codes = _stochastic_codes(normed, table, key).astype(jnp.uint8)
   if not signed:
     zero = int(np.argmin(np.abs(code_map(code, signed))))
     codes = jnp.where((normed > 0) & (codes == zero), zero + 1, codes).astype(jnp.uint8)
