@@ -21,8 +21,9 @@ magnitude):
   exponent step towards 1; with 0 and 1 added. Relative error is small over
   seven decades below the block maximum.
 * ``"linear"``: evenly spaced entries (:math:`k/127` signed, :math:`k/255`
-  unsigned): absolute error at most :math:`a_b/254` or :math:`a_b/510`, but
-  values below that are lost.
+  unsigned): absolute error at most :math:`a_b/254` or :math:`a_b/510`
+  (:math:`a_b/255` for positive values lifted off zero, below), but small
+  values keep no significant digits.
 
 With ``unsigned`` codes a positive value never rounds to zero (it takes the
 smallest positive entry instead): a second moment rounded to zero would turn
