@@ -17,7 +17,8 @@ an ``"8bit"`` moment in float32, as bitsandbytes does (its
 ``min_8bit_size``): they are a small share of the parameters, and a block
 scale per few elements would save little.
 
-The states are optax's (``optax.ScaleByAdamState``, ``optax.TraceState``),
+The states are optax's (``optax.ScaleByAdamState``; for :func:`sgd_8bit`
+:class:`QuantizedTraceState`, ``optax.TraceState`` with a step count),
 their moment leaves :class:`~jmp_train._src.quantized_state.QuantizedArray`
 where quantized; shapes and dtypes do not change between steps. Blocks are
 taken over each whole leaf, so the state is meant to be replicated (data
@@ -32,7 +33,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ from jmp_train._src import quantized_state as qs
 from jmp_train._src.policy import parse_dtype
 
 __all__ = [
+    "QuantizedTraceState",
     "STATE_DTYPES",
     "adam_8bit",
     "scale_by_adam",
@@ -277,7 +279,9 @@ def adam_8bit(
   large leaf the state costs 2 bytes plus ``8 / block_size`` for the two
   block scales (2.03 bytes at the default 256) instead of 8 in float32.
   With bfloat16 weights, chain :func:`jmp_train.stochastic_rounding` (no
-  extra state) or :func:`jmp_train.kahan_compensation` after it.
+  extra state) or :func:`jmp_train.kahan_compensation` after it. With
+  ``weight_decay=0`` the decay step is ``optax.identity()`` and ``update``
+  does not need ``params``.
 
   Args:
     learning_rate: a scalar or an ``optax.Schedule`` of the step count.
@@ -323,29 +327,53 @@ def adam_8bit(
           block_size=block_size, code=code, min_8bit_size=min_8bit_size,
           rounding=rounding, seed=seed,
       ),
+      # Without decay, no params needed (as optax.adam): 8-bit Adam can follow
+      # a transformation that does not pass them on.
+      optax.identity() if _is_zero(weight_decay) else
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
 
 
-def _trace(decay, nesterov, moment: _Moment) -> optax.GradientTransformation:
+class QuantizedTraceState(NamedTuple):
+  """State of the momentum of :func:`sgd_8bit` (``optax.TraceState`` plus a count).
+
+  Attributes:
+    count: ``int32`` number of updates so far (the stochastic rounding's
+      step), bumped with ``optax.safe_increment``.
+    trace: the momentum buffer, one leaf per parameter: a
+      :class:`~jmp_train._src.quantized_state.QuantizedArray`, or float32 for
+      leaves below ``min_8bit_size``.
+  """
+
+  count: jax.Array
+  trace: optax.Updates
+
+
+def _is_zero(value: Any) -> bool:
+  return isinstance(value, (int, float)) and value == 0
+
+
+def _trace(decay, nesterov, moment: _Moment, seed) -> optax.GradientTransformation:
   """``optax.trace`` with the trace stored by ``moment``."""
 
   def init_fn(params):
-    return optax.TraceState(trace=jax.tree.map(moment.init, params))
+    return QuantizedTraceState(
+        count=jnp.zeros([], jnp.int32), trace=jax.tree.map(moment.init, params))
 
   def update_fn(updates, state, params=None):
     del params
+    count = optax.safe_increment(state.count)
+    step_key = jax.random.fold_in(jax.random.key(seed), count)
 
     def leaf(i, g, stored):
-      del i
       g32 = g.astype(jnp.float32)
       t = decay * moment.load(stored) + g32
       u = g32 + decay * t if nesterov else t
-      return u.astype(g.dtype), moment.store(t, stored)
+      return u.astype(g.dtype), moment.store(t, stored, jax.random.fold_in(step_key, i))
 
     new_updates, new_trace = _map_leaves(leaf, updates, state.trace)
-    return new_updates, optax.TraceState(trace=new_trace)
+    return new_updates, QuantizedTraceState(count=count, trace=new_trace)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -358,6 +386,8 @@ def sgd_8bit(
     block_size: int = 256,
     code: str = "dynamic",
     min_8bit_size: int = 4096,
+    rounding: str = "stochastic",
+    seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""Momentum SGD whose momentum buffer is stored in 8 bits.
 
@@ -365,9 +395,10 @@ def sgd_8bit(
   :math:`t \leftarrow m\,t + g` kept as blockwise signed 8-bit codes
   (dequantized to float32 for the step): the step is :math:`-\lambda_t t`
   (:math:`-\lambda_t (g + m\,t)` with Nesterov). One byte plus
-  ``4 / block_size`` per parameter of a large leaf, instead of 4. Codes are
-  rounded to nearest: with a decay of 0.9 every step moves the trace by a
-  tenth of the gradient, where Adam's second moment moves by a thousandth.
+  ``4 / block_size`` per parameter of a large leaf, instead of 4. Rounding
+  into the codes is stochastic by default, for the reason given in
+  :func:`scale_by_adam`: when the gradient changes slowly, the trace's
+  changes are below half a code interval and rounding to nearest freezes it.
 
   Args:
     learning_rate: a scalar or an ``optax.Schedule`` of the step count.
@@ -376,14 +407,17 @@ def sgd_8bit(
     block_size: elements per quantization block.
     code: ``"dynamic"`` (default) or ``"linear"``.
     min_8bit_size: leaves with fewer elements keep a float32 trace.
+    rounding: ``"stochastic"`` (default) or ``"nearest"``.
+    seed: seed of the stochastic rounding.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is the tuple of
-    ``optax.chain`` with an ``optax.TraceState`` first.
+    ``optax.chain`` with a :class:`QuantizedTraceState` first.
 
   Raises:
     ValueError: for ``momentum`` outside ``[0, 1)``, a non-bool
-      ``nesterov``, or a bad ``block_size``, ``code`` or ``min_8bit_size``.
+      ``nesterov``, or a bad ``block_size``, ``code``, ``min_8bit_size`` or
+      ``rounding``.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -400,9 +434,9 @@ def sgd_8bit(
   _check_unit(momentum, "momentum")
   if not isinstance(nesterov, (bool, np.bool_)):
     raise ValueError(f"nesterov must be a bool; got {nesterov!r}.")
-  _check_options(block_size, code, min_8bit_size, "nearest")
-  moment = _Moment("8bit", True, block_size, code, min_8bit_size, "nearest")
+  _check_options(block_size, code, min_8bit_size, rounding)
+  moment = _Moment("8bit", True, block_size, code, min_8bit_size, rounding)
   return optax.chain(
-      _trace(momentum, bool(nesterov), moment),
+      _trace(momentum, bool(nesterov), moment, seed),
       optax.scale_by_learning_rate(learning_rate),
   )
