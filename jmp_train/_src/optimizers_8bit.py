@@ -102,8 +102,9 @@ class _Moment:
   def init(self, p: jax.Array) -> Any:
     if self.dtype != "8bit":
       return jnp.zeros(p.shape, p.dtype if self.dtype is None else self.dtype)
-    zeros = jnp.zeros(p.shape, jnp.float32)
-    return qs.quantize(zeros, **self.kwargs) if p.size >= self.min_8bit_size else zeros
+    if p.size >= self.min_8bit_size:
+      return qs.zeros(p.shape, **self.kwargs)
+    return jnp.zeros(p.shape, jnp.float32)
 
   def load(self, stored: Any) -> jax.Array:
     if isinstance(stored, qs.QuantizedArray):

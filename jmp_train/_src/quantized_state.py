@@ -56,6 +56,7 @@ __all__ = [
     "code_map",
     "dequantize",
     "quantize",
+    "zeros",
 ]
 
 CODES = ("dynamic", "linear")
@@ -217,6 +218,37 @@ def quantize(
     codes = jnp.where((normed > 0) & (codes == zero), zero + 1, codes).astype(jnp.uint8)
   codes = codes.reshape(-1)[: x.size].reshape(jnp.shape(x))
   return QuantizedArray(codes, absmax)
+
+
+def zeros(
+    shape: tuple[int, ...], *, block_size: int = 256, code: str = "dynamic", signed: bool = True
+) -> QuantizedArray:
+  """The :class:`QuantizedArray` of ``jnp.zeros(shape)``, built without quantizing.
+
+  Args:
+    shape: the array's shape.
+    block_size: elements per block.
+    code: the code map.
+    signed: signed or unsigned code.
+
+  Returns:
+    Codes of the code map's zero entry and zero scales: what
+    :func:`quantize` returns for zeros.
+
+  Raises:
+    ValueError: for a bad ``block_size`` or ``code``.
+
+  Examples:
+    >>> from jmp_train._src.quantized_state import quantize, zeros
+    >>> import jax.numpy as jnp
+    >>> z = zeros((3, 100), block_size=128)
+    >>> bool((z.codes == quantize(jnp.zeros((3, 100)), block_size=128).codes).all())
+    True
+  """
+  block_size = _check_block_size(block_size)
+  zero = int(np.argmin(np.abs(code_map(code, signed))))
+  num_blocks = max(1, math.ceil(math.prod(shape) / block_size))
+  return QuantizedArray(jnp.full(shape, zero, jnp.uint8), jnp.zeros((num_blocks,), jnp.float32))
 
 
 def dequantize(
