@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_train
 from jmp_train._src import quantized_state as qs
+from jmp_train._src.optimizers_8bit import QuantizedTraceState
 from jmp_train._src.optimizers_8bit import adam_8bit
 from jmp_train._src.optimizers_8bit import scale_by_adam
 from jmp_train._src.optimizers_8bit import sgd_8bit
@@ -220,6 +221,10 @@ def test_small_leaves_stay_float32_and_bytes_per_parameter():
   big = 64 * 96
   moment_bytes = state.mu["w"].nbytes + state.nu["w"].nbytes
   assert moment_bytes / big == pytest.approx(2 + 2 * 4 / 256)
+  trace_state = sgd_8bit(1e-2, block_size=128).init(params)[0]
+  assert isinstance(trace_state, QuantizedTraceState) and trace_state.count.dtype == jnp.int32
+  assert trace_state.trace["w"].nbytes / big == pytest.approx(1 + 4 / 128)
+  assert trace_state.trace["b"].dtype == jnp.float32
 
 
 # ---------------------------------------------------------------------------

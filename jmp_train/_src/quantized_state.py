@@ -18,8 +18,9 @@ magnitude):
 * ``"dynamic"``: the dynamic (exponent) code of bitsandbytes. An entry is
   :math:`10^{-e} f` for a decimal exponent :math:`e \\in \\{0, ..., 6\\}`
   and a fraction :math:`f \\in [0.1, 1]` whose resolution doubles with each
-  exponent step towards 1; with 0 and 1 added. Relative error is small over
-  seven decades below the block maximum.
+  exponent step towards 1; with 0 and 1 added (so the signed code's most
+  negative entry is -0.993, not -1). Relative error is small over seven
+  decades below the block maximum.
 * ``"linear"``: evenly spaced entries (:math:`k/127` signed, :math:`k/255`
   unsigned): absolute error at most :math:`a_b/254` or :math:`a_b/510`
   (:math:`a_b/255` for positive values lifted off zero, below), but small
