@@ -140,6 +140,7 @@ def test_nearest_rounding_freezes_a_slow_trace():
   assert abs(nearest / final32 - 1) > 3 * abs(stochastic / final32 - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("half,finisher", [
     (jnp.bfloat16, lambda: jmp_train.stochastic_rounding(0)),
     (jnp.bfloat16, lambda: jmp_train.kahan_compensation()),
@@ -276,6 +277,7 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
   chex.assert_trees_all_equal(resumed, straight)
 
 
+@pytest.mark.slow
 def test_pmap_and_shard_map_keep_replicated_state_identical(num_devices):
   tx = optax.chain(adam_8bit(1e-3, block_size=64), jmp_train.stochastic_rounding(0))
   params = _params(jnp.bfloat16)
