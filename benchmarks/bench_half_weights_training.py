@@ -54,9 +54,12 @@ The ``8-bit moments`` and ``sgd_8bit`` rows keep no float32 state at all:
 :func:`jmp_train.adam_8bit` / :func:`jmp_train.sgd_8bit` (blockwise 8-bit
 moments, 256 per float32 scale; ``all leaves``: every leaf 8-bit, otherwise
 leaves under 4,096 elements keep float32 moments) followed by stochastic
-rounding or Kahan on the half weights. One row rounds the 8-bit codes to
-nearest instead of stochastically (Adam's second moment then stops following
-its EMA).
+rounding or Kahan on the half weights. Measured (3 seeds): every such row
+is within 1% of float32 master weights; test-loss gaps in bfloat16 0.50%
+(stochastic rounding), 0.60% (all leaves), 0.28% (Kahan, all leaves) for
+Adam and 0.56% for ``sgd_8bit``; in float16 0.12-0.16% and 0.53%. One row
+rounds the 8-bit codes to nearest instead of stochastically: Adam's second
+moment then stops following its EMA and the gap is 30%.
 """
 
 from __future__ import annotations
