@@ -73,12 +73,14 @@ def test_float_moments_match_optax(mu_dtype, nu_dtype):
   ours = scale_by_adam(mu_dtype=mu_dtype, nu_dtype=nu_dtype)
   ref = optax.scale_by_adam(mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype))
   s1, s2 = ours.init(params), ref.init(params)
-  # optax rounds mu to bfloat16 before using it; we use the float32 value.
-  tol = 5e-2 if mu_dtype == "bfloat16" else 1e-5
   for step in range(5):
     u1, s1 = ours.update(_grads(step), s1)
     u2, s2 = ref.update(_grads(step), s2)
-    chex.assert_trees_all_close(u1, u2, rtol=tol, atol=tol / 10)
+    if mu_dtype == "bfloat16":  # optax steps with mu rounded to bfloat16; we, with float32
+      for name in SHAPES:
+        assert float(jnp.linalg.norm(u1[name] - u2[name]) / jnp.linalg.norm(u2[name])) < 1e-2
+    else:
+      chex.assert_trees_all_close(u1, u2, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_equal_shapes_and_dtypes(s1, s2)
   assert type(s1) is optax.ScaleByAdamState
   chex.assert_trees_all_close(s1.nu, s2.nu, rtol=1e-6)
