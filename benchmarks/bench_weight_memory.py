@@ -12,7 +12,14 @@ number of parameters:
 * half-precision weights: float16 + :func:`jmp_train.modified_momentum_sgd`;
   bfloat16 + Adam + :func:`jmp_train.kahan_compensation` (Adam's moments in
   bfloat16, or in float32, which the digits benchmark shows Adam needs);
-  bfloat16 + SGD or Adam + :func:`jmp_train.stochastic_rounding`.
+  bfloat16 + SGD or Adam + :func:`jmp_train.stochastic_rounding`;
+* 8-bit optimizer state: bfloat16 + :func:`jmp_train.adam_8bit` (moments as
+  blockwise 8-bit codes, one float32 scale per 256; leaves under 4,096
+  elements keep float32 moments, or every leaf 8-bit with
+  ``min_8bit_size=0``, and with bitsandbytes' blocks of 2,048) + stochastic
+  rounding or Kahan; Adam with a bfloat16
+  first and float32 second moment (:func:`jmp_train.scale_by_adam`); and
+  :func:`jmp_train.sgd_8bit`.
 
 ``vs_adam_master`` is the total over the float32-master Adam total.
 Counters and PRNG keys are included (a few bytes, hence the non-integers on
@@ -32,6 +39,9 @@ from jmp_train.examples.half_weights import with_float32_state
 from jmp_train._src.low_precision import kahan_compensation
 from jmp_train._src.low_precision import modified_momentum_sgd
 from jmp_train._src.low_precision import stochastic_rounding
+from jmp_train._src.optimizers_8bit import adam_8bit
+from jmp_train._src.optimizers_8bit import scale_by_adam
+from jmp_train._src.optimizers_8bit import sgd_8bit
 
 NAME = "weight_memory"
 COLUMNS = (
@@ -70,6 +80,23 @@ def _setups() -> list[tuple[str, Any, str, optax.GradientTransformation, bool]]:
        optax.chain(optax.sgd(lr), stochastic_rounding(0)), False),
       ("bfloat16 + sgd + kahan", BF16, "sgd",
        optax.chain(optax.sgd(lr), kahan_compensation()), False),
+      ("bfloat16 + adam_8bit + stochastic rounding", BF16, "adam_8bit",
+       optax.chain(adam_8bit(lr), stochastic_rounding(0)), False),
+      ("bfloat16 + adam_8bit (all leaves 8-bit) + stochastic rounding", BF16,
+       "adam_8bit(min_8bit_size=0)",
+       optax.chain(adam_8bit(lr, min_8bit_size=0), stochastic_rounding(0)), False),
+      ("bfloat16 + adam_8bit (all leaves 8-bit, blocks of 2048) + stochastic rounding", BF16,
+       "adam_8bit(block_size=2048, min_8bit_size=0)",
+       optax.chain(adam_8bit(lr, block_size=2048, min_8bit_size=0), stochastic_rounding(0)),
+       False),
+      ("bfloat16 + adam_8bit + kahan", BF16, "adam_8bit",
+       optax.chain(adam_8bit(lr), kahan_compensation()), False),
+      ("bfloat16 + adam(bf16 mu, f32 nu) + stochastic rounding", BF16,
+       "scale_by_adam(mu_dtype=bf16, nu_dtype=f32)",
+       optax.chain(scale_by_adam(mu_dtype="bfloat16", nu_dtype="float32"),
+                   optax.scale_by_learning_rate(lr), stochastic_rounding(0)), False),
+      ("bfloat16 + sgd_8bit + stochastic rounding", BF16, "sgd_8bit(0.9)",
+       optax.chain(sgd_8bit(lr, 0.9), stochastic_rounding(0)), False),
   ]
 
 

@@ -34,10 +34,12 @@ import optax
 
 from jmp_train.examples import data as data_lib
 from jmp_train._src import low_precision
+from jmp_train._src import optimizers_8bit
 
 __all__ = [
     "DigitsResult",
     "init_mlp",
+    "make_8bit_setups",
     "make_momentum_setups",
     "make_setups",
     "plain_momentum_sgd",
@@ -217,6 +219,54 @@ def make_setups(
         ),
     })
   return setups
+
+
+def make_8bit_setups(
+    learning_rate: float,
+    adam_learning_rate: float,
+    half: Any = jnp.bfloat16,
+    *,
+    momentum: float = 0.9,
+    seed: int = 0,
+) -> dict[str, tuple[Any, optax.GradientTransformation]]:
+  """Half-precision weights with 8-bit optimizer state (no float32 anywhere).
+
+  :func:`~jmp_train._src.optimizers_8bit.adam_8bit` and
+  :func:`~jmp_train._src.optimizers_8bit.sgd_8bit` followed by stochastic
+  rounding or Kahan compensation. ``"all leaves"`` rows quantize every leaf
+  (``min_8bit_size=0``); the others keep the moments of leaves under 4,096
+  elements in float32 (on the digits MLP: all but the first weight matrix).
+  One row rounds the codes to nearest instead of stochastically. Names are
+  grouped like :func:`make_setups`' (``"adam / ..."``, ``"momentum sgd /
+  ..."``), whose ``"float32 master"`` rows are the references.
+
+  Args:
+    learning_rate: momentum-SGD learning rate.
+    adam_learning_rate: Adam's learning rate.
+    half: the half dtype of the weights.
+    momentum: momentum of the SGD rows.
+    seed: seed of the stochastic roundings.
+
+  Returns:
+    An ordered dict name -> (parameter dtype, optimizer).
+  """
+  h = np.dtype(half).name
+  o8 = optimizers_8bit
+  sr = lambda: low_precision.stochastic_rounding(seed)
+  kahan = low_precision.kahan_compensation
+  adam8 = lambda **kw: o8.adam_8bit(adam_learning_rate, seed=seed, **kw)
+  return {
+      f"adam / {h} + stochastic rounding, 8-bit moments": (half, optax.chain(adam8(), sr())),
+      f"adam / {h} + stochastic rounding, 8-bit moments (all leaves)": (
+          half, optax.chain(adam8(min_8bit_size=0), sr())),
+      f"adam / {h} + kahan, 8-bit moments (all leaves)": (
+          half, optax.chain(adam8(min_8bit_size=0), kahan())),
+      f"adam / {h} + kahan, 8-bit moments (all leaves, rounded to nearest)": (
+          half, optax.chain(adam8(min_8bit_size=0, rounding="nearest"), kahan())),
+      f"momentum sgd / {h} + sgd_8bit (all leaves) + stochastic rounding": (
+          half,
+          optax.chain(o8.sgd_8bit(learning_rate, momentum, min_8bit_size=0, seed=seed), sr())),
+  }
 
 
 def make_momentum_setups(
