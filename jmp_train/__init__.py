@@ -62,6 +62,12 @@ _EXPORTS = {
     "SignCompressionState": "sign_compression",
     "sign_compression": "sign_compression",
     "sign_compression_specs": "sign_compression",
+    # 8-bit optimizer state
+    "QuantizedArray": "quantized_state",
+    "QuantizedTraceState": "optimizers_8bit",
+    "adam_8bit": "optimizers_8bit",
+    "scale_by_adam": "optimizers_8bit",
+    "sgd_8bit": "optimizers_8bit",
     # 1-bit Adam and 1-bit momentum SGD
     "OneBitAdamState": "one_bit_optimizers",
     "OneBitMomentumState": "one_bit_optimizers",
