@@ -57,6 +57,22 @@ def _column_sums(x: jax.Array):
   )
 
 
+def _lane_sum(y: jax.Array) -> jax.Array:
+  """``jnp.sum(y, axis=-1)`` as partial sums over up to 128 lanes, then their sum.
+
+  A row sum is a chain of dependent additions; XLA:CPU does not reorder
+  them. Viewing each row as ``(length / w, w)`` and summing over the first
+  axis gives ``w`` independent accumulators that vectorize: about four
+  times faster, at memory speed.
+  """
+  n = y.shape[-1]
+  w = next(w for w in (128, 64, 32, 16, 8, 4, 2, 1) if n % w == 0)
+  if w == 1:
+    return jnp.sum(y, axis=-1)
+  y = y.reshape(y.shape[:-1] + (n // w, w))
+  return jnp.sum(jnp.sum(y, axis=-2), axis=-1)
+
+
 def quantize_rows(x: jax.Array, scale: str):
   """Quantizes each row of ``x`` (one segment per row).
 
@@ -72,7 +88,7 @@ def quantize_rows(x: jax.Array, scale: str):
     hi = pos_sum / jnp.maximum(pos_cnt, 1.0)
     lo = neg_sum / jnp.maximum(n - pos_cnt, 1.0)
   else:
-    total = jnp.sum(jnp.abs(x) if scale == "l1" else jnp.square(x), axis=-1)
+    total = _lane_sum(jnp.abs(x) if scale == "l1" else jnp.square(x))
     hi = total / max(n, 1)
     if scale == "l2":
       hi = jnp.sqrt(hi)
