@@ -64,9 +64,15 @@ know the replica count (it reads it when it runs inside ``pmap`` /
 ``shard_map``, or takes ``num_replicas``). Conservation holds exactly up to
 one float32 rounding per step: ``v = decode(b) + r`` and ``u = decode(u) +
 e``. A residual is never updated from a non-finite ``v`` (or ``u``): the
-previous residual is kept, and the non-finite values still reach the output
-so that a wrapper (:func:`jmp_train.loss_scaled` with ``axis_name``) can
-skip the step on every replica.
+previous residual is kept (the check reads the reconstruction values, which
+are non-finite exactly when a segment holds an inf or NaN, or when its sums
+overflow), and the non-finite values still reach the output so that a
+wrapper (:func:`jmp_train.loss_scaled` with ``axis_name``) can skip the step
+on every replica.
+
+The static layout (segments, chunks, runs) lives in
+:mod:`jmp_train._src.sign_layout`, the worker and owner steps and the final
+decode in :mod:`jmp_train._src.sign_codec`.
 
 Local gradients under ``shard_map``
 -----------------------------------
