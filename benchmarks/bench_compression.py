@@ -1,4 +1,4 @@
-"""1-bit gradient exchange: wire bytes from compiled HLO, and codec throughput.
+"""Compressed gradient exchange: wire bytes from compiled HLO, codec throughput.
 
 Part 1, bytes: for a 1,068,810-parameter MLP (784-1024-256-10), the
 per-device bytes of every collective in the compiled program of one
@@ -9,6 +9,8 @@ replicas under ``pmap``:
 * ``pmean_bf16``: gradients cast to bfloat16, then ``pmean`` (XLA:CPU
   promotes a bfloat16 all-reduce to float32, so on CPU its bytes are the
   float32 ones: the figure is what the compiled program moves);
+* ``two_phase_bfloat16`` / ``two_phase_float8_e4m3``:
+  :func:`jmp_train.compressed_mean` (all-to-all + all-gather of wire bytes);
 * ``1bit_column`` / ``1bit_l1``: :func:`jmp_train.sign_compression`.
 
 ``operand_bytes`` is what each device hands to the collectives;
@@ -16,14 +18,17 @@ replicas under ``pmap``:
 all-reduce ``2(K-1)/K·n``; see :mod:`jmp_train._src.hlo`); ``vs_f32`` is
 ``wire_bytes`` over the float32 all-reduce's.
 
-Part 2, throughput: one device, the worker side without communication
-(``sign_compression()`` with ``axis_name=None``: residual add, per-column
-or per-tensor scales, bits, decode, new residual; column scales also pay
-two float32 transposes, to and from the column-by-column flat layout),
-and bit packing + unpacking alone,
-against an elementwise pass over the same float32 buffer (``x + 1``, a
-read and a write: the memory-bound floor). GB/s counts the float32 input
-bytes once.
+Part 2, throughput: one device, a 2048 x 2048 float32 gradient, each
+direction of the 1-bit codec for K = 8 (``_worker``: residual add, scales,
+bits, packing, new residual; ``_owner``: unpack and decode the K received
+chunks, average, add the server residual, re-quantize, pack; ``_decode``:
+the gathered bits to the leaf), the bfloat16/float8 quantize + dequantize
+(``compressed_mean()`` without an axis), and bit packing + unpacking alone,
+against an elementwise pass over the same float32 buffer (``x + 1``, a read
+and a write: the memory-bound floor). GB/s counts the buffer's float32 bytes
+once (for the owner: the K chunks it decodes); ``vs_copy`` is the copy's
+time over the codec's. Column scales pay a float32 transpose each way (the
+flat buffer stores a kernel column by column).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from benchmarks import _harness
 NAME = "compression"
 COLUMNS = (
     "part", "scheme", "replicas", "params", "operand_bytes", "wire_bytes",
-    "vs_f32", "seconds", "gb_per_s",
+    "vs_f32", "seconds", "gb_per_s", "vs_copy",
 )
 AXIS = "i"
 
@@ -53,6 +58,7 @@ def _mlp_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
 
 def _bytes_records(shapes, ks) -> list[dict]:
   from jmp_train import collective_bytes, sign_compression
+  from jmp_train._src.compressed_mean import compressed_mean
 
   n = sum(int(np.prod(s)) for s in shapes.values())
   records = []
@@ -70,6 +76,10 @@ def _bytes_records(shapes, ks) -> list[dict]:
             None,
         ),
     }
+    for wire in ("bfloat16", "float8_e4m3"):
+      tx = compressed_mean(AXIS, wire=wire)
+      state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(grads)
+      programs[f"two_phase_{wire}"] = (jax.pmap(tx.update, axis_name=AXIS, devices=devices), state)
     for scale in ("column", "l1"):
       tx = sign_compression(AXIS, scale=scale)
       state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(grads)
@@ -94,37 +104,60 @@ def _bytes_records(shapes, ks) -> list[dict]:
   return records
 
 
-def _throughput_records(n: int, repeats: int) -> list[dict]:
-  from jmp_train import sign_compression
-  from jmp_train._src import sign_compression as sc
+def _codec_calls(side: int, k: int) -> dict:
+  """name -> zero-argument callable, for every direction of every codec."""
+  from jmp_train._src import sign_codec, sign_layout
+  from jmp_train._src.compressed_mean import compressed_mean
 
+  g = jax.random.normal(jax.random.key(0), (side, side), jnp.float32)
+  calls = {"elementwise_x_plus_1": (jax.jit(lambda x: x + 1.0), (g,))}
+  for scale in ("column", "l1", "l2"):
+    layout = sign_layout.make_layout([(side, side)], scale, k)
+    r = jnp.zeros((layout.n_pad,), jnp.float32)
+
+    def worker(g, r, layout=layout, scale=scale):
+      bits, pairs, r, _ = sign_codec.worker_step([g], r, layout, scale, decode=False)
+      return sign_codec.pack(bits), pairs, r
+
+    s, m = layout.chunk, layout.max_local
+    bits = jax.random.bits(jax.random.key(1), (k, s // 8), jnp.uint8)
+    pairs = jnp.tile(jnp.asarray([0.5, -0.5], jnp.float32), (k, m, 1))
+    e = jnp.zeros((s,), jnp.float32)
+    calls[f"1bit_{scale}_worker"] = (jax.jit(worker), (g, r))
+    calls[f"1bit_{scale}_owner"] = (
+        jax.jit(lambda b, p, e, i, layout=layout, scale=scale: sign_codec.owner_step(b, p, e, i, layout, scale)),
+        (bits, pairs, e, jnp.int32(k // 2)),
+    )
+    calls[f"1bit_{scale}_decode"] = (
+        jax.jit(lambda b, p, layout=layout: sign_codec.final_decode(b, p, layout, [jnp.float32])),
+        (bits, pairs),
+    )
+  for wire in ("bfloat16", "float8_e4m3"):
+    tx = compressed_mean(wire=wire)
+    calls[f"{wire}_quantize_dequantize"] = (jax.jit(tx.update), ({"w": g}, tx.init({"w": g})))
+  flat = g.reshape(-1)
+  calls["pack_unpack_bits"] = (jax.jit(lambda x: sign_codec.unpack(sign_codec.pack(x >= 0))), (flat,))
+  return calls
+
+
+def _throughput_records(n: int, repeats: int, k: int) -> list[dict]:
   side = int(np.sqrt(n))
-  grads = {"w": jax.random.normal(jax.random.key(0), (side, side), jnp.float32)}
   nbytes = 4 * side * side
-  codecs = {}
-  for scale in ("column", "l1"):
-    tx = sign_compression(scale=scale)
-    codecs[scale] = (jax.jit(tx.update), tx.init(grads))
-  flat = grads["w"].reshape(-1)
-  pack = jax.jit(lambda x: sc._unpack(sc._pack(x >= 0)))
-  copy = jax.jit(lambda x: x + 1.0)
+  calls = _codec_calls(side, k)
   times = _harness.interleaved_median_seconds(
-      {
-          "worker_codec_column": lambda: codecs["column"][0](grads, codecs["column"][1]),
-          "worker_codec_l1": lambda: codecs["l1"][0](grads, codecs["l1"][1]),
-          "pack_unpack_bits": lambda: pack(flat),
-          "elementwise_x_plus_1": lambda: copy(flat),
-      },
+      {name: (lambda fn=fn, args=args: fn(*args)) for name, (fn, args) in calls.items()},
       repeats=repeats,
   )
+  copy = times["elementwise_x_plus_1"]
   return [
       {
           "part": "throughput",
           "scheme": name,
-          "replicas": 1,
+          "replicas": k if "_owner" in name or "_decode" in name else 1,
           "params": side * side,
           "seconds": t,
           "gb_per_s": nbytes / t / 1e9,
+          "vs_copy": copy / t,
       }
       for name, t in times.items()
   ]
@@ -139,5 +172,5 @@ def run(quick: bool) -> list[dict]:
     )
   ks = (2, min(8, jax.device_count())) if quick else tuple(range(2, min(8, jax.device_count()) + 1))
   records = _bytes_records(_mlp_shapes(quick), ks)
-  records += _throughput_records(2**12 if quick else 2**22, repeats=3 if quick else 20)
+  records += _throughput_records(2**12 if quick else 2**22, repeats=3 if quick else 15, k=8)
   return records

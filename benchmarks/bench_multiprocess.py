@@ -1,0 +1,333 @@
+"""Data-parallel step time across processes: float32 vs bfloat16, float8, 1-bit.
+
+P processes (2 and 4) on ``127.0.0.1`` join a ``jax.distributed`` job with
+gloo CPU collectives and one CPU device each: the code path of several
+hosts. Each runs the same data-parallel step of an MLP (SGD; each process's
+own batch shard; local gradients, then one exchange) with:
+
+* ``float32``: ``lax.pmean`` of the float32 gradients (one all-reduce per
+  leaf, what a plain optax step does);
+* ``bfloat16`` / ``float8_e4m3``: :func:`jmp_train.compressed_mean`
+  (``bfloat16_b4MB``: the same in 4 MB buckets, last layers first);
+* ``1bit_column`` / ``1bit_l1``: :func:`jmp_train.sign_compression`.
+
+Per scheme: ``step_ms`` (the whole step), ``compute_ms`` (forward and
+backward alone), ``exchange_ms`` (the exchange alone, on given gradients:
+codec and communication), ``codec_ms`` (the codec alone in one process, no
+communication: ``axis_name=None``; for 1-bit only the worker side, for
+bfloat16/float8 quantize + dequantize; 0 for float32), ``comm_ms`` =
+``exchange_ms - codec_ms`` (an estimate), ``wire_bytes`` (per process, from
+the compiled step's HLO, :func:`jmp_train.collective_bytes`) and
+``vs_float32`` (step-time ratio; below 1 is faster). Medians of
+interleaved rounds.
+
+Links: the loopback as is, and capped at 1 and 10 Gbit/s with a token
+bucket on ``lo`` (``tc qdisc add dev lo root tbf rate R burst 256kbit
+latency 50ms``) when the process runs as root and ``tc`` is present; the
+cap is removed afterwards, also on failure or interrupt, and only ``lo`` is
+ever touched. Every record names its link (``cap``) or why no cap was set
+(``cap_note``). Other processes on the machine share the cores and, while a
+cap is set, the loopback: the figures are noisy.
+
+``BENCH_MULTIPROCESS_SIZES`` (comma-separated of ``1M,8M,32M``),
+``BENCH_MULTIPROCESS_PROCESSES`` (e.g. ``2,4``) and
+``BENCH_MULTIPROCESS_LINKS`` (of ``none,10gbit,1gbit``) restrict the full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+NAME = "multiprocess"
+COLUMNS = (
+    "link", "processes", "params", "scheme", "step_ms", "vs_float32", "compute_ms",
+    "exchange_ms", "codec_ms", "comm_ms", "wire_bytes", "wire_vs_float32",
+)
+AXIS = "data"
+SIZES = {  # MLP layer widths (input 784, output 10)
+    "tiny": (64, 32, 10),
+    "1M": (784, 1024, 256, 10),
+    "8M": (784, 2048, 2048, 1024, 10),
+    "32M": (784, 4096, 4096, 2048, 10),
+}
+SCHEMES = ("float32", "bfloat16", "bfloat16_b4MB", "float8_e4m3", "1bit_column", "1bit_l1")
+PER_PROCESS_BATCH = 32
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------
+# The parent: loopback caps and process launch.
+# ---------------------------------------------------------------------------
+
+
+def _cap_unavailable() -> str | None:
+  if not hasattr(os, "geteuid") or os.geteuid() != 0:
+    return "not root: the loopback cannot be shaped"
+  if shutil.which("tc") is None:
+    return "tc not found (apt-get install -y iproute2)"
+  shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
+  if "tbf" in shown.stdout or "netem" in shown.stdout:
+    return f"lo already has a qdisc set by someone else: {shown.stdout.strip()}"
+  return None
+
+
+@contextlib.contextmanager
+def loopback_cap(rate: str | None):
+  """Caps ``lo`` at ``rate`` (e.g. ``"1gbit"``) while the block runs.
+
+  Yields ``{"link", "cap", "cap_note"}``. The qdisc is deleted on exit,
+  exception, ``KeyboardInterrupt`` or SIGTERM (turned into ``SystemExit``
+  for the duration); nothing is touched when it could not be added.
+  """
+  if rate is None:
+    yield {"link": "loopback", "cap": None, "cap_note": "loopback as is"}
+    return
+  reason = _cap_unavailable()
+  add = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+         "burst", "256kbit", "latency", "50ms"]
+  if reason is None:
+    res = subprocess.run(add, capture_output=True, text=True)
+    reason = None if res.returncode == 0 else f"tc failed: {res.stderr.strip()}"
+  if reason is not None:
+    yield {"link": f"lo<={rate} (not applied)", "cap": None, "cap_note": reason}
+    return
+
+  def on_term(signum, frame):
+    raise SystemExit(128 + signum)
+
+  previous = signal.signal(signal.SIGTERM, on_term)
+  try:
+    yield {"link": f"lo<={rate}", "cap": " ".join(add[3:]), "cap_note": "tc tbf on lo"}
+  finally:
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: float = 1800) -> list[dict]:
+  """Runs the step in ``processes`` processes; returns process 0's records."""
+  port = _free_port()
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=900"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "records.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_multiprocess", "--port", str(port),
+           "--processes", str(processes), "--size", size, "--rounds", str(rounds),
+           "--schemes", ",".join(schemes), "--out", str(out)]
+    procs = [
+        subprocess.Popen(cmd + ["--process-id", str(i)], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(processes)
+    ]
+    logs = []
+    try:
+      for p in procs:
+        logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+    # Process 0 writes the records before leaving the job; a later failure
+    # of the distributed shutdown (a slow peer under load) loses nothing.
+    if not out.exists():
+      bad = [(p.returncode, log) for p, log in zip(procs, logs) if p.returncode != 0]
+      code, log = bad[0] if bad else (0, logs[0])
+      raise RuntimeError(f"worker exited with {code} and no records:\n{log[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def run(quick: bool) -> list[dict]:
+  if quick:
+    plan, links, rounds = [(2, "tiny")], (None,), 3
+  else:
+    sizes = os.environ.get("BENCH_MULTIPROCESS_SIZES", "1M,8M,32M").split(",")
+    procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
+    links = os.environ.get("BENCH_MULTIPROCESS_LINKS", "none,10gbit,1gbit").split(",")
+    links = tuple(None if link == "none" else link for link in links)
+    plan, rounds = [(p, s) for p in procs for s in sizes], 5
+  records = []
+  for rate in links:
+    with loopback_cap(rate) as link:
+      for processes, size in plan:
+        for r in launch(processes, size, rounds):
+          records.append({**link, **r})
+          print(json.dumps(records[-1]), flush=True)  # progress, if a later run fails
+  return records
+
+
+# ---------------------------------------------------------------------------
+# A worker process.
+# ---------------------------------------------------------------------------
+
+
+def _init_mlp(widths):
+  import numpy as np
+
+  rng = np.random.default_rng(0)
+  params = {}
+  for i, (m, n) in enumerate(zip(widths[:-1], widths[1:])):
+    params[f"w{i}"] = (rng.normal(size=(m, n)) / np.sqrt(m)).astype(np.float32)
+    params[f"b{i}"] = np.zeros((n,), np.float32)
+  return params
+
+
+def _loss(params, x, y):
+  import jax.numpy as jnp
+
+  h = x
+  layers = len(params) // 2
+  for i in range(layers):
+    h = h @ params[f"w{i}"] + params[f"b{i}"]
+    if i < layers - 1:
+      h = jnp.tanh(h)
+  return jnp.mean((h - y) ** 2)
+
+
+def _transform(scheme: str, axis_name):
+  import jax
+  import optax
+
+  from jmp_train._src.compressed_mean import compressed_mean
+  from jmp_train._src.sign_compression import sign_compression
+
+  if scheme == "float32":
+    if axis_name is None:
+      return optax.identity()
+    return optax.GradientTransformation(
+        lambda _: optax.EmptyState(), lambda u, s, p=None: (jax.lax.pmean(u, axis_name), s)
+    )
+  if scheme.startswith("1bit_"):
+    return sign_compression(axis_name, scale=scheme.removeprefix("1bit_"))
+  wire, _, bucket = scheme.partition("_b")
+  return compressed_mean(axis_name, wire=wire, bucket_bytes=int(bucket[:-2]) * 2**20 if bucket else None)
+
+
+def _programs(scheme, mesh, params, batch, grads_local):
+  """(step, exchange, state, wire bytes) for one scheme."""
+  import jax
+  import optax
+  from jax.sharding import PartitionSpec as P
+
+  from jmp_train import collective_bytes
+  from jmp_train._src.sign_compression import sign_compression_specs
+
+  tx = optax.chain(_transform(scheme, AXIS), optax.sgd(0.01))
+  shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
+  specs = sign_compression_specs(shapes, AXIS)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+  def local_step(p, s, x, y):
+    grads = jax.grad(_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
+    u, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+
+  def exchange(g, s, p):
+    return tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
+                               out_specs=(P(), specs)))
+  exch = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P(AXIS), specs, P()),
+                               out_specs=(P(), specs)))
+  wire = collective_bytes(step.lower(params, state, *batch).compile(), wire=True)["total"]
+  return step, exch, state, wire
+
+
+def _worker(args) -> int:
+  import jax
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
+                             process_id=args.process_id)
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((jax.device_count(),), (AXIS,), devices=jax.devices())
+  widths = SIZES[args.size]
+  params = jax.device_put(jax.tree.map(jnp.asarray, _init_mlp(widths)), NamedSharding(mesh, P()))
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  rng = np.random.default_rng(args.process_id)
+  local = (rng.normal(size=(PER_PROCESS_BATCH, widths[0])).astype(np.float32),
+           rng.normal(size=(PER_PROCESS_BATCH, widths[-1])).astype(np.float32))
+  shard = NamedSharding(mesh, P(AXIS))
+  batch = tuple(jax.make_array_from_process_local_data(shard, a) for a in local)
+  compute = jax.jit(jax.shard_map(
+      lambda p, x, y: jax.tree.map(lambda g: g[None], jax.grad(_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)),
+      mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(AXIS)))
+  grads = jax.block_until_ready(compute(params, *batch))
+  local_grads = jax.tree.map(lambda g: jnp.asarray(g.addressable_data(0)[0]), grads)
+
+  schemes = args.schemes.split(",")
+  progs = {s: _programs(s, mesh, params, batch, local_grads) for s in schemes}
+  codecs = {}
+  for s in schemes:
+    if s != "float32":
+      tx = _transform(s, None)
+      codecs[s] = (jax.jit(tx.update), tx.init(local_grads))
+  calls = {"compute": lambda: compute(params, *batch)}
+  for s, (step, exch, state, _) in progs.items():
+    calls[f"step:{s}"] = lambda step=step, state=state: step(params, state, *batch)
+    calls[f"exchange:{s}"] = lambda exch=exch, state=state: exch(grads, state, params)
+  for s, (fn, st) in codecs.items():
+    calls[f"codec:{s}"] = lambda fn=fn, st=st: fn(local_grads, st)
+  times = {k: [] for k in calls}
+  for _ in range(2):  # warm-up
+    for k, fn in calls.items():
+      jax.block_until_ready(fn())
+  for _ in range(args.rounds):
+    for k, fn in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())  # wait: queued collectives can starve
+      times[k].append(time.perf_counter() - start)
+  ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+  records = []
+  for s in schemes:
+    codec = ms.get(f"codec:{s}", 0.0)
+    records.append({
+        "processes": args.processes, "params": n_params, "scheme": s,
+        "step_ms": ms[f"step:{s}"], "vs_float32": ms[f"step:{s}"] / ms["step:float32"],
+        "compute_ms": ms["compute"], "exchange_ms": ms[f"exchange:{s}"], "codec_ms": codec,
+        "comm_ms": max(ms[f"exchange:{s}"] - codec, 0.0), "wire_bytes": progs[s][3],
+        "wire_vs_float32": progs[s][3] / progs["float32"][3],
+    })
+  if args.process_id == 0:
+    pathlib.Path(args.out).write_text(json.dumps(records))
+  jax.distributed.shutdown()
+  return 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description="one process of the multiprocess benchmark")
+  parser.add_argument("--process-id", type=int, required=True)
+  parser.add_argument("--processes", type=int, required=True)
+  parser.add_argument("--port", type=int, required=True)
+  parser.add_argument("--size", choices=tuple(SIZES), required=True)
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--schemes", default=",".join(SCHEMES))
+  parser.add_argument("--out", required=True)
+  return _worker(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
