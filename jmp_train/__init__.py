@@ -62,6 +62,8 @@ _EXPORTS = {
     "SignCompressionState": "sign_compression",
     "sign_compression": "sign_compression",
     "sign_compression_specs": "sign_compression",
+    "CompressedMeanState": "compressed_mean",
+    "compressed_mean": "compressed_mean",
     # 8-bit optimizer state
     "QuantizedArray": "quantized_state",
     "QuantizedTraceState": "optimizers_8bit",

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmp_train import collective_bytes, sign_compression_specs
-from jmp_train._src.compressed_mean import CompressedMeanState, compressed_mean
+from jmp_train import CompressedMeanState, compressed_mean
 
 AXIS = "i"
 SHAPES = {"b": (7,), "w": (13, 5)}

@@ -614,7 +614,7 @@ def test_loss_scaled_overflow_on_one_replica_skips_everywhere():
     np.testing.assert_array_equal(np.asarray(leaf), 0.0)
   for a, b in zip(before, after):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert np.asarray(after_state.total_skipped).tolist() == [1] * k
+  assert np.asarray(after_state.total_notfinite).tolist() == [1] * k
   new_scale = np.asarray(jmp_train.get_loss_scale(after_state).loss_scale)
   np.testing.assert_array_equal(new_scale, scale / 2)
   # The next finite step goes through (at the backed-off scale) everywhere.
