@@ -56,6 +56,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jmp_train._src import buckets as buckets_lib
 from jmp_train._src.loss_scale import all_finite
 from jmp_train._src.sign_layout import axis_size, check_leaves
 
@@ -98,16 +99,11 @@ class _Bucket:
 
 def _buckets(sizes, k: int, bucket_bytes: int | None) -> tuple[_Bucket, ...]:
   """Leaves in reverse order, grouped into buckets of about ``bucket_bytes``."""
-  order = list(range(len(sizes)))[::-1] if bucket_bytes else list(range(len(sizes)))
-  groups, cur, cur_bytes = [], [], 0
-  for i in order:
-    cur.append(i)
-    cur_bytes += 4 * sizes[i]
-    if bucket_bytes and cur_bytes >= bucket_bytes:
-      groups.append(cur)
-      cur, cur_bytes = [], 0
-  if cur or not groups:
-    groups.append(cur)
+  if bucket_bytes:
+    shapes = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
+    groups = buckets_lib.bucket_sizes(shapes, bucket_bytes, jnp.float32)
+  else:
+    groups = [list(range(len(sizes)))]
   out, offset = [], 0
   for g in groups:
     n = sum(sizes[i] for i in g)
