@@ -26,6 +26,7 @@ def test_notebook_is_committed_without_outputs(path):
       assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
   nb = nbformat.read(path, as_version=4)
