@@ -218,6 +218,15 @@ def test_gpt2_init_draws_small_weights_and_scales_residual_projections():
     np.testing.assert_array_equal(layer["mlp_in"]["bias"], params[f"layer{i}"]["mlp_in"]["bias"])
 
 
+def test_bad_init_names_the_valid_ones():
+  from jmp_train.examples import demo  # pylint: disable=g-import-not-at-top
+
+  s = demo.DemoSettings(task="text", init="xavier", steps=1)
+  task = demo.TASKS["text"](s)
+  with pytest.raises(ValueError, match="'flax', 'gpt2'"):
+    demo._init_params(task, s)  # pylint: disable=protected-access
+
+
 def test_console_script_is_declared():
   text = (ROOT / "pyproject.toml").read_text()
   assert 'jmp-train = "jmp_train.examples.cli:main"' in text

@@ -150,6 +150,7 @@ class DemoSettings:
   momentum: float = 0.9
   one_bit_warmup_steps: int = 0
   one_bit_scale: str = "column"
+  init: str = "flax"
   configs: tuple[str, ...] = tuple(CONFIGS)
   out: str = "jmp_train_output"
   seed: int = 0
@@ -517,7 +518,9 @@ def gpt2_init(params: Any, key: jax.Array, num_layers: int, std: float = 0.02) -
 def _init_params(task: Task, s: DemoSettings):
   variables = task.model.init(jax.random.PRNGKey(s.seed), task.example_input)
   params = variables["params"]
-  if s.task == "text":
+  if s.init not in ("flax", "gpt2"):
+    raise ValueError(f"Unknown init {s.init!r}; valid: 'flax', 'gpt2'.")
+  if s.init == "gpt2" and s.task == "text":
     params = gpt2_init(params, jax.random.PRNGKey(s.seed + 1), max(1, s.layers))
   return jax.device_get(params)
 
