@@ -149,7 +149,7 @@ class DemoSettings:
   final_lr_fraction: float = 0.01
   momentum: float = 0.9
   one_bit_warmup_steps: int = 0
-  one_bit_scale: str = "column"
+  one_bit_scale: str = "l1"
   init: str = "flax"
   configs: tuple[str, ...] = tuple(CONFIGS)
   out: str = "jmp_train_output"
@@ -310,13 +310,18 @@ def data_parallel_optimizer(
     server residuals. (Compressing gradients *before* a momentum buffer
     lets the momentum integrate the quantization error, which diverged on
     this task at momentum 0.9.)
+
+  Both 1-bit rows reconstruct with ``s.one_bit_scale``: ``"l1"`` (default;
+  one value per tensor chunk, the mean ``|v|``, as EF-SignSGD), ``"l2"`` or
+  ``"column"`` (one value per column, Seide et al.). ``s.one_bit_warmup_steps``
+  exact steps come first in ``8dev-1bit``.
   """
   lr, m = learning_rate_schedule(s), s.momentum
   if cfg.compression == "none":
     return None, optax.sgd(lr, momentum=m)
   if cfg.compression == "1bit-noef":
     compression = jmp_train.sign_compression(
-        axis_name, error_feedback=False, server_error_feedback=False)
+        axis_name, error_feedback=False, server_error_feedback=False, scale=s.one_bit_scale)
     return compression, optax.sgd(lr, momentum=m)
   if cfg.compression == "1bit":
     # It averages across replicas and applies the learning rate itself.
