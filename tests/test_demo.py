@@ -227,6 +227,15 @@ def test_bad_init_names_the_valid_ones():
     demo._init_params(task, s)  # pylint: disable=protected-access
 
 
+def test_one_bit_scale_and_init_flags_reach_the_settings():
+  parser = cli.build_parser()
+  args = parser.parse_args(["--one-bit-scale", "column", "--init", "gpt2"])
+  settings = cli._settings(args, parser.config_names)  # pylint: disable=protected-access
+  assert settings["one_bit_scale"] == "column" and settings["init"] == "gpt2"
+  default = cli._settings(parser.parse_args([]), parser.config_names)  # pylint: disable=protected-access
+  assert default["one_bit_scale"] == "l1" and default["init"] == "flax"
+
+
 def test_console_script_is_declared():
   text = (ROOT / "pyproject.toml").read_text()
   assert 'jmp-train = "jmp_train.examples.cli:main"' in text
