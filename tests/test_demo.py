@@ -200,6 +200,42 @@ def test_schedule_warms_up_and_decays_to_the_final_rate():
   assert lr[100] == pytest.approx(0.002)
 
 
+def test_gpt2_init_draws_small_weights_and_scales_residual_projections():
+  import jax  # pylint: disable=g-import-not-at-top
+  from jmp_train.examples import demo, models  # pylint: disable=g-import-not-at-top
+
+  model = models.TransformerBlock(d_model=64, num_layers=4)
+  params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+  new = demo.gpt2_init(params, jax.random.PRNGKey(1), num_layers=4)
+  assert np.std(new["head"]["kernel"]) == pytest.approx(0.02, rel=0.05)
+  assert np.std(new["embed"]["embedding"]) == pytest.approx(0.02, rel=0.05)
+  for i in range(4):
+    layer = new[f"layer{i}"]
+    assert np.std(layer["mlp_in"]["kernel"]) == pytest.approx(0.02, rel=0.05)
+    assert np.std(layer["mlp_out"]["kernel"]) == pytest.approx(0.02 / np.sqrt(8), rel=0.05)
+    assert np.std(layer["attn"]["out"]["kernel"]) == pytest.approx(0.02 / np.sqrt(8), rel=0.1)
+    np.testing.assert_array_equal(layer["ln1"]["scale"], params[f"layer{i}"]["ln1"]["scale"])
+    np.testing.assert_array_equal(layer["mlp_in"]["bias"], params[f"layer{i}"]["mlp_in"]["bias"])
+
+
+def test_bad_init_names_the_valid_ones():
+  from jmp_train.examples import demo  # pylint: disable=g-import-not-at-top
+
+  s = demo.DemoSettings(task="text", init="xavier", steps=1)
+  task = demo.TASKS["text"](s)
+  with pytest.raises(ValueError, match="'flax', 'gpt2'"):
+    demo._init_params(task, s)  # pylint: disable=protected-access
+
+
+def test_one_bit_scale_and_init_flags_reach_the_settings():
+  parser = cli.build_parser()
+  args = parser.parse_args(["--one-bit-scale", "column", "--init", "gpt2"])
+  settings = cli._settings(args, parser.config_names)  # pylint: disable=protected-access
+  assert settings["one_bit_scale"] == "column" and settings["init"] == "gpt2"
+  default = cli._settings(parser.parse_args([]), parser.config_names)  # pylint: disable=protected-access
+  assert default["one_bit_scale"] == "l1" and default["init"] == "flax"
+
+
 def test_console_script_is_declared():
   text = (ROOT / "pyproject.toml").read_text()
   assert 'jmp-train = "jmp_train.examples.cli:main"' in text

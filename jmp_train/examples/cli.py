@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--final-lr", type=_fraction, default=0.01,
                       help="the rate the cosine decay ends at, as a fraction of --lr "
                            "(default: %(default)s)")
+  parser.add_argument("--one-bit-scale", choices=("l1", "l2", "column"), default="l1",
+                      help="reconstruction value of the 1-bit rows: per tensor mean |v| (l1), "
+                           "per tensor l2 norm, or per column (default: %(default)s)")
+  parser.add_argument("--init", choices=("flax", "gpt2"), default="flax",
+                      help="text task weights: Flax's default initializers, or GPT-2's "
+                           "(normal 0.02, residual projections / sqrt(2 layers)) "
+                           "(default: %(default)s)")
   parser.add_argument("--configs", default=",".join(config_names),
                       help="comma-separated subset of (default: all): " + ", ".join(config_names))
   parser.add_argument("--out", default="jmp_train_output", help="output folder (default: %(default)s)")
@@ -149,6 +156,8 @@ def _settings(args: argparse.Namespace, config_names) -> dict:
       hidden=32 if quick and args.hidden == 128 else args.hidden,
       learning_rate=args.lr or 0.15,
       final_lr_fraction=args.final_lr,
+      one_bit_scale=args.one_bit_scale,
+      init=args.init,
       configs=configs,
       out=args.out,
       seed=args.seed,

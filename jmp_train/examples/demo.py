@@ -148,6 +148,9 @@ class DemoSettings:
   warmup_fraction: float = 0.1
   final_lr_fraction: float = 0.01
   momentum: float = 0.9
+  one_bit_warmup_steps: int = 0
+  one_bit_scale: str = "l1"
+  init: str = "flax"
   configs: tuple[str, ...] = tuple(CONFIGS)
   out: str = "jmp_train_output"
   seed: int = 0
@@ -155,6 +158,11 @@ class DemoSettings:
   num_processes: int = 1
   plot: bool = True
   progress: bool = True
+
+
+def warmup_steps(s: DemoSettings) -> int:
+  """Steps of the learning-rate warm-up (``warmup_fraction`` of the steps, at least 1)."""
+  return max(1, int(s.warmup_fraction * s.steps))
 
 
 def learning_rate_schedule(s: DemoSettings) -> optax.Schedule:
@@ -166,7 +174,7 @@ def learning_rate_schedule(s: DemoSettings) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=s.learning_rate,
-      warmup_steps=max(1, int(s.warmup_fraction * s.steps)),
+      warmup_steps=warmup_steps(s),
       decay_steps=max(2, s.steps),
       end_value=s.learning_rate * s.final_lr_fraction,
   )
@@ -302,17 +310,25 @@ def data_parallel_optimizer(
     server residuals. (Compressing gradients *before* a momentum buffer
     lets the momentum integrate the quantization error, which diverged on
     this task at momentum 0.9.)
+
+  Both 1-bit rows reconstruct with ``s.one_bit_scale``: ``"l1"`` (default;
+  one value per tensor chunk, the mean ``|v|``, as EF-SignSGD), ``"l2"`` or
+  ``"column"`` (one value per column, Seide et al.). ``s.one_bit_warmup_steps``
+  exact steps come first in ``8dev-1bit``.
   """
   lr, m = learning_rate_schedule(s), s.momentum
   if cfg.compression == "none":
     return None, optax.sgd(lr, momentum=m)
   if cfg.compression == "1bit-noef":
     compression = jmp_train.sign_compression(
-        axis_name, error_feedback=False, server_error_feedback=False)
+        axis_name, error_feedback=False, server_error_feedback=False, scale=s.one_bit_scale)
     return compression, optax.sgd(lr, momentum=m)
   if cfg.compression == "1bit":
     # It averages across replicas and applies the learning rate itself.
-    return _one_bit_momentum()(lr, m, axis_name=axis_name), optax.identity()
+    tx = _one_bit_momentum()(
+        lr, m, axis_name=axis_name, warmup_steps=s.one_bit_warmup_steps,
+        scale=s.one_bit_scale)
+    return tx, optax.identity()
   raise ValueError(
       f"Unknown compression {cfg.compression!r}; valid: 'none', '1bit', '1bit-noef'."
   )
@@ -483,9 +499,35 @@ def run_config(
 # The whole demo.
 
 
+def gpt2_init(params: Any, key: jax.Array, num_layers: int, std: float = 0.02) -> Any:
+  """GPT-2's initialization of a :class:`~jmp_train.examples.models.TransformerBlock`.
+
+  Every ``kernel`` and ``embedding`` drawn from ``N(0, std²)``, the projections
+  back into the residual stream (``attn/out``, ``mlp_out``) from
+  ``N(0, std² / (2 · num_layers))``; biases and norm scales keep their values
+  (0 and 1). Radford et al., "Language Models are Unsupervised Multitask
+  Learners", 2019, section 2.3.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = jax.random.split(key, len(flat))
+  out = []
+  for (path, x), k in zip(flat, keys):
+    names = [getattr(p, "key", str(p)) for p in path]
+    if names[-1] in ("kernel", "embedding"):
+      scale = std / np.sqrt(2 * num_layers) if names[-2] in ("out", "mlp_out") else std
+      x = scale * jax.random.normal(k, np.shape(x), np.float32)
+    out.append(x)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def _init_params(task: Task, s: DemoSettings):
   variables = task.model.init(jax.random.PRNGKey(s.seed), task.example_input)
-  return jax.device_get(variables["params"])
+  params = variables["params"]
+  if s.init not in ("flax", "gpt2"):
+    raise ValueError(f"Unknown init {s.init!r}; valid: 'flax', 'gpt2'.")
+  if s.init == "gpt2" and s.task == "text":
+    params = gpt2_init(params, jax.random.PRNGKey(s.seed + 1), max(1, s.layers))
+  return jax.device_get(params)
 
 
 def run_configs(s: DemoSettings, names: Sequence[str], bar=None) -> tuple[list[dict], dict]:
