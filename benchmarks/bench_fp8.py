@@ -195,5 +195,6 @@ def run(quick: bool) -> list[dict[str, Any]]:
     records += speed_records()
   else:
     records.append({"kind": "speed", "task": "skipped",
-                    "policy": f"needs a GPU (backend here: {jax.default_backend()})"})
+                    "policy": f"needs a GPU (backend here: {jax.default_backend()})",
+                    "ms_per_step": None, "speedup_vs_bf16": None, "tflops": None})
   return records

@@ -538,7 +538,7 @@ def test_scopes_by_named_scope_and_function_name():
     "call, error, words",
     [
         (lambda: autocast("not a function", "mixed_float16"), TypeError, ["callable", "str"]),
-        (lambda: autocast(_loss, "mixed_float8"), ValueError, ["mixed_float8"]),
+        (lambda: autocast(_loss, "mixed_float4"), ValueError, ["mixed_float4"]),
         (lambda: autocast(_loss, 16), ValueError, ["Policy", "16"]),
         (lambda: autocast(_loss, "mixed_float16", float32_ops=("softmax",)), ValueError,
          ["'softmax'", "not a JAX primitive", "scope:softmax", "dot_general"]),

@@ -456,7 +456,7 @@ def test_loss_scaled_overflow_on_one_replica_keeps_state_bit_for_bit(factory):
     np.testing.assert_array_equal(np.asarray(leaf), 0.0)
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after_state.inner_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert np.asarray(after_state.total_skipped).tolist() == [1] * k
+  assert np.asarray(after_state.total_notfinite).tolist() == [1] * k
   updates, final = update(scaled(make_tree(k, seed=111), scale / 2), after_state, params)
   assert np.asarray(final.inner_state.count).tolist() == [4] * k
   assert np.abs(np.asarray(updates["w"])).max() > 0

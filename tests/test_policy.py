@@ -74,7 +74,7 @@ def test_str_round_trip(p, c, o):
         ("p=f32,c=f16", ["missing output"]),
         ("p=f32,c=f16,o", ["'o'", "key=dtype"]),
         ("", ["Empty policy spec", "mixed_float16"]),
-        ("mixed_float8", ["'mixed_float8'", "mixed_bfloat16"]),
+        ("mixed_float4", ["'mixed_float4'", "mixed_bfloat16"]),
     ],
 )
 def test_bad_specs_name_the_bad_part(spec, fragments):
