@@ -23,15 +23,15 @@ half_weights_training-cpu.json``): Kahan and stochastic rounding are within
 1% of float32 master weights on both test loss and accuracy, after SGD,
 momentum SGD and Adam, in bfloat16 and float16; plain half weights are not.
 The modified momentum SGD with its default error feedback is within 1% in
-float16, the dtype the seed used it with (+0.19% test loss), where the
-seed's rule alone and the plain H form are +3.9% and +4.0%. In bfloat16
-error feedback takes the gap from +105% to +1.5%, short of 1%; the seed's
+float16, the dtype Micikevicius et al. used it with (+0.19% test loss), where
+the modified rule alone and the plain H form are +3.9% and +4.0%. In bfloat16
+error feedback takes the gap from +105% to +1.5%, short of 1%; the modified
 rule followed by stochastic rounding (+0.35%) or Kahan (+0.26%) meets it.
 
-The seed's own comparison (``half == "float16"`` rows of the group
+The comparison of Micikevicius et al. (``half == "float16"`` rows of the group
 ``momentum sgd lr=0.0001 m=0.99``): momentum SGD in the plain H form
-(``H <- m*H - lr*g``, ``lr*g`` rounded to float16, the seed's baseline;
-``experiment.plain_momentum_sgd``) against the seed's modified form, at a
+(``H <- m*H - lr*g``, ``lr*g`` rounded to float16, the plain-momentum baseline;
+``experiment.plain_momentum_sgd``) against the modified form, at a
 small learning rate with a long momentum (effective step ``lr/(1-m) =
 0.01``). There every ``lr*g`` is a float16 subnormal and 10-17% of them
 flush to zero, while the modified buffer ``G`` holds the unscaled gradients.
@@ -100,7 +100,7 @@ def run(quick: bool) -> list[dict]:
       setups.update(experiment.make_8bit_setups(SGD_LR, ADAM_LR, half))
     if quick:  # a smoke test: the plain SGD rows only
       setups = {k: v for k, v in setups.items() if k.startswith("sgd /")}
-    if not quick and half == jnp.float16:  # the seed's regime, see above
+    if not quick and half == jnp.float16:  # the float16 regime of Micikevicius et al., see above
       setups.update(experiment.make_momentum_setups(1e-4, 0.99, half))
     results = {}
     for name, (dtype, opt) in setups.items():

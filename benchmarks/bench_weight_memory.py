@@ -66,7 +66,7 @@ def _setups() -> list[tuple[str, Any, str, optax.GradientTransformation, bool]]:
       ("adam / bfloat16 (plain, bf16 moments)", BF16, "adam", optax.adam(lr), False),
       ("float16 + modified momentum (error feedback)", F16, "modified_momentum_sgd(0.9)",
        modified_momentum_sgd(lr, 0.9), False),
-      ("bfloat16 + modified momentum (seed rule) + kahan", BF16,
+      ("bfloat16 + modified momentum (no feedback) + kahan", BF16,
        "modified_momentum_sgd(0.9, error_feedback=False)",
        optax.chain(modified_momentum_sgd(lr, 0.9, error_feedback=False),
                    kahan_compensation()), False),

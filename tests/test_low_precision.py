@@ -617,7 +617,7 @@ def test_digits_modified_momentum_within_one_percent_in_float16():
   # feedback +0.19% test loss.
   g = "momentum sgd"
   names = [f"{g} / float32 master", f"{g} / float16 plain (H form)",
-           f"{g} / float16 + modified momentum (seed rule)",
+           f"{g} / float16 + modified momentum (no feedback)",
            f"{g} / float16 + modified momentum (error feedback)"]
   setups = experiment.make_setups(0.01, F16)
   dataset = data_lib.load_digits()
@@ -645,7 +645,7 @@ def test_digits_modified_momentum_beats_plain_h_form_momentum():
   setups = experiment.make_momentum_setups(1e-4, 0.99, F16)
   g = "momentum sgd lr=0.0001 m=0.99"
   keep = [f"{g} / float32 master", f"{g} / float16 plain (H form) + kahan",
-          f"{g} / float16 + modified momentum (seed rule) + kahan"]
+          f"{g} / float16 + modified momentum (no feedback) + kahan"]
   results = experiment.run_all({k: setups[k] for k in keep}, F16, steps=1500,
                                batch_size=32, hidden=32)
   ref, plain, modified = (results[k] for k in keep)

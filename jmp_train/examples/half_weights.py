@@ -16,7 +16,7 @@ stored and updated:
 * half parameters with :func:`~jmp_train._src.low_precision.kahan_compensation`,
   :func:`~jmp_train._src.low_precision.stochastic_rounding` or
   :func:`~jmp_train._src.low_precision.modified_momentum_sgd` (with its
-  default error feedback, and as the seed's rule alone or followed by
+  default error feedback, and as the modified rule without feedback alone or followed by
   Kahan or stochastic rounding).
 
 Every setup starts from the same initial values (drawn in float32 and rounded
@@ -129,7 +129,7 @@ def plain_momentum_sgd(
   damage is done by these roundings, not by storing ``H``: computing
   :math:`m H - \lambda g` in float32 and rounding once into a float16 ``H``
   follows the modified form to within 0.02% of test loss on digits (lr 1e-4,
-  m 0.99, with Kahan). Not public API: the seed's baseline in this
+  m 0.99, with Kahan). Not public API: the plain-momentum baseline in this
   experiment only.
 
   Args:
@@ -177,7 +177,7 @@ def make_setups(
       ),
       "momentum sgd / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
       f"momentum sgd / {h} plain (H form)": (half, plain_momentum_sgd(learning_rate, momentum)),
-      f"momentum sgd / {h} + modified momentum (seed rule)": (
+      f"momentum sgd / {h} + modified momentum (no feedback)": (
           half,
           low_precision.modified_momentum_sgd(
               learning_rate, momentum, error_feedback=False),
@@ -186,7 +186,7 @@ def make_setups(
           half,
           low_precision.modified_momentum_sgd(learning_rate, momentum),
       ),
-      f"momentum sgd / {h} + modified momentum (seed rule) + kahan": (
+      f"momentum sgd / {h} + modified momentum (no feedback) + kahan": (
           half,
           optax.chain(
               low_precision.modified_momentum_sgd(
@@ -194,7 +194,7 @@ def make_setups(
               low_precision.kahan_compensation(),
           ),
       ),
-      f"momentum sgd / {h} + modified momentum (seed rule) + stochastic rounding": (
+      f"momentum sgd / {h} + modified momentum (no feedback) + stochastic rounding": (
           half,
           optax.chain(
               low_precision.modified_momentum_sgd(
@@ -274,12 +274,12 @@ def make_momentum_setups(
     momentum: float = 0.99,
     half: Any = jnp.float16,
 ) -> dict[str, tuple[Any, optax.GradientTransformation]]:
-  """Modified momentum SGD against the seed's baseline, plain (H-form) momentum.
+  """Modified momentum SGD against the plain-momentum baseline, plain (H-form) momentum.
 
   The default regime is where the two differ in float16: a small learning
   rate with a long momentum (effective step ``1e-4 / (1 - 0.99) = 0.01``, the
   learning rate of :func:`make_setups`), so that every ``lr * g`` is a
-  float16 subnormal and 10-17% of them flush to zero. The seed's rule
+  float16 subnormal and 10-17% of them flush to zero. The modified rule without feedback
   (``error_feedback=False``) is compared with the H form alone and followed
   by Kahan; the default rule with error feedback is there too (at ``m =
   0.99`` its documented lag, up to ``m/(1-m)`` half-ulps, is 11 times that
@@ -302,12 +302,12 @@ def make_momentum_setups(
   return {
       f"{g} / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
       f"{g} / {h} plain (H form)": (half, plain()),
-      f"{g} / {h} + modified momentum (seed rule)": (half, mm()),
+      f"{g} / {h} + modified momentum (no feedback)": (half, mm()),
       f"{g} / {h} + modified momentum (error feedback)": (
           half, low_precision.modified_momentum_sgd(learning_rate, momentum)),
       f"{g} / {h} plain (H form) + kahan": (
           half, optax.chain(plain(), low_precision.kahan_compensation())),
-      f"{g} / {h} + modified momentum (seed rule) + kahan": (
+      f"{g} / {h} + modified momentum (no feedback) + kahan": (
           half, optax.chain(mm(), low_precision.kahan_compensation())),
   }
 
