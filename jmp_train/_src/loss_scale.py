@@ -24,12 +24,12 @@ import math
 import operator
 from typing import Any, Sequence
 
-import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_train._src import pytrees
 from jmp_train._src.policy import is_floating_array
 
 __all__ = [
@@ -57,42 +57,6 @@ class _FromLeaves:
 
 
 _FROM_ARGS: Any = _FromLeaves()
-
-
-def _register(cls: type) -> type:
-  """Registers a frozen dataclass as a pytree and for Flax serialization.
-
-  ``jax.tree_util.register_dataclass`` takes the leaves and the static
-  metadata from the fields (``static`` metadata marks the latter), so no
-  field can be forgotten; it rebuilds a value by calling the class with every
-  field as a keyword, which the classes below take as is, without
-  validation: JAX and orbax rebuild pytrees with placeholder leaves
-  (tracers, ``ShapeDtypeStruct``, ``None``) that must not be converted.
-  ``flax.serialization`` then saves the leaves by field name (``to_bytes``,
-  ``to_state_dict``), as for Flax's own ``DynamicScale``.
-  """
-  jax.tree_util.register_dataclass(cls)
-  names = tuple(f.name for f in dataclasses.fields(cls)
-                if not f.metadata.get("static"))
-
-  def to_state_dict(x: Any) -> dict[str, Any]:
-    return {n: flax.serialization.to_state_dict(getattr(x, n)) for n in names}
-
-  def from_state_dict(x: Any, state: dict[str, Any]) -> Any:
-    if set(state) != set(names):
-      raise ValueError(
-          f"Cannot restore a {cls.__name__} with fields {sorted(names)} from "
-          f"a state dict with keys {sorted(state)} at "
-          f"{flax.serialization.current_path()!r}."
-      )
-    return x.replace(**{
-        n: flax.serialization.from_state_dict(getattr(x, n), state[n], name=n)
-        for n in names
-    })
-
-  flax.serialization.register_serialization_state(
-      cls, to_state_dict, from_state_dict)
-  return cls
 
 
 def _is_concrete(x: Any) -> bool:
@@ -232,7 +196,7 @@ class LossScale:
     return type(self)(**{n: changes.get(n, getattr(self, n)) for n in names})
 
 
-@_register
+@pytrees.register_pytree_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale(LossScale):
   """A loss scale of 1 that does nothing: for float32 or bfloat16 training.
@@ -262,7 +226,7 @@ class NoOpLossScale(LossScale):
     return self
 
 
-@_register
+@pytrees.register_pytree_dataclass
 @dataclasses.dataclass(frozen=True, eq=False, init=False)
 class StaticLossScale(LossScale):
   """A fixed loss scale ``S``.
@@ -376,7 +340,7 @@ def _dynamic_scale(scale: Any, min_scale: float, max_scale: float) -> jax.Array:
   return loss_scale
 
 
-@_register
+@pytrees.register_pytree_dataclass
 @dataclasses.dataclass(frozen=True, eq=False, init=False)
 class DynamicLossScale(LossScale):
   r"""A loss scale that backs off on overflow and grows after good steps.

@@ -16,15 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jmp_train._src import pytrees
 from jmp_train._src.policy import Policy
 
 __all__ = ["TrainState", "TrainStep", "tree_bytes"]
 
 
-class TrainState(struct.PyTreeNode):
+@pytrees.register_pytree_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
   """Everything a training run carries from one step to the next.
 
   A pytree of arrays only (no functions), so it can be donated, checkpointed
@@ -53,6 +55,10 @@ class TrainState(struct.PyTreeNode):
   opt_state: Any
   model_state: Any
   rng: jax.Array | None
+
+  def replace(self, **changes: Any) -> "TrainState":
+    """A copy with ``changes`` (``dataclasses.replace``)."""
+    return dataclasses.replace(self, **changes)
 
 
 def tree_bytes(tree: Any) -> int:
