@@ -198,6 +198,37 @@ def _cast_like(tree, like):
   return jax.tree.map(lambda x, g: x.astype(g.dtype), tree, like)
 
 
+def _varying(aval) -> frozenset:
+  """The mesh axes over which a value varies under ``shard_map`` (else none)."""
+  mat = getattr(aval, "manual_axis_type", None)
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _cond(pred, true_fun, false_fun, *operands):
+  """``lax.cond`` whose branches may differ in ``shard_map``'s varying axes.
+
+  Under ``shard_map`` a warm-up branch that ``pmean``s is invariant across
+  replicas where the compressed branch's outputs vary (or the reverse), and
+  ``lax.cond`` requires equal types: each output is marked varying over the
+  union of both branches' axes (``lax.pcast``), which changes no value.
+  """
+  outs = [jax.make_jaxpr(f)(*operands).out_avals for f in (true_fun, false_fun)]
+  axes = [_varying(a) | _varying(b) for a, b in zip(*outs)]
+
+  def unified(fun):
+    def branch(*args):
+      flat, tree = jax.tree.flatten(fun(*args))
+      flat = [
+          lax.pcast(x, tuple(sorted(want - _varying(jax.typeof(x)))), to="varying")
+          if want - _varying(jax.typeof(x)) else x
+          for x, want in zip(flat, axes)
+      ]
+      return jax.tree.unflatten(tree, flat)
+    return branch
+
+  return lax.cond(pred, unified(true_fun), unified(false_fun), *operands)
+
+
 def one_bit_adam(
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
@@ -309,7 +340,7 @@ def one_bit_adam(
       raise ValueError("one_bit_adam with weight_decay needs params in update.")
     # lax.cond, not jnp.where: a step runs either the float all-reduce or
     # the 1-bit exchange, never both; the counter is the same everywhere.
-    mu, nu, cstate = lax.cond(state.count < warmup_steps, warmup, compressed, updates, state)
+    mu, nu, cstate = _cond(state.count < warmup_steps, warmup, compressed, updates, state)
     t = optax.safe_increment(state.count)
     c1 = 1 - b1 ** t.astype(jnp.float32)
     c2_t = c2(t)
@@ -418,7 +449,7 @@ def one_bit_momentum(
       raise ValueError("one_bit_momentum with weight_decay needs params in update.")
     g = local_trace(updates, state, params)
     if warmup_steps:
-      trace, cstate = lax.cond(state.count < warmup_steps, warmup, compressed, g, state)
+      trace, cstate = _cond(state.count < warmup_steps, warmup, compressed, g, state)
     else:
       trace, cstate = compressed(g, state)
     lr = _lr(learning_rate, state.count)
