@@ -133,7 +133,7 @@ def _linen_case(name):
 def test_linen_policy_models_save_half_and_keep_gradients(name, dtype):
   module, x, kwargs = _linen_case(name)
   model = jflax.apply_policy(module, jmp_train.Policy(F32, dtype, F32))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   params = variables["params"]
   state = {k: v for k, v in variables.items() if k != "params"}
 
@@ -207,7 +207,7 @@ def test_make_train_step_with_remat_policy(mode):
   x = jnp.linspace(0.0, 1.0, 2 * n * 8 * 8 * 3, dtype=jnp.float32).reshape(
       2 * n, 8, 8, 3)
   y = jnp.arange(2 * n, dtype=jnp.int32) % 8
-  variables = module.init(jax.random.key(0), x[:1])
+  variables = jax.jit(module.init)(jax.random.key(0), x[:1])
   loss_fn = lambda out, y: optax.softmax_cross_entropy_with_integer_labels(
       out, y).mean()
   runs = []
