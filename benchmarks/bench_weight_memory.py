@@ -36,9 +36,9 @@ import optax
 
 from jmp_train.examples import models
 from jmp_train.examples.half_weights import with_float32_state
-from jmp_train._src.low_precision import kahan_compensation
-from jmp_train._src.low_precision import modified_momentum_sgd
-from jmp_train._src.low_precision import stochastic_rounding
+from jmp_train._src.kahan_compensation import kahan_compensation
+from jmp_train._src.modified_momentum import modified_momentum_sgd
+from jmp_train._src.stochastic_rounding import stochastic_rounding
 from jmp_train._src.optimizers_8bit import adam_8bit
 from jmp_train._src.optimizers_8bit import scale_by_adam
 from jmp_train._src.optimizers_8bit import sgd_8bit

@@ -50,12 +50,12 @@ _EXPORTS = {
     "loss_scaled": "loss_scaling",
     "scaled_value_and_grad": "loss_scaling",
     # half-precision weight updates
-    "KahanCompensationState": "low_precision",
-    "ModifiedMomentumState": "low_precision",
-    "StochasticRoundingState": "low_precision",
-    "kahan_compensation": "low_precision",
-    "modified_momentum_sgd": "low_precision",
-    "stochastic_rounding": "low_precision",
+    "KahanCompensationState": "kahan_compensation",
+    "ModifiedMomentumState": "modified_momentum",
+    "StochasticRoundingState": "stochastic_rounding",
+    "kahan_compensation": "kahan_compensation",
+    "modified_momentum_sgd": "modified_momentum",
+    "stochastic_rounding": "stochastic_rounding",
     # 1-bit SGD with error feedback
     "collective_bytes": "hlo",
     "collective_ops": "hlo",
