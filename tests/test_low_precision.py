@@ -499,6 +499,25 @@ def test_params_are_required(make):
     opt.update({"a": params}, opt.init(params), params)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optax.chain(optax.sgd(1e-3), jmp_train.kahan_compensation()),
+     lambda: optax.chain(optax.sgd(1e-3), jmp_train.stochastic_rounding(0)),
+     lambda: jmp_train.modified_momentum_sgd(1e-3),
+     lambda: jmp_train.modified_momentum_sgd(1e-3, error_feedback=False)],
+    ids=["kahan", "stochastic_rounding", "modified_momentum", "modified_momentum_plain"],
+)
+def test_tuple_params_keep_their_structure(make):
+  # Parameters that are themselves tuples: each update and state leaf keeps
+  # its parameter's shape (a tree of per-leaf pairs is split at the leaves).
+  params = (jnp.ones(3, BF16), jnp.ones((2, 2), BF16))
+  opt = make()
+  state = opt.init(params)
+  updates, new_state = opt.update(params, state, params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
+
+
 @pytest.mark.parametrize("seed", ["0", 1.5, None, jnp.zeros(3, jnp.int32)])
 def test_bad_seed(seed):
   with pytest.raises(ValueError, match="seed must be"):

@@ -68,8 +68,12 @@ def land(p: jax.Array, step: jax.Array, update_dtype: Any) -> tuple[jax.Array, j
   landed = jnp.asarray(p + update).astype(p.dtype)
   return update, landed.astype(acc) - p_acc
 
-def unzip_pairs(pairs: Any) -> tuple[Any, Any]:
-  """A tree of ``(a, b)`` pairs as a tree of ``a`` and a tree of ``b``."""
-  is_pair = lambda x: isinstance(x, tuple)
-  return (jax.tree.map(lambda x: x[0], pairs, is_leaf=is_pair),
-          jax.tree.map(lambda x: x[1], pairs, is_leaf=is_pair))
+def unzip_pairs(like: Any, pairs: Any) -> tuple[Any, Any]:
+  """A tree of ``(a, b)`` pairs as a tree of ``a`` and a tree of ``b``.
+
+  ``pairs`` has ``like``'s structure with a pair at each leaf; the outer
+  structure comes from ``like``, so trees made of tuples (``(w, b)``
+  parameters) are split at the leaves, not at their own tuples.
+  """
+  outer = jax.tree.structure(like)
+  return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)

@@ -125,7 +125,7 @@ def kahan_compensation(
       return new_u, new_c.astype(c.dtype)
 
     pairs = jax.tree.map(leaf, updates, state.compensation, params)
-    new_updates, new_comp = unzip_pairs(pairs)
+    new_updates, new_comp = unzip_pairs(updates, pairs)
     return new_updates, KahanCompensationState(compensation=new_comp)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -257,7 +257,7 @@ def modified_momentum_sgd(
       pairs = jax.tree.map(
           lambda g, b: _plain_leaf(g, b, lr, momentum, nesterov),
           updates, state.momentum)
-    new_updates, new_momentum = unzip_pairs(pairs)
+    new_updates, new_momentum = unzip_pairs(updates, pairs)
     return new_updates, ModifiedMomentumState(
         count=optax.safe_increment(state.count), momentum=new_momentum
     )

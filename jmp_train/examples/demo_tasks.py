@@ -110,16 +110,15 @@ def gpt2_init(params: Any, key: jax.Array, num_layers: int, std: float = 0.02) -
   (0 and 1). Radford et al., "Language Models are Unsupervised Multitask
   Learners", 2019, section 2.3.
   """
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  keys = jax.random.split(key, len(flat))
-  out = []
-  for (path, x), k in zip(flat, keys):
+
+  def draw(path, x, k):
     names = [getattr(p, "key", str(p)) for p in path]
-    if names[-1] in ("kernel", "embedding"):
-      scale = std / np.sqrt(2 * num_layers) if names[-2] in ("out", "mlp_out") else std
-      x = scale * jax.random.normal(k, np.shape(x), np.float32)
-    out.append(x)
-  return jax.tree_util.tree_unflatten(treedef, out)
+    if names[-1] not in ("kernel", "embedding"):
+      return x
+    scale = std / np.sqrt(2 * num_layers) if names[-2] in ("out", "mlp_out") else std
+    return scale * jax.random.normal(k, np.shape(x), np.float32)
+
+  return jax.tree.map_with_path(draw, params, optax.tree.split_key_like(key, params))
 
 
 def init_params(task: Task, s: DemoSettings):
