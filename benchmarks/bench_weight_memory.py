@@ -3,7 +3,7 @@
 For a small Transformer language model (``jmp_train.examples.models.
 TransformerBlock``, d_model 256, 2 layers; 64/1 in quick mode) each setup's
 parameter tree and optimizer state are built for real (``opt.init`` on the
-actual parameters; ``tests/test_low_precision.py`` checks that updates keep
+actual parameters; ``tests/test_low_precision_modes.py`` checks that updates keep
 the state's shapes and dtypes) and their ``nbytes`` summed, divided by the
 number of parameters:
 
@@ -113,7 +113,7 @@ def run(quick: bool) -> list[dict]:
   reference = None
   for setup, dtype, opt_name, opt, half_copy in _setups():
     params = jax.tree.map(lambda p: p.astype(dtype), params32)
-    # The state as built; tests/test_low_precision.py checks that an update
+    # The state as built; tests/test_low_precision_modes.py checks that an update
     # returns a state of the same shapes and dtypes.
     state = jax.jit(opt.init)(params)
     params_bytes = _nbytes(params)

@@ -1,6 +1,6 @@
 """The real-task check of half-precision weight updates: a digits MLP.
 
-Shared by ``tests/test_low_precision.py``, ``benchmarks/bench_half_weights_training.py``
+Shared by ``tests/test_low_precision_digits.py``, ``benchmarks/bench_half_weights_training.py``
 and ``notebooks/03_half_precision_weights.ipynb`` so the three report the same
 experiment. A two-layer MLP is trained on scikit-learn's 8x8 digits
 (:func:`jmp_train.examples.data.load_digits`) with the forward and backward pass
