@@ -16,22 +16,20 @@ import jmp_train
 import jmp_train.flax as jflax
 from jmp_train.examples import models
 
-from _flax_policy_util import (
-    F16,
-    BF16,
-    F32,
-    MATMULS,
-    X_IMG,
-    TOKENS,
-    _resnet,
-    _nnx_resnet,
-    _transformer,
-    fill,
-    make_linen_variables,
-    nnx_twin,
-    _operand_dtypes,
-    _forward_and_grad_jaxprs,
-)
+from _flax_policy_util import F16
+from _flax_policy_util import BF16
+from _flax_policy_util import F32
+from _flax_policy_util import MATMULS
+from _flax_policy_util import X_IMG
+from _flax_policy_util import TOKENS
+from _flax_policy_util import _resnet
+from _flax_policy_util import _nnx_resnet
+from _flax_policy_util import _transformer
+from _flax_policy_util import fill
+from _flax_policy_util import make_linen_variables
+from _flax_policy_util import nnx_twin
+from _flax_policy_util import _operand_dtypes
+from _flax_policy_util import _forward_and_grad_jaxprs
 
 
 @pytest.fixture(scope="module")

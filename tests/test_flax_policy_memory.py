@@ -14,15 +14,13 @@ import jmp_train
 import jmp_train.flax as jflax
 from jmp_train.examples import models
 
-from _flax_policy_util import (
-    BF16,
-    F32,
-    _resnet,
-    _nnx_resnet,
-    _transformer,
-    _nnx_transformer,
-    fill,
-)
+from _flax_policy_util import BF16
+from _flax_policy_util import F32
+from _flax_policy_util import _resnet
+from _flax_policy_util import _nnx_resnet
+from _flax_policy_util import _transformer
+from _flax_policy_util import _nnx_transformer
+from _flax_policy_util import fill
 
 
 # --------------------------------------------------------------------------

@@ -10,24 +10,20 @@ import optax
 import pytest
 
 import jmp_train
-from jmp_train import (
-    DynamicLossScale,
-    LossScaledState,
-    NoOpLossScale,
-    StaticLossScale,
-    get_loss_scale,
-    loss_scale_metrics,
-    loss_scaled,
-    scaled_value_and_grad,
-)
-from _loss_scaling_util import (
-    DTYPES,
-    _assert_bitwise_equal,
-    _grads,
-    _np_grads,
-    _params,
-    _run,
-)
+from jmp_train import DynamicLossScale
+from jmp_train import LossScaledState
+from jmp_train import NoOpLossScale
+from jmp_train import StaticLossScale
+from jmp_train import get_loss_scale
+from jmp_train import loss_scale_metrics
+from jmp_train import loss_scaled
+from jmp_train import scaled_value_and_grad
+from _loss_scaling_util import DTYPES
+from _loss_scaling_util import _assert_bitwise_equal
+from _loss_scaling_util import _grads
+from _loss_scaling_util import _np_grads
+from _loss_scaling_util import _params
+from _loss_scaling_util import _run
 
 
 # --- the update rule ---------------------------------------------------------

@@ -8,21 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train import (
-    DynamicLossScale,
-    StaticLossScale,
-    get_loss_scale,
-    loss_scale_metrics,
-    loss_scaled,
-    scaled_value_and_grad,
-)
-from _loss_scaling_util import (
-    _assert_bitwise_equal,
-    _bits,
-    _grads,
-    _np_grads,
-    _params,
-)
+from jmp_train import DynamicLossScale
+from jmp_train import StaticLossScale
+from jmp_train import get_loss_scale
+from jmp_train import loss_scale_metrics
+from jmp_train import loss_scaled
+from jmp_train import scaled_value_and_grad
+from _loss_scaling_util import _assert_bitwise_equal
+from _loss_scaling_util import _bits
+from _loss_scaling_util import _grads
+from _loss_scaling_util import _np_grads
+from _loss_scaling_util import _params
 
 
 # --- composition -------------------------------------------------------------

@@ -12,15 +12,11 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jmp_train import (
-    DynamicLossScale,
-    StaticLossScale,
-    loss_scaled,
-)
-from _loss_scaling_util import (
-    NDEV,
-    _np_grads,
-)
+from jmp_train import DynamicLossScale
+from jmp_train import StaticLossScale
+from jmp_train import loss_scaled
+from _loss_scaling_util import NDEV
+from _loss_scaling_util import _np_grads
 
 
 # --- distributed -------------------------------------------------------------

@@ -9,15 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from jmp_train import (
-    DynamicLossScale,
-    loss_scaled,
-)
-from _loss_scaling_util import (
-    DTYPES,
-    _np_grads,
-    _params,
-)
+from jmp_train import DynamicLossScale
+from jmp_train import loss_scaled
+from _loss_scaling_util import DTYPES
+from _loss_scaling_util import _np_grads
+from _loss_scaling_util import _params
 
 
 # --- every state leaf keeps its dtype -----------------------------------------

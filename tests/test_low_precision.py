@@ -10,13 +10,11 @@ import optax
 import pytest
 
 import jmp_train
-from _low_precision_util import (
-    F32,
-    F16,
-    HALF_DTYPES,
-    _eps,
-    _run,
-)
+from _low_precision_util import F32
+from _low_precision_util import F16
+from _low_precision_util import HALF_DTYPES
+from _low_precision_util import _eps
+from _low_precision_util import _run
 
 
 # ---------------------------------------------------------------------------

@@ -7,10 +7,8 @@ import pytest
 
 from jmp_train.examples import data as data_lib
 from jmp_train.examples import half_weights as experiment
-from _low_precision_util import (
-    BF16,
-    F16,
-)
+from _low_precision_util import BF16
+from _low_precision_util import F16
 
 
 # ---------------------------------------------------------------------------

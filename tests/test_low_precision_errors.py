@@ -10,11 +10,9 @@ import optax
 import pytest
 
 import jmp_train
-from _low_precision_util import (
-    F32,
-    BF16,
-    F16,
-)
+from _low_precision_util import F32
+from _low_precision_util import BF16
+from _low_precision_util import F16
 
 
 # ---------------------------------------------------------------------------

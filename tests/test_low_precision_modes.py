@@ -10,13 +10,11 @@ import optax
 import pytest
 
 import jmp_train
-from _low_precision_util import (
-    F32,
-    BF16,
-    F16,
-    ALL_DTYPES,
-    _run,
-)
+from _low_precision_util import F32
+from _low_precision_util import BF16
+from _low_precision_util import F16
+from _low_precision_util import ALL_DTYPES
+from _low_precision_util import _run
 
 
 # ---------------------------------------------------------------------------

@@ -9,18 +9,14 @@ import optax
 import pytest
 
 import jmp_train
-from jmp_train import (
-    DynamicLossScale,
-    LossScaledState,
-    StaticLossScale,
-    get_loss_scale,
-    loss_scale_metrics,
-    loss_scaled,
-    scaled_value_and_grad,
-)
-from _loss_scaling_util import (
-    DTYPES,
-)
+from jmp_train import DynamicLossScale
+from jmp_train import LossScaledState
+from jmp_train import StaticLossScale
+from jmp_train import get_loss_scale
+from jmp_train import loss_scale_metrics
+from jmp_train import loss_scaled
+from jmp_train import scaled_value_and_grad
+from _loss_scaling_util import DTYPES
 
 
 # --- get_loss_scale / metrics / scaled_value_and_grad ------------------------
