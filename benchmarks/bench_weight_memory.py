@@ -3,7 +3,7 @@
 For a small Transformer language model (``jmp_train.examples.models.
 TransformerBlock``, d_model 256, 2 layers; 64/1 in quick mode) each setup's
 parameter tree and optimizer state are built for real (``opt.init`` on the
-actual parameters; ``tests/test_low_precision.py`` checks that updates keep
+actual parameters; ``tests/test_low_precision_modes.py`` checks that updates keep
 the state's shapes and dtypes) and their ``nbytes`` summed, divided by the
 number of parameters:
 
@@ -36,9 +36,9 @@ import optax
 
 from jmp_train.examples import models
 from jmp_train.examples.half_weights import with_float32_state
-from jmp_train._src.low_precision import kahan_compensation
-from jmp_train._src.low_precision import modified_momentum_sgd
-from jmp_train._src.low_precision import stochastic_rounding
+from jmp_train._src.kahan_compensation import kahan_compensation
+from jmp_train._src.modified_momentum import modified_momentum_sgd
+from jmp_train._src.stochastic_rounding import stochastic_rounding
 from jmp_train._src.optimizers_8bit import adam_8bit
 from jmp_train._src.optimizers_8bit import scale_by_adam
 from jmp_train._src.optimizers_8bit import sgd_8bit
@@ -113,7 +113,7 @@ def run(quick: bool) -> list[dict]:
   reference = None
   for setup, dtype, opt_name, opt, half_copy in _setups():
     params = jax.tree.map(lambda p: p.astype(dtype), params32)
-    # The state as built; tests/test_low_precision.py checks that an update
+    # The state as built; tests/test_low_precision_modes.py checks that an update
     # returns a state of the same shapes and dtypes.
     state = jax.jit(opt.init)(params)
     params_bytes = _nbytes(params)

@@ -176,9 +176,10 @@ def test_demo_uses_the_public_api():
   """The example modules import jmp_train's public names, not jmp_train._src."""
   import ast  # pylint: disable=g-import-not-at-top
 
-  # Until jmp_train exports one_bit_momentum, demo.py falls back to its module.
+  # Until jmp_train exports one_bit_momentum, demo_configs.py falls back to its module.
   allowed = {"jmp_train._src.one_bit_optimizers"}
-  for name in ("cli.py", "demo.py", "demo_plot.py"):
+  for name in ("cli.py", "demo.py", "demo_configs.py", "demo_tasks.py",
+               "demo_training.py", "demo_plot.py"):
     tree = ast.parse((ROOT / "jmp_train" / "examples" / name).read_text())
     for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom) and node.module:
@@ -219,12 +220,12 @@ def test_gpt2_init_draws_small_weights_and_scales_residual_projections():
 
 
 def test_bad_init_names_the_valid_ones():
-  from jmp_train.examples import demo  # pylint: disable=g-import-not-at-top
+  from jmp_train.examples import demo_tasks  # pylint: disable=g-import-not-at-top
 
-  s = demo.DemoSettings(task="text", init="xavier", steps=1)
-  task = demo.TASKS["text"](s)
+  s = demo_tasks.DemoSettings(task="text", init="xavier", steps=1)
+  task = demo_tasks.TASKS["text"](s)
   with pytest.raises(ValueError, match="'flax', 'gpt2'"):
-    demo._init_params(task, s)  # pylint: disable=protected-access
+    demo_tasks.init_params(task, s)
 
 
 def test_one_bit_scale_and_init_flags_reach_the_settings():

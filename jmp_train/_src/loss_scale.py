@@ -20,16 +20,19 @@ dataclass fields themselves, so no field can be forgotten.
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jmp_train._src import pytrees
+from jmp_train._src.loss_scale_checks import FROM_ARGS
+from jmp_train._src.loss_scale_checks import as_counter_array
+from jmp_train._src.loss_scale_checks import as_flag
+from jmp_train._src.loss_scale_checks import as_scale_array
+from jmp_train._src.loss_scale_checks import dynamic_config
+from jmp_train._src.loss_scale_checks import dynamic_scale
 from jmp_train._src.policy import is_floating_array
 
 __all__ = [
@@ -40,66 +43,9 @@ __all__ = [
     "all_finite",
 ]
 
-_F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)
-
-
 def _static(**kwargs: Any) -> Any:
   """A dataclass field that is static pytree metadata (not a leaf)."""
   return dataclasses.field(metadata={"static": True}, **kwargs)
-
-
-class _FromLeaves:
-  """Default of the keyword ``loss_scale``: build from the user's arguments."""
-
-  def __repr__(self) -> str:
-    return "<validated from scale>"
-
-
-_FROM_ARGS: Any = _FromLeaves()
-
-
-def _is_concrete(x: Any) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
-def _as_scale_array(value: Any, name: str) -> jax.Array:
-  """Converts ``value`` to a float32 scalar, validating it when concrete."""
-  try:
-    arr = jnp.asarray(value, dtype=jnp.float32)
-  except (TypeError, ValueError):
-    raise ValueError(
-        f"{name} must be a positive number (a float32 scalar), got "
-        f"{value!r}."
-    ) from None
-  if arr.shape != ():
-    raise ValueError(f"{name} must be a scalar, got shape {arr.shape}.")
-  if _is_concrete(arr):
-    v = float(arr)
-    if not (math.isfinite(v) and v > 0):
-      raise ValueError(
-          f"{name} must be finite and > 0, got {value!r}; valid values lie in "
-          f"(0, {_F32_MAX:.4g}]."
-      )
-  return arr
-
-
-def _as_counter_array(value: Any, growth_interval: int) -> jax.Array:
-  """Converts ``value`` to an int32 scalar in ``[0, growth_interval)``."""
-  try:
-    counter = jnp.asarray(value, dtype=jnp.int32)
-  except (TypeError, ValueError):
-    raise ValueError(
-        f"counter must be an integer in [0, growth_interval), got {value!r}."
-    ) from None
-  if counter.shape != ():
-    raise ValueError(f"counter must be a scalar, got shape {counter.shape}.")
-  if _is_concrete(counter) and not 0 <= int(counter) < growth_interval:
-    raise ValueError(
-        f"counter must lie in [0, growth_interval) = [0, {growth_interval}),"
-        f" got {int(counter)}."
-    )
-  return counter
 
 
 def apply_scale(tree: Any, factor: jax.Array) -> Any:
@@ -122,18 +68,6 @@ def apply_scale(tree: Any, factor: jax.Array) -> Any:
     return (x.astype(compute) * factor.astype(compute)).astype(x.dtype)
 
   return jax.tree.map(mul, tree)
-
-
-def _as_flag(grads_finite: jax.typing.ArrayLike) -> jax.Array:
-  """The boolean scalar ``adjust`` takes; a non-scalar flag is an error."""
-  finite = jnp.asarray(grads_finite, dtype=jnp.bool_)
-  if finite.shape != ():
-    raise ValueError(
-        "adjust(grads_finite) takes one boolean scalar for the whole step "
-        f"(e.g. all_finite(grads)), got shape {finite.shape}; reduce it "
-        "first, e.g. with jnp.all."
-    )
-  return finite
 
 
 class LossScale:
@@ -222,7 +156,7 @@ class NoOpLossScale(LossScale):
     return tree
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> "NoOpLossScale":
-    _as_flag(grads_finite)
+    as_flag(grads_finite)
     return self
 
 
@@ -245,9 +179,9 @@ class StaticLossScale(LossScale):
 
   def __init__(
       self,
-      scale: jax.typing.ArrayLike = _FROM_ARGS,
+      scale: jax.typing.ArrayLike = FROM_ARGS,
       *,
-      loss_scale: Any = _FROM_ARGS,
+      loss_scale: Any = FROM_ARGS,
   ):
     """Builds a static loss scale.
 
@@ -261,83 +195,19 @@ class StaticLossScale(LossScale):
       ValueError: if ``scale`` is not a finite positive scalar, or if both
         or neither of ``scale`` and ``loss_scale`` are given.
     """
-    if (scale is _FROM_ARGS) == (loss_scale is _FROM_ARGS):
+    if (scale is FROM_ARGS) == (loss_scale is FROM_ARGS):
       raise ValueError(
           "StaticLossScale takes the scale S, e.g. StaticLossScale(2.0**15); "
           f"got scale={scale!r}, loss_scale={loss_scale!r}."
       )
-    if loss_scale is _FROM_ARGS:
-      loss_scale = _as_scale_array(scale, "scale")
+    if loss_scale is FROM_ARGS:
+      loss_scale = as_scale_array(scale, "scale")
     object.__setattr__(self, "loss_scale", loss_scale)
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> "StaticLossScale":
     """Returns ``self``: a static scale never changes."""
-    _as_flag(grads_finite)
+    as_flag(grads_finite)
     return self
-
-
-def _dynamic_config(
-    growth_interval: Any, growth_factor: Any, backoff_factor: Any,
-    min_scale: Any, max_scale: Any,
-) -> dict[str, Any]:
-  """The validated static configuration of a :class:`DynamicLossScale`."""
-  try:
-    interval = operator.index(growth_interval)
-  except TypeError:
-    interval = 0
-  if interval < 1:
-    raise ValueError(
-        f"growth_interval must be an integer >= 1, got {growth_interval!r}."
-    )
-  config = dict(
-      growth_interval=interval,
-      growth_factor=_static_float(growth_factor, "growth_factor"),
-      backoff_factor=_static_float(backoff_factor, "backoff_factor"),
-      min_scale=_static_float(min_scale, "min_scale"),
-      max_scale=_static_float(max_scale, "max_scale"),
-  )
-  _check_factors(config["growth_factor"], config["backoff_factor"])
-  _check_bounds(config["min_scale"], config["max_scale"])
-  return config
-
-
-def _check_factors(growth_factor: float, backoff_factor: float) -> None:
-  if not growth_factor > 1.0:
-    raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}.")
-  if not 0.0 < backoff_factor < 1.0:
-    raise ValueError(
-        f"backoff_factor must lie in (0, 1), got {backoff_factor!r}."
-    )
-
-
-def _check_bounds(min_scale: float, max_scale: float) -> None:
-  if not _F32_TINY <= min_scale <= _F32_MAX:
-    raise ValueError(
-        f"min_scale must be > 0 (at least {_F32_TINY:.4g}, the smallest "
-        f"normal float32), got {min_scale!r}."
-    )
-  if not max_scale <= _F32_MAX:
-    raise ValueError(
-        f"max_scale must be finite (at most {_F32_MAX:.4g}), got "
-        f"{max_scale!r}."
-    )
-  if min_scale > max_scale:
-    raise ValueError(
-        f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r})."
-    )
-
-
-def _dynamic_scale(scale: Any, min_scale: float, max_scale: float) -> jax.Array:
-  """The validated initial scale, inside ``[min_scale, max_scale]``."""
-  loss_scale = _as_scale_array(scale, "scale")
-  if _is_concrete(loss_scale) and not (
-      np.float32(min_scale) <= float(loss_scale) <= np.float32(max_scale)
-  ):
-    raise ValueError(
-        f"scale must lie in [min_scale, max_scale] = [{min_scale!r}, "
-        f"{max_scale!r}], got {scale!r}."
-    )
-  return loss_scale
 
 
 @pytrees.register_pytree_dataclass
@@ -410,7 +280,7 @@ class DynamicLossScale(LossScale):
       max_scale: float = 2.0**24,
       counter: jax.typing.ArrayLike = 0,
       *,
-      loss_scale: Any = _FROM_ARGS,
+      loss_scale: Any = FROM_ARGS,
   ):
     """Builds a dynamic loss scale.
 
@@ -437,14 +307,14 @@ class DynamicLossScale(LossScale):
         backoff_factor=backoff_factor, min_scale=min_scale,
         max_scale=max_scale,
     )
-    if loss_scale is _FROM_ARGS:  # built by a user: validate everything
-      config = _dynamic_config(growth_interval, growth_factor,
+    if loss_scale is FROM_ARGS:  # built by a user: validate everything
+      config = dynamic_config(growth_interval, growth_factor,
                                backoff_factor, min_scale, max_scale)
       fields.update(
           config,
-          loss_scale=_dynamic_scale(scale, config["min_scale"],
+          loss_scale=dynamic_scale(scale, config["min_scale"],
                                     config["max_scale"]),
-          counter=_as_counter_array(counter, config["growth_interval"]),
+          counter=as_counter_array(counter, config["growth_interval"]),
       )
     for name, value in fields.items():
       object.__setattr__(self, name, value)
@@ -463,7 +333,7 @@ class DynamicLossScale(LossScale):
     Raises:
       ValueError: if ``grads_finite`` is not a scalar.
     """
-    finite = _as_flag(grads_finite)
+    finite = as_flag(grads_finite)
     scale = self.loss_scale.astype(jnp.float32)
     counter = self.counter.astype(jnp.int32)
     next_count = optax.safe_increment(counter)
@@ -475,16 +345,6 @@ class DynamicLossScale(LossScale):
     new_scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
     new_counter = jnp.where(finite & ~grow, next_count, jnp.zeros_like(counter))
     return self.replace(loss_scale=new_scale, counter=new_counter)
-
-
-def _static_float(value: Any, name: str) -> float:
-  try:
-    out = float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"{name} must be a number, got {value!r}.") from None
-  if not math.isfinite(out):
-    raise ValueError(f"{name} must be finite, got {value!r}.")
-  return out
 
 
 def all_finite(

@@ -33,15 +33,20 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import quantized_state as qs
-from jmp_train._src.policy import parse_dtype
+from jmp_train._src.moment_storage import STATE_DTYPES
+from jmp_train._src.moment_storage import Moment
+from jmp_train._src.moment_storage import check_options
+from jmp_train._src.moment_storage import check_unit
+from jmp_train._src.moment_storage import map_leaves
+from jmp_train._src.moment_storage import parse_state_dtype
+from jmp_train._src.moment_storage import step_key
 
 __all__ = [
     "QuantizedTraceState",
@@ -50,84 +55,6 @@ __all__ = [
     "scale_by_adam",
     "sgd_8bit",
 ]
-
-_EIGHT_BIT = ("8bit", "int8")
-STATE_DTYPES = ("float32", "bfloat16", "float16", "float64") + _EIGHT_BIT
-
-
-def _parse_state_dtype(value: Any, name: str) -> Any:
-  """``None``, ``"8bit"`` or a floating NumPy dtype."""
-  if value is None:
-    return None
-  if isinstance(value, str) and value.strip().lower() in _EIGHT_BIT:
-    return "8bit"
-  try:
-    return parse_dtype(value)
-  except (TypeError, ValueError):
-    raise ValueError(
-        f"{name} must be None (the parameters' dtype) or one of "
-        f"{', '.join(map(repr, STATE_DTYPES))}; got {value!r}."
-    ) from None
-
-
-def _check_unit(value: Any, name: str) -> None:
-  if isinstance(value, (int, float)) and not 0.0 <= value < 1.0:
-    raise ValueError(f"{name} must be in [0, 1); got {value!r}.")
-
-
-ROUNDINGS = ("stochastic", "nearest")
-
-
-def _check_options(block_size: Any, code: Any, min_8bit_size: Any, rounding: Any) -> None:
-  qs._check_block_size(block_size)
-  qs._check_code(code)
-  if rounding not in ROUNDINGS:
-    raise ValueError(f"rounding must be one of {ROUNDINGS}; got {rounding!r}.")
-  if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-    raise ValueError(f"min_8bit_size must be an int >= 0; got {min_8bit_size!r}.")
-
-
-class _Moment:
-  """How one moment is stored: dtype (or 8 bits), code, block size, rounding.
-
-  An unsigned (second) moment in 8 bits is stored as its square root.
-  """
-
-  def __init__(self, dtype, signed, block_size, code, min_8bit_size, rounding="nearest"):
-    self.dtype, self.signed = dtype, signed
-    self.kwargs = dict(block_size=block_size, code=code, signed=signed)
-    self.min_8bit_size = min_8bit_size
-    self.stochastic = rounding == "stochastic"
-
-  def init(self, p: jax.Array) -> Any:
-    if self.dtype != "8bit":
-      return jnp.zeros(p.shape, p.dtype if self.dtype is None else self.dtype)
-    if p.size >= self.min_8bit_size:
-      return qs.zeros(p.shape, **self.kwargs)
-    return jnp.zeros(p.shape, jnp.float32)
-
-  def load(self, stored: Any) -> jax.Array:
-    if isinstance(stored, qs.QuantizedArray):
-      x = qs.dequantize(stored, **self.kwargs)
-      return x if self.signed else jnp.square(x)
-    return stored.astype(jnp.float32)
-
-  def store(self, x: jax.Array, like: Any, key: jax.Array | None = None) -> Any:
-    if isinstance(like, qs.QuantizedArray):
-      x = x if self.signed else jnp.sqrt(x)
-      return qs.quantize(x, key=key if self.stochastic else None, **self.kwargs)
-    return x.astype(like.dtype)
-
-
-def _map_leaves(fn: Callable[..., tuple], updates: Any, *moments: Any) -> tuple:
-  """Applies ``fn(index, g, *moment_leaves)`` per leaf of ``updates``; unzips the results."""
-  leaves, treedef = jax.tree.flatten(updates)
-  per_moment = [treedef.flatten_up_to(m) for m in moments]
-  outs = [fn(i, g, *ms) for i, (g, *ms) in enumerate(zip(leaves, *per_moment))]
-  if not outs:  # an empty tree
-    return (updates, *moments)
-  return tuple(treedef.unflatten(list(col)) for col in zip(*outs))
-
 
 def scale_by_adam(
     b1: float = 0.9,
@@ -218,13 +145,13 @@ def scale_by_adam(
     Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015,
     https://arxiv.org/abs/1412.6980.
   """
-  mu_dtype = _parse_state_dtype(mu_dtype, "mu_dtype")
-  nu_dtype = _parse_state_dtype(nu_dtype, "nu_dtype")
-  _check_unit(b1, "b1")
-  _check_unit(b2, "b2")
-  _check_options(block_size, code, min_8bit_size, rounding)
-  mu = _Moment(mu_dtype, True, block_size, code, min_8bit_size, rounding)
-  nu = _Moment(nu_dtype, False, block_size, code, min_8bit_size, rounding)
+  mu_dtype = parse_state_dtype(mu_dtype, "mu_dtype")
+  nu_dtype = parse_state_dtype(nu_dtype, "nu_dtype")
+  check_unit(b1, "b1")
+  check_unit(b2, "b2")
+  check_options(block_size, code, min_8bit_size, rounding)
+  mu = Moment(mu_dtype, True, block_size, code, min_8bit_size, rounding)
+  nu = Moment(nu_dtype, False, block_size, code, min_8bit_size, rounding)
 
   def init_fn(params):
     return optax.ScaleByAdamState(
@@ -239,17 +166,17 @@ def scale_by_adam(
     t = count.astype(jnp.float32)
     correction1 = 1 - jnp.asarray(b1, jnp.float32) ** t
     correction2 = 1 - jnp.asarray(b2, jnp.float32) ** t
-    step_key = jax.random.fold_in(jax.random.key(seed), count)
+    key = step_key(seed, count)
 
     def leaf(i, g, m_stored, v_stored):
       g32 = g.astype(jnp.float32)
       m = b1 * mu.load(m_stored) + (1 - b1) * g32
       v = b2 * nu.load(v_stored) + (1 - b2) * jnp.square(g32)
       u = (m / correction1) / (jnp.sqrt(v / correction2 + eps_root) + eps)
-      key_m, key_v = jax.random.split(jax.random.fold_in(step_key, i))
+      key_m, key_v = jax.random.split(jax.random.fold_in(key, i))
       return u.astype(g.dtype), mu.store(m, m_stored, key_m), nu.store(v, v_stored, key_v)
 
-    new_updates, new_mu, new_nu = _map_leaves(leaf, updates, state.mu, state.nu)
+    new_updates, new_mu, new_nu = map_leaves(leaf, updates, state.mu, state.nu)
     return new_updates, optax.ScaleByAdamState(count=count, mu=new_mu, nu=new_nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -355,7 +282,7 @@ def _is_zero(value: Any) -> bool:
   return isinstance(value, (int, float)) and value == 0
 
 
-def _trace(decay, nesterov, moment: _Moment, seed) -> optax.GradientTransformation:
+def _trace(decay, nesterov, moment: Moment, seed) -> optax.GradientTransformation:
   """``optax.trace`` with the trace stored by ``moment``."""
 
   def init_fn(params):
@@ -365,15 +292,15 @@ def _trace(decay, nesterov, moment: _Moment, seed) -> optax.GradientTransformati
   def update_fn(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-    step_key = jax.random.fold_in(jax.random.key(seed), count)
+    key = step_key(seed, count)
 
     def leaf(i, g, stored):
       g32 = g.astype(jnp.float32)
       t = decay * moment.load(stored) + g32
       u = g32 + decay * t if nesterov else t
-      return u.astype(g.dtype), moment.store(t, stored, jax.random.fold_in(step_key, i))
+      return u.astype(g.dtype), moment.store(t, stored, jax.random.fold_in(key, i))
 
-    new_updates, new_trace = _map_leaves(leaf, updates, state.trace)
+    new_updates, new_trace = map_leaves(leaf, updates, state.trace)
     return new_updates, QuantizedTraceState(count=count, trace=new_trace)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -432,11 +359,11 @@ def sgd_8bit(
     >>> float(updates["w"][0, 0])
     -0.10000000149011612
   """
-  _check_unit(momentum, "momentum")
+  check_unit(momentum, "momentum")
   if not isinstance(nesterov, (bool, np.bool_)):
     raise ValueError(f"nesterov must be a bool; got {nesterov!r}.")
-  _check_options(block_size, code, min_8bit_size, rounding)
-  moment = _Moment("8bit", True, block_size, code, min_8bit_size, rounding)
+  check_options(block_size, code, min_8bit_size, rounding)
+  moment = Moment("8bit", True, block_size, code, min_8bit_size, rounding)
   return optax.chain(
       _trace(momentum, bool(nesterov), moment, seed),
       optax.scale_by_learning_rate(learning_rate),

@@ -1,276 +1,34 @@
-"""The train-step builder: forward and loss, gradient, update, per-mode wrappers.
+"""The train-step builder: :func:`make_train_step`.
 
-:func:`make_train_step` checks its arguments in one place, builds the
-per-replica step from three pieces (:func:`_forward`: policy casts, model
-and loss; :func:`_gradients`: the (loss-scaled) gradient and its replica
-average; :func:`_update`: the optimizer and the skip of non-finite steps)
-and compiles it for one device, ``pmap`` or ``shard_map`` (:func:`_compile`).
+It checks its arguments in one place (:mod:`jmp_train._src.train_setup`),
+builds the per-replica step (:mod:`jmp_train._src.replica_step`: policy
+casts, model and loss; the (loss-scaled) gradient and its replica average;
+the optimizer and the skip of non-finite steps) and compiles it for one
+device, ``pmap`` or ``shard_map`` (:mod:`jmp_train._src.train_modes`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
-import chex
-import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh
 
 from jmp_train._src import buckets
-from jmp_train._src import fp8 as fp8_lib
-from jmp_train._src import fp8_flax
 from jmp_train._src import train_model
 from jmp_train._src import train_modes
 from jmp_train._src.policy import Policy, get_policy
-from jmp_train._src.train_state import TrainState, TrainStep
+from jmp_train._src.replica_step import StepConfig
+from jmp_train._src.replica_step import eval_step
+from jmp_train._src.replica_step import train_step
+from jmp_train._src.train_setup import check_arguments
+from jmp_train._src.train_setup import compose
+from jmp_train._src.train_setup import layout
+from jmp_train._src.train_state import TrainStep
 
 __all__ = ["make_train_step"]
-
-_MODES = ("single", "pmap", "shard_map")
-_REDUCE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  """What the per-replica step needs to know (static)."""
-
-  model: Any
-  loss_fn: Callable[..., Any]
-  tx: optax.GradientTransformationExtraArgs
-  policy: Policy
-  ls_api: Any
-  axis_name: str | None
-  exchange: bool  # average the gradients here (no compression)
-  has_aux: bool
-  cast_params: bool
-  remat_policy: Callable[..., bool] | None
-  bucket_bytes: int
-  reduce_dtype: Any
-
-
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-  if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-    what = f"a {type(batch).__name__}"
-    if hasattr(batch, "shape") and hasattr(batch, "dtype"):
-      what = f"a single array of shape {tuple(batch.shape)} and dtype {batch.dtype}"
-    elif isinstance(batch, (tuple, list)):
-      what += f" of length {len(batch)}"
-    elif isinstance(batch, dict):
-      what += f" with keys {sorted(batch)}"
-    raise TypeError(
-        f"The batch must be a tuple (inputs, targets), got {what}. Pass "
-        f"step(state, (inputs, targets)), e.g. (batch['image'], batch['label'])."
-    )
-  return batch[0], batch[1]
-
-
-def _loss(cfg: _Config, outputs, targets):
-  result = cfg.loss_fn(cfg.policy.cast_to_output(outputs), targets)
-  loss, aux = result if cfg.has_aux else (result, {})
-  loss = jnp.asarray(loss, jnp.float32)
-  chex.assert_shape(loss, ())
-  return loss, aux
-
-
-def _forward(cfg: _Config, params, model_state, inputs, targets, rng, replica):
-  """The loss of one replica's batch, its aux metrics and the new model state."""
-  if cfg.cast_params:
-    params = cfg.policy.cast_to_compute(params)
-  outputs, new_model_state = cfg.model.train_apply(
-      params, model_state, cfg.policy.cast_to_compute(inputs), rng, replica
-  )
-  # Keep the model state's dtypes stable across steps.
-  new_model_state = jax.tree.map(
-      lambda new, old: jnp.asarray(new, old.dtype), new_model_state, model_state
-  )
-  loss, aux = _loss(cfg, outputs, targets)
-  return loss, (aux, new_model_state)
-
-
-def _replica(cfg: _Config):
-  return None if cfg.axis_name is None else lax.axis_index(cfg.axis_name)
-
-
-def _gradients(cfg: _Config, state: TrainState, inputs, targets):
-  """The loss, aux, new model state, gradients (replica mean unless compressed) and scale."""
-  replica = _replica(cfg)
-  rng = None
-  if state.rng is not None:
-    rng = jax.random.fold_in(state.rng, state.step)
-    if replica is not None:
-      rng = jax.random.fold_in(rng, replica)
-  # FP8 products' scaling state is differentiated too: its "gradient" is its
-  # new value (see jmp_train.fp8_dot_general).
-  fp8, rest = fp8_flax.split_fp8_state(state.model_state)
-  has_fp8 = bool(jax.tree.leaves(fp8))
-
-  def objective(diff):
-    params, model_state = diff, state.model_state
-    if has_fp8:
-      params, model_state = diff[0], fp8_flax.merge_fp8_state(diff[1], rest)
-    return _forward(cfg, params, model_state, inputs, targets, rng, replica)
-
-  if cfg.remat_policy is not None:
-    objective = jax.checkpoint(objective, policy=cfg.remat_policy)
-  diff = (state.params, fp8) if has_fp8 else state.params
-  if cfg.ls_api is None:
-    scale = jnp.ones((), jnp.float32)
-    (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(diff)
-  else:
-    current = cfg.ls_api.get_loss_scale(state.opt_state)
-    scale = jnp.asarray(current.loss_scale, jnp.float32)
-    (loss, (aux, model_state)), grads = cfg.ls_api.scaled_value_and_grad(
-        objective, has_aux=True
-    )(current, diff)
-  if has_fp8:
-    grads, fp8_grads = grads
-  if cfg.exchange:
-    grads = buckets.bucketed_mean(grads, cfg.axis_name, cfg.bucket_bytes, cfg.reduce_dtype)
-  if cfg.axis_name is not None:
-    # Batch statistics from each replica's share of the batch, averaged so
-    # that every replica keeps the same model state (as Flax's examples do).
-    model_state = jax.tree.map(
-        lambda x: lax.pmean(x, cfg.axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-        model_state,
-    )
-  if has_fp8:
-    new_fp8 = fp8_lib.update_fp8_meta(fp8, fp8_grads, cfg.axis_name)
-    model_state = fp8_flax.merge_fp8_state(new_fp8, fp8_flax.split_fp8_state(model_state)[1])
-  return loss, aux, model_state, grads, scale
-
-
-def _update(cfg: _Config, state: TrainState, grads, model_state):
-  """Applies the optimizer; keeps the old model state on a skipped step."""
-  updates, opt_state = cfg.tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  if cfg.ls_api is None:
-    return params, opt_state, model_state, None, jnp.zeros((), jnp.int32)
-  ls_metrics = cfg.ls_api.loss_scale_metrics(opt_state)
-  finite = jnp.asarray(ls_metrics["last_finite"], jnp.bool_)
-  model_state = jax.tree.map(
-      lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
-  )
-  skipped = jnp.asarray(ls_metrics["total_notfinite"], jnp.int32)
-  return params, opt_state, model_state, ls_metrics["loss_scale"], skipped
-
-
-def _mean(cfg: _Config, x):
-  x = jnp.asarray(x)
-  if cfg.axis_name is None:
-    return x
-  if jnp.issubdtype(x.dtype, jnp.integer):
-    return lax.pmax(x, cfg.axis_name)
-  return lax.pmean(x, cfg.axis_name)
-
-
-def _train_step(cfg: _Config, state: TrainState, batch):
-  """One step on one replica: ``(state, metrics)``."""
-  inputs, targets = _split_batch(batch)
-  loss, aux, model_state, grads, scale = _gradients(cfg, state, inputs, targets)
-  grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / scale
-  params, opt_state, model_state, new_scale, skipped = _update(cfg, state, grads, model_state)
-  new_state = state.replace(
-      step=optax.safe_increment(state.step),
-      params=params,
-      opt_state=opt_state,
-      model_state=model_state,
-  )
-  metrics = {
-      "loss": loss,
-      "loss_scale": scale if new_scale is None else new_scale,
-      "skipped_steps": skipped,
-      "grad_norm": grad_norm,
-      **aux,
-  }
-  return new_state, jax.tree.map(functools.partial(_mean, cfg), metrics)
-
-
-def _eval_step(cfg: _Config, state: TrainState, batch):
-  inputs, targets = _split_batch(batch)
-  params = cfg.policy.cast_to_compute(state.params) if cfg.cast_params else state.params
-  outputs = cfg.model.eval_apply(params, state.model_state, cfg.policy.cast_to_compute(inputs))
-  loss, aux = _loss(cfg, outputs, targets)
-  return jax.tree.map(functools.partial(_mean, cfg), {"loss": loss, **aux})
-
-
-def _check_transformation(name: str, tx: Any, allow_none: bool) -> None:
-  if tx is None and allow_none:
-    return
-  if isinstance(tx, optax.GradientTransformation) or (
-      callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
-  ):
-    return
-  hint = ""
-  if callable(tx):
-    hint = (f" {getattr(tx, '__name__', tx)!r} looks like a factory: call it, "
-            f"e.g. optax.sgd(0.1) rather than optax.sgd.")
-  raise TypeError(
-      f"{name} must be an optax.GradientTransformation"
-      f"{' or None' if allow_none else ''}, got {type(tx).__name__}: {tx!r}.{hint}"
-  )
-
-
-def _dtype_name(dtype: Any) -> str | None:
-  try:
-    return jnp.dtype(dtype).name
-  except TypeError:
-    return None
-
-
-def _check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype) -> None:
-  """Validation in one place: TypeError/ValueError naming the bad value."""
-  if not callable(loss_fn):
-    raise TypeError(
-        f"loss_fn must be callable as loss_fn(outputs, targets), got "
-        f"{type(loss_fn).__name__}: {loss_fn!r}."
-    )
-  _check_transformation("optimizer", optimizer, allow_none=compression is not None)
-  _check_transformation("compression", compression, allow_none=True)
-  if mode not in _MODES:
-    raise ValueError(f"Unknown mode {mode!r}; valid modes: {', '.join(_MODES)}.")
-  if compression is not None and mode == "single":
-    raise ValueError(
-        "compression averages gradients across replicas, so it needs mode "
-        "'pmap' or 'shard_map', not 'single'."
-    )
-  if grad_reduce_dtype is not None and _dtype_name(grad_reduce_dtype) not in _REDUCE_DTYPES:
-    raise ValueError(
-        f"grad_reduce_dtype {grad_reduce_dtype!r} is not supported; valid: None, "
-        f"{', '.join(_REDUCE_DTYPES)}."
-    )
-
-
-def _layout(mode: str, axis_name: str, mesh: Mesh | None) -> tuple[Mesh | None, int]:
-  """The mesh (``shard_map`` only) and the number of data-parallel replicas."""
-  if mode == "shard_map":
-    if mesh is None:
-      mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
-    if axis_name not in mesh.axis_names:
-      raise ValueError(
-          f"axis_name {axis_name!r} is not an axis of the mesh; mesh axes: "
-          f"{mesh.axis_names}."
-      )
-    return mesh, mesh.shape[axis_name]
-  if mesh is not None:
-    raise ValueError(f"mesh is only used with mode='shard_map', not {mode!r}.")
-  return None, jax.device_count() if mode == "pmap" else 1
-
-
-def _compose(optimizer, compression, loss_scale, axis):
-  """``loss_scaled(chain(compression, optimizer))``, parts left out when None."""
-  parts = [t for t in (compression, optimizer) if t is not None]
-  tx = optax.with_extra_args_support(parts[0] if len(parts) == 1 else optax.chain(*parts))
-  if loss_scale is None:
-    return tx, None
-  # Imported here: a step without loss scaling does not need the module.
-  from jmp_train._src import loss_scaling  # pylint: disable=g-import-not-at-top
-
-  return loss_scaling.loss_scaled(tx, loss_scale, axis_name=axis), loss_scaling
 
 
 def make_train_step(
@@ -414,21 +172,21 @@ def make_train_step(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
     https://arxiv.org/abs/1710.03740
   """
-  _check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype)
+  check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype)
   policy = get_policy(policy)
   model = train_model.as_model(apply_fn, eval_apply_fn, rng_collections)
-  mesh, num_replicas = _layout(mode, axis_name, mesh)
+  mesh, num_replicas = layout(mode, axis_name, mesh)
   axis = axis_name if mode != "single" else None
-  tx, ls_api = _compose(optimizer, compression, loss_scale, axis)
-  cfg = _Config(
+  tx, ls_api = compose(optimizer, compression, loss_scale, axis)
+  cfg = StepConfig(
       model=model, loss_fn=loss_fn, tx=tx, policy=policy, ls_api=ls_api,
       axis_name=axis, exchange=axis is not None and compression is None,
       has_aux=has_aux, cast_params=cast_params, remat_policy=remat_policy,
       bucket_bytes=bucket_bytes,
       reduce_dtype=None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
   )
-  train = functools.partial(_train_step, cfg)
-  evaluate = functools.partial(_eval_step, cfg)
+  train = functools.partial(train_step, cfg)
+  evaluate = functools.partial(eval_step, cfg)
   if mode == "single":
     compiled = train_modes.compile_single(train, evaluate, tx.init, donate)
   elif mode == "pmap":

@@ -2,15 +2,20 @@
 
 * :mod:`jmp_train.examples.cli`: the ``jmp-train`` command (``python -m
   jmp_train`` runs it too).
-* :mod:`jmp_train.examples.demo`: the configurations it trains and compares;
+* :mod:`jmp_train.examples.demo`: runs the configurations it trains and
+  compares (:mod:`~jmp_train.examples.demo_configs`), on its tasks
+  (:mod:`~jmp_train.examples.demo_tasks`), one row at a time
+  (:mod:`~jmp_train.examples.demo_training`);
   :mod:`jmp_train.examples.demo_plot` draws its figure.
 * :mod:`jmp_train.examples.data`: small data sets that need no download (the
   Python standard library's source as a character corpus; scikit-learn's
   8x8 digits).
 * :mod:`jmp_train.examples.models`: example Flax models (MLP, ResNet,
-  Transformer), each in linen and NNX with the same variables.
+  Transformer: ``models_mlp``, ``models_resnet``, ``models_transformer``),
+  each in linen and NNX with the same variables.
 * :mod:`jmp_train.examples.half_weights`: the half-precision weight-update
-  experiment behind the benchmarks and notebook 03.
+  experiment behind the benchmarks and notebook 03 (its setups in
+  :mod:`~jmp_train.examples.half_weights_setups`).
 
 The library (``jmp_train``, ``jmp_train.flax``, ``jmp_train.diagnostics``)
 imports nothing from here.

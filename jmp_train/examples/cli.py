@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any, Callable
 
 _NUM_DEVICES = 8
 _PROG = "jmp-train"
@@ -41,44 +42,26 @@ class _UsageError(Exception):
   pass
 
 
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-  return value
+def _number(convert: Callable[[str], Any], valid: Callable[[Any], bool], expected: str):
+  """An argparse ``type``: ``convert(text)``, which ``valid`` must accept."""
+
+  def parse(text: str):
+    try:
+      value = convert(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not valid(value):
+      shown = value if isinstance(value, int) else text
+      raise argparse.ArgumentTypeError(f"expected {expected}, got {shown}")
+    return value
+
+  return parse
 
 
-def _nonnegative_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-  return value
-
-
-def _fraction(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-  if not 0.0 < value <= 1.0:
-    raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
-  return value
-
-
-def _positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-  if not value > 0:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-  return value
+_positive_int = _number(int, lambda v: v > 0, "a positive integer")
+_nonnegative_int = _number(int, lambda v: v >= 0, "a non-negative integer")
+_fraction = _number(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+_positive_float = _number(float, lambda v: v > 0, "a positive number")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,13 @@ __all__ = [
 ]
 
 
+def _cast_counts(tree: Any, dtype: Any, scale: Any, caller: str, axis_name: Any):
+  """The cast counts of ``tree`` (summed over ``axis_name``), arguments checked."""
+  dtype = _common.target_dtype(dtype)
+  _common.check_positive("scale", scale)
+  return _casts.sum_counts(tree, dtype, scale, caller, axis_name)
+
+
 def underflow_fraction(
     tree: Any, dtype: Any = jnp.float16, scale: Any = 1.0, *, axis_name: Any = None
 ) -> jax.Array:
@@ -60,9 +67,7 @@ def underflow_fraction(
     >>> float(underflow_fraction(x, "float16")), float(underflow_fraction(x, "bfloat16"))
     (0.5, 0.0)
   """
-  dtype = _common.target_dtype(dtype)
-  _common.check_positive("scale", scale)
-  c = _casts.sum_counts(tree, dtype, scale, "underflow_fraction", axis_name)
+  c = _cast_counts(tree, dtype, scale, "underflow_fraction", axis_name)
   return _casts.fraction(c.underflow, c.nonzero)
 
 
@@ -96,9 +101,7 @@ def overflow_fraction(
     >>> float(overflow_fraction(jnp.array([65519.0, 65520.0]), "float16"))
     0.5
   """
-  dtype = _common.target_dtype(dtype)
-  _common.check_positive("scale", scale)
-  c = _casts.sum_counts(tree, dtype, scale, "overflow_fraction", axis_name)
+  c = _cast_counts(tree, dtype, scale, "overflow_fraction", axis_name)
   return _casts.fraction(c.overflow, c.nonzero)
 
 

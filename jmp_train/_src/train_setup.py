@@ -1,0 +1,119 @@
+"""Argument checks and composition for :func:`~jmp_train.make_train_step`.
+
+Validation in one place (a ``TypeError``/``ValueError`` naming the bad value
+and the valid ones), the mesh and replica count of each mode, and the
+optimizer chain wrapped in loss scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+__all__ = ["LossScalingFns", "check_arguments", "compose", "layout"]
+
+MODES = ("single", "pmap", "shard_map")
+_REDUCE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class LossScalingFns(NamedTuple):
+  """The loss-scaling functions the step calls (loaded only when used)."""
+
+  get_loss_scale: Callable[..., Any]
+  scaled_value_and_grad: Callable[..., Any]
+  loss_scale_metrics: Callable[..., Any]
+
+
+def _check_transformation(name: str, tx: Any, allow_none: bool) -> None:
+  if tx is None and allow_none:
+    return
+  if isinstance(tx, optax.GradientTransformation) or (
+      callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+  ):
+    return
+  hint = ""
+  if callable(tx):
+    hint = (f" {getattr(tx, '__name__', tx)!r} looks like a factory: call it, "
+            f"e.g. optax.sgd(0.1) rather than optax.sgd.")
+  raise TypeError(
+      f"{name} must be an optax.GradientTransformation"
+      f"{' or None' if allow_none else ''}, got {type(tx).__name__}: {tx!r}.{hint}"
+  )
+
+
+def _dtype_name(dtype: Any) -> str | None:
+  try:
+    return jnp.dtype(dtype).name
+  except TypeError:
+    return None
+
+
+def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype) -> None:
+  """Validation in one place: TypeError/ValueError naming the bad value."""
+  if not callable(loss_fn):
+    raise TypeError(
+        f"loss_fn must be callable as loss_fn(outputs, targets), got "
+        f"{type(loss_fn).__name__}: {loss_fn!r}."
+    )
+  _check_transformation("optimizer", optimizer, allow_none=compression is not None)
+  _check_transformation("compression", compression, allow_none=True)
+  if mode not in MODES:
+    raise ValueError(f"Unknown mode {mode!r}; valid modes: {', '.join(MODES)}.")
+  if compression is not None and mode == "single":
+    raise ValueError(
+        "compression averages gradients across replicas, so it needs mode "
+        "'pmap' or 'shard_map', not 'single'."
+    )
+  if grad_reduce_dtype is not None and _dtype_name(grad_reduce_dtype) not in _REDUCE_DTYPES:
+    raise ValueError(
+        f"grad_reduce_dtype {grad_reduce_dtype!r} is not supported; valid: None, "
+        f"{', '.join(_REDUCE_DTYPES)}."
+    )
+
+
+def layout(mode: str, axis_name: str, mesh: Mesh | None) -> tuple[Mesh | None, int]:
+  """The mesh (``shard_map`` only) and the number of data-parallel replicas."""
+  if mode == "shard_map":
+    if mesh is None:
+      mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
+    if axis_name not in mesh.axis_names:
+      raise ValueError(
+          f"axis_name {axis_name!r} is not an axis of the mesh; mesh axes: "
+          f"{mesh.axis_names}."
+      )
+    return mesh, mesh.shape[axis_name]
+  if mesh is not None:
+    raise ValueError(f"mesh is only used with mode='shard_map', not {mode!r}.")
+  return None, jax.device_count() if mode == "pmap" else 1
+
+
+def compose(optimizer, compression, loss_scale, axis):
+  """``loss_scaled(chain(compression, optimizer))``, parts left out when None.
+
+  Returns:
+    The transformation and the :class:`LossScalingFns` (``None`` without
+    loss scaling).
+  """
+  parts = [t for t in (compression, optimizer) if t is not None]
+  tx = optax.with_extra_args_support(parts[0] if len(parts) == 1 else optax.chain(*parts))
+  if loss_scale is None:
+    return tx, None
+  # Imported here: a step without loss scaling does not need the modules.
+  # pylint: disable=g-import-not-at-top
+  from jmp_train._src import loss_scale_lookup
+  from jmp_train._src import loss_scaling
+  from jmp_train._src import scaled_grad
+  # pylint: enable=g-import-not-at-top
+
+  fns = LossScalingFns(
+      get_loss_scale=loss_scale_lookup.get_loss_scale,
+      scaled_value_and_grad=scaled_grad.scaled_value_and_grad,
+      loss_scale_metrics=loss_scale_lookup.loss_scale_metrics,
+  )
+  return loss_scaling.loss_scaled(tx, loss_scale, axis_name=axis), fns
+

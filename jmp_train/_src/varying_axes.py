@@ -1,0 +1,58 @@
+"""Which mesh axes a value varies over inside ``shard_map``, and marking more.
+
+Both branches of a ``lax.cond`` (and both operands of a select) must agree on
+the mesh axes each output varies over; these helpers read them from a value's
+abstract type and mark a value as varying over more axes (which changes no
+value). Outside ``shard_map`` a value varies over no axis and marking is a
+no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+__all__ = ["pvary", "varying_axes"]
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere).
+
+  Args:
+    x: an array, a tracer or a ``jax.ShapeDtypeStruct``.
+
+  Returns:
+    The names of the manual mesh axes ``x`` varies over.
+
+  Examples:
+    >>> sorted(varying_axes(jnp.zeros(3)))
+    []
+  """
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", None) or ())  # older jax
+
+
+def pvary(x: Any, axes: frozenset[str]) -> Any:
+  """Marks ``x`` as varying over ``axes`` (a no-op for axes it varies over).
+
+  Args:
+    x: an array or tracer.
+    axes: the mesh axes ``x`` must vary over.
+
+  Returns:
+    ``x``, unchanged in value, varying over at least ``axes``.
+
+  Examples:
+    >>> pvary(jnp.ones(2), frozenset()).tolist()
+    [1.0, 1.0]
+  """
+  missing = tuple(sorted(axes - varying_axes(x)))
+  if not missing:
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, missing, to="varying")
+  return jax.lax.pvary(x, missing)

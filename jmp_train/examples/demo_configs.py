@@ -1,0 +1,207 @@
+"""The demo's configurations, settings, learning-rate schedule and optimizers.
+
+Each row of the demo is a :class:`RunConfig` of :data:`CONFIGS`; the CLI
+flags are a :class:`DemoSettings`. Every row trains under
+:func:`learning_rate_schedule`, with the optimizer
+:func:`single_device_optimizer` or :func:`data_parallel_optimizer` builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import optax
+
+import jmp_train
+
+__all__ = [
+    "COLUMNS", "COMPARISONS", "CONFIGS", "DemoError", "DemoSettings", "NUM_DEVICES",
+    "RunConfig", "data_parallel_optimizer", "learning_rate_schedule",
+    "single_device_optimizer", "warmup_steps",
+]
+
+NUM_DEVICES = 8
+
+
+class DemoError(Exception):
+  """A user-facing error: printed as one line by the CLI, no traceback."""
+
+
+class RunConfig(NamedTuple):
+  """One row of the demo.
+
+  Attributes:
+    name: short name (``--configs`` takes these).
+    description: what the row shows.
+    policy: the dtype policy spec.
+    loss_scale: ``"none"`` or ``"dynamic"``.
+    optimizer: ``"momentum"`` (``optax.sgd`` with momentum: the buffer
+      accumulates gradients, the learning rate is applied last),
+      ``"momentum-lr-in-buffer"`` (``H ← mH − λg; W ← W + H``, the plain form
+      that keeps the learning rate inside the buffer) or
+      ``"modified-momentum"`` (:func:`jmp_train.modified_momentum_sgd`).
+    devices: 1 (``jit``) or 8 (``shard_map`` over a data-parallel mesh).
+    compression: ``"none"``, ``"1bit"`` (with error feedback) or
+      ``"1bit-noef"`` (without).
+    reference: the row this one is compared with (``val_loss_gap``).
+  """
+
+  name: str
+  description: str
+  policy: str
+  loss_scale: str = "none"
+  optimizer: str = "momentum"
+  devices: int = 1
+  compression: str = "none"
+  reference: str = "f32"
+
+
+_F16_WEIGHTS = "params=float16,compute=float16,output=float32"
+
+CONFIGS: dict[str, RunConfig] = {
+    c.name: c
+    for c in (
+        RunConfig("f32", "float32", "float32"),
+        RunConfig("f16", "mixed float16, no loss scaling", "mixed_float16"),
+        RunConfig("f16-dls", "mixed float16, dynamic loss scaling", "mixed_float16", "dynamic"),
+        RunConfig("bf16", "mixed bfloat16", "mixed_bfloat16"),
+        RunConfig("f16w-sgd", "float16 weights, momentum SGD (optax.sgd)",
+                  _F16_WEIGHTS, "dynamic", "momentum"),
+        RunConfig("f16w-mmsgd", "float16 weights, modified momentum SGD",
+                  _F16_WEIGHTS, "dynamic", "modified-momentum"),
+        RunConfig("8dev-f32", "8 devices, float32 all-reduce", "float32",
+                  devices=NUM_DEVICES, reference="8dev-f32"),
+        RunConfig("8dev-1bit-noef", "8 devices, 1-bit, no error feedback", "float32",
+                  devices=NUM_DEVICES, compression="1bit-noef", reference="8dev-f32"),
+        RunConfig("8dev-1bit", "8 devices, 1-bit SGD + error feedback", "float32",
+                  devices=NUM_DEVICES, compression="1bit", reference="8dev-f32"),
+    )
+}
+
+# The three comparisons of the figure, each with its reference first.
+COMPARISONS = {
+    "loss scaling": ("f32", "f16", "f16-dls", "bf16"),
+    "weight updates": ("f32", "f16w-sgd", "f16w-mmsgd"),
+    "compression": ("8dev-f32", "8dev-1bit-noef", "8dev-1bit"),
+}
+
+COLUMNS = (
+    "config", "train_loss", "val_loss", "val_loss_gap", "val_acc", "steps_per_s", "skipped",
+    "loss_scale", "underflow_f16", "underflow_f16_logits", "state_bytes",
+    "wire_bytes_per_step",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings:
+  """The demo's knobs (the CLI flags)."""
+
+  task: str = "text"
+  steps: int = 200
+  batch: int = 32
+  seq_len: int = 64
+  d_model: int = 64
+  layers: int = 1
+  hidden: int = 128
+  learning_rate: float = 0.15
+  warmup_fraction: float = 0.1
+  final_lr_fraction: float = 0.01
+  momentum: float = 0.9
+  one_bit_warmup_steps: int = 0
+  one_bit_scale: str = "l1"
+  init: str = "flax"
+  configs: tuple[str, ...] = tuple(CONFIGS)
+  out: str = "jmp_train_output"
+  seed: int = 0
+  eval_batches: int = 4
+  num_processes: int = 1
+  plot: bool = True
+  progress: bool = True
+
+
+def warmup_steps(s: DemoSettings) -> int:
+  """Steps of the learning-rate warm-up (``warmup_fraction`` of the steps, at least 1)."""
+  return max(1, int(s.warmup_fraction * s.steps))
+
+
+def learning_rate_schedule(s: DemoSettings) -> optax.Schedule:
+  """Linear warm-up over ``warmup_fraction`` of the steps, then cosine decay.
+
+  From 0 to ``learning_rate``, then down to ``learning_rate *
+  final_lr_fraction`` at the last step (``optax.warmup_cosine_decay_schedule``).
+  """
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=s.learning_rate,
+      warmup_steps=warmup_steps(s),
+      decay_steps=max(2, s.steps),
+      end_value=s.learning_rate * s.final_lr_fraction,
+  )
+
+
+def single_device_optimizer(cfg: RunConfig, s: DemoSettings) -> optax.GradientTransformation:
+  """The optimizer of a single-device row (all under one schedule)."""
+  lr, m = learning_rate_schedule(s), s.momentum
+  if cfg.optimizer == "momentum":
+    return optax.sgd(lr, momentum=m)
+  if cfg.optimizer == "momentum-lr-in-buffer":
+    # H <- m H - lr g ; W <- W + H, with H in the parameters' dtype.
+    return optax.chain(optax.scale_by_learning_rate(lr), optax.trace(decay=m))
+  if cfg.optimizer == "modified-momentum":
+    return jmp_train.modified_momentum_sgd(lr, momentum=m)
+  raise ValueError(
+      f"Unknown optimizer {cfg.optimizer!r}; valid: 'momentum', 'momentum-lr-in-buffer', "
+      "'modified-momentum'."
+  )
+
+
+def _one_bit_momentum():
+  # Public as jmp_train.one_bit_momentum once exported; the module until then.
+  if hasattr(jmp_train, "one_bit_momentum"):
+    return jmp_train.one_bit_momentum
+  from jmp_train._src.one_bit_optimizers import one_bit_momentum  # pylint: disable=g-import-not-at-top
+
+  return one_bit_momentum
+
+
+def data_parallel_optimizer(
+    cfg: RunConfig, s: DemoSettings, axis_name: str = "batch"
+) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
+  """``(compression, optimizer)`` of an 8-device row, for ``make_train_step``.
+
+  Every 8-device row runs the single-device rows' momentum SGD (momentum
+  ``s.momentum``) under the same schedule:
+
+  * ``8dev-f32``: float32 ``pmean`` of the gradients, then ``optax.sgd``;
+  * ``8dev-1bit-noef``: each replica's gradient sent as 1 bit per element
+    (:func:`jmp_train.sign_compression` with ``error_feedback=False``: what
+    the quantization drops is lost), then ``optax.sgd``;
+  * ``8dev-1bit``: 1-bit SGD with error feedback on the momentum
+    (``one_bit_momentum``): each replica adds its gradient to the momentum,
+    and the momentum crosses devices as 1 bit per element with worker and
+    server residuals. (Compressing gradients *before* a momentum buffer
+    lets the momentum integrate the quantization error, which diverged on
+    this task at momentum 0.9.)
+
+  Both 1-bit rows reconstruct with ``s.one_bit_scale``: ``"l1"`` (default;
+  one value per tensor chunk, the mean ``|v|``, as EF-SignSGD), ``"l2"`` or
+  ``"column"`` (one value per column, Seide et al.). ``s.one_bit_warmup_steps``
+  exact steps come first in ``8dev-1bit``.
+  """
+  lr, m = learning_rate_schedule(s), s.momentum
+  if cfg.compression == "none":
+    return None, optax.sgd(lr, momentum=m)
+  if cfg.compression == "1bit-noef":
+    compression = jmp_train.sign_compression(
+        axis_name, error_feedback=False, server_error_feedback=False, scale=s.one_bit_scale)
+    return compression, optax.sgd(lr, momentum=m)
+  if cfg.compression == "1bit":
+    # It averages across replicas and applies the learning rate itself.
+    tx = _one_bit_momentum()(
+        lr, m, axis_name=axis_name, warmup_steps=s.one_bit_warmup_steps,
+        scale=s.one_bit_scale)
+    return tx, optax.identity()
+  raise ValueError(
+      f"Unknown compression {cfg.compression!r}; valid: 'none', '1bit', '1bit-noef'."
+  )

@@ -1,0 +1,208 @@
+"""Training and evaluating one configuration of the demo: its table row and curves."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+import jmp_train
+from jmp_train.examples.demo_configs import CONFIGS
+from jmp_train.examples.demo_configs import NUM_DEVICES
+from jmp_train.examples.demo_configs import DemoSettings
+from jmp_train.examples.demo_configs import RunConfig
+from jmp_train.examples.demo_configs import data_parallel_optimizer
+from jmp_train.examples.demo_configs import single_device_optimizer
+from jmp_train.examples.demo_tasks import TASKS
+from jmp_train.examples.demo_tasks import Task
+from jmp_train.examples.demo_tasks import init_params as init_task_params
+from jmp_train.examples.demo_tasks import loss_fn
+
+__all__ = ["data_parallel_devices", "run_config", "run_configs"]
+
+def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> jmp_train.TrainStep:
+  model = jmp_train.flax.apply_policy(task.model, cfg.policy)
+  loss_scale = None
+  if cfg.loss_scale == "dynamic":
+    # Growth after 50 good steps (2000 is the usual default for long runs;
+    # a short demo would never see it grow).
+    loss_scale = jmp_train.DynamicLossScale(2.0**15, growth_interval=50)
+  if cfg.devices > 1:
+    compression, optimizer = data_parallel_optimizer(cfg, s)
+  else:
+    compression, optimizer = None, single_device_optimizer(cfg, s)
+  return jmp_train.make_train_step(
+      functools.partial(model.apply, train=True),
+      loss_fn,
+      optimizer,
+      policy=cfg.policy,
+      loss_scale=loss_scale,
+      compression=compression,
+      mode="shard_map" if cfg.devices > 1 else "single",
+      mesh=_data_parallel_mesh() if cfg.devices > 1 else None,
+      has_aux=True,
+      # apply_policy casts inside the model, keeping normalisation in float32.
+      cast_params=False,
+      eval_apply_fn=functools.partial(model.apply, train=False),
+  )
+
+
+def data_parallel_devices() -> list[Any]:
+  """8 devices for the data-parallel rows: the default backend's, else CPUs.
+
+  On a one-GPU machine the 8-device rows run on the 8 simulated CPU devices
+  while the single-device rows use the GPU.
+  """
+  devices = jax.devices()
+  if len(devices) < NUM_DEVICES:
+    try:
+      devices = jax.devices("cpu")
+    except RuntimeError:
+      pass
+  return devices[:NUM_DEVICES]
+
+
+def _data_parallel_mesh() -> Mesh:
+  return Mesh(np.asarray(data_parallel_devices()), ("batch",))
+
+
+def _local_rows(batch, step: jmp_train.TrainStep):
+  """This process's rows of a global batch (all rows on one process)."""
+  if step.mode == "single" or jax.process_count() == 1:
+    return batch
+  n, i = jax.process_count(), jax.process_index()
+  return jax.tree.map(lambda x: x[i * len(x) // n:(i + 1) * len(x) // n], batch)
+
+
+def _make_probe(task: Task):
+  """Float32 gradients (parameters and logits) and their float16 underflow at scale 1."""
+
+  @jax.jit
+  def probe(params, batch):
+    inputs, targets = batch
+    logits, vjp = jax.vjp(lambda p: task.model.apply({"params": p}, inputs), params)
+    g_logits = jax.grad(lambda z: loss_fn(z, targets)[0])(logits)
+    (g_params,) = vjp(g_logits)
+    return {
+        "params": g_params,
+        "logits": g_logits,
+        "underflow_f16": jmp_train.diagnostics.underflow_fraction(g_params, jnp.float16),
+        "underflow_f16_logits": jmp_train.diagnostics.underflow_fraction(g_logits, jnp.float16),
+    }
+
+  return probe
+
+
+def _tree_bytes(tree: Any) -> int:
+  return int(sum(np.dtype(x.dtype).itemsize * np.size(x) for x in jax.tree.leaves(tree)))
+
+
+def _train(step, compiled, state, task, s, progress):
+  """Runs the steps; returns the state, the last metrics, curves and steps/s."""
+  losses, scales, start, metrics = [], [], None, None
+  first = step.shard_batch(_local_rows(task.train_batch(0), step))
+  for i in range(s.steps):
+    batch = first if i == 0 else step.shard_batch(_local_rows(task.train_batch(i), step))
+    state, metrics = compiled(state, batch)
+    losses.append(metrics["loss"])
+    scales.append(metrics["loss_scale"])
+    if step.mode != "single" or i == 0:
+      # Wait for each multi-device step before queueing the next: queued
+      # collectives can starve on XLA:CPU.
+      jax.block_until_ready(metrics)
+    if i == 0:
+      start = time.perf_counter()
+    if (i + 1) % 10 == 0 or i + 1 == s.steps:
+      progress(i + 1, {"loss": float(metrics["loss"])})
+  jax.block_until_ready(state)
+  elapsed = time.perf_counter() - start
+  steps_per_s = (s.steps - 1) / elapsed if s.steps > 1 and elapsed > 0 else float("nan")
+  curves = {
+      "loss": np.asarray(jax.device_get(jnp.stack(losses)), np.float64).tolist(),
+      "loss_scale": np.asarray(jax.device_get(jnp.stack(scales)), np.float64).tolist(),
+  }
+  return state, metrics, curves, steps_per_s
+
+
+def _evaluate(step, state, task) -> dict[str, dict[str, float]]:
+  evals = {}
+  for split, batches in task.eval_sets.items():
+    results = [
+        jax.device_get(step.evaluate(state, step.shard_batch(_local_rows(b, step))))
+        for b in batches
+    ]
+    evals[split] = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+  return evals
+
+
+def run_config(
+    cfg: RunConfig,
+    task: Task,
+    s: DemoSettings,
+    init_params: Any,
+    probe: Callable[..., Any],
+    progress: Callable[[int, dict[str, float]], None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Trains one configuration; returns its table row and its curves."""
+  step = _build_step(cfg, task, s)
+  state = step.init(init_params)
+  t0 = time.perf_counter()
+  compiled = step.lower(state, step.shard_batch(_local_rows(task.train_batch(0), step))).compile()
+  compile_s = time.perf_counter() - t0
+  wire = jmp_train.collective_bytes(compiled, wire=True)["total"] if cfg.devices > 1 else 0
+  state_bytes = _tree_bytes(step.unreplicate((state.params, state.opt_state)))
+  state, metrics, curves, steps_per_s = _train(step, compiled, state, task, s, progress)
+  evals = _evaluate(step, state, task)
+  params = jax.tree.map(lambda x: np.asarray(x, np.float32), step.unreplicate(state.params))
+  probed = jax.device_get(probe(params, task.eval_sets["val"][0]))
+  row = {
+      "config": cfg.name,
+      "description": cfg.description,
+      "policy": cfg.policy,
+      "reference": cfg.reference,
+      "train_loss": evals["train"]["loss"],
+      "val_loss": evals["val"]["loss"],
+      "train_acc": evals["train"]["accuracy"],
+      "val_acc": evals["val"]["accuracy"],
+      "steps_per_s": steps_per_s,
+      "compile_s": compile_s,
+      "skipped": int(metrics["skipped_steps"]),
+      "loss_scale": float(metrics["loss_scale"]),
+      "underflow_f16": float(probed["underflow_f16"]),
+      "underflow_f16_logits": float(probed["underflow_f16_logits"]),
+      "state_bytes": state_bytes,
+      "wire_bytes_per_step": int(wire),
+      "devices": cfg.devices,
+      "processes": jax.process_count() if cfg.devices > 1 else 1,
+      "backend": (step.mesh.devices.flat[0] if step.mesh is not None
+                  else jax.devices()[0]).platform,
+  }
+  curves["grads"] = {"params": probed["params"], "logits": probed["logits"]}
+  return row, curves
+
+
+def run_configs(s: DemoSettings, names: Sequence[str], bar=None) -> tuple[list[dict], dict]:
+  """Runs ``names`` in this process; returns rows and curves."""
+  task = TASKS[s.task](s)
+  params = init_task_params(task, s)
+  probe = _make_probe(task)
+  rows, curves = [], {}
+  for name in names:
+    cfg = CONFIGS[name]
+    done = [0]
+
+    def progress(i, postfix, cfg=cfg, done=done):
+      if bar is not None:
+        bar.update(i - done[0])
+        bar.set_postfix(config=cfg.name, **postfix)
+      done[0] = i
+
+    row, curve = run_config(cfg, task, s, params, probe, progress)
+    rows.append(row)
+    curves[name] = curve
+  return rows, curves
