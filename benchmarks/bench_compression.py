@@ -116,8 +116,8 @@ def _codec_calls(side: int, k: int) -> dict:
     r = jnp.zeros((layout.n_pad,), jnp.float32)
 
     def worker(g, r, layout=layout, scale=scale):
-      bits, pairs, r, _ = sign_codec.worker_step([g], r, layout, scale, decode=False)
-      return sign_codec.pack(bits), pairs, r
+      packed, pairs, r, _ = sign_codec.worker_step([g], r, layout, scale, decode=False)
+      return packed, pairs, r
 
     s, m = layout.chunk, layout.max_local
     bits = jax.random.bits(jax.random.key(1), (k, s // 8), jnp.uint8)

@@ -6,7 +6,12 @@ are row reductions and decoding is a broadcast of one ``(hi, lo)`` pair per
 row. Bits are packed eight to a ``uint8`` with shifts over a ``(-1, 8)``
 view (``bitorder="little"``: element ``8i + b`` is bit ``b`` of byte ``i``).
 
-* :func:`worker_step`: ``v = g + r``; bits, pairs, ``r <- v - decode``.
+The final decode writes a column-scale leaf in its own ``(rows, columns)``
+order: its bits cross from the buffer's column-by-column order as packed
+32-bit words (:func:`unpack_columns`), so no float buffer is transposed (a
+transpose runs several times slower than a copy on XLA:CPU).
+
+* :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``.
 * :func:`owner_step`: decode the ``K`` received chunks, average them, add
   the server residual, re-quantize (one ``lax.switch`` branch per owner:
   each owner's pieces are static).
@@ -22,7 +27,10 @@ from jax import lax
 from jmp_train._src.loss_scale import all_finite
 from jmp_train._src.sign_layout import Layout, Run, from_flat_leaf, leaf_rows
 
-__all__ = ["pack", "unpack", "quantize_rows", "worker_step", "owner_step", "final_decode"]
+__all__ = [
+    "pack", "unpack", "pack_columns", "unpack_columns", "quantize_rows",
+    "worker_step", "owner_step", "final_decode",
+]
 
 _SHIFTS = tuple(range(8))
 
@@ -39,6 +47,32 @@ def unpack(packed: jax.Array) -> jax.Array:
   shifts = jnp.asarray(_SHIFTS, jnp.uint8)
   b = (packed[..., None] >> shifts) & jnp.uint8(1)
   return b.astype(jnp.bool_).reshape(packed.shape[:-1] + (-1,))
+
+
+def _word_shifts() -> jax.Array:
+  return jnp.arange(32, dtype=jnp.uint32)[None, :, None]
+
+
+def pack_columns(bits: jax.Array) -> jax.Array:
+  """Packs a boolean ``(rows, columns)`` matrix in column-by-column order.
+
+  Equals ``pack(bits.T.reshape(-1))`` for ``rows`` a multiple of 32, with
+  no transpose of the bits: 32 rows are packed into one ``uint32`` word per
+  column, the ``(rows / 32, columns)`` words are transposed (1/32 of the
+  elements) and read as little-endian bytes.
+  """
+  r, c = bits.shape
+  words = jnp.sum(
+      bits.reshape(r // 32, 32, c).astype(jnp.uint32) << _word_shifts(), axis=1, dtype=jnp.uint32
+  )
+  return lax.bitcast_convert_type(words.T, jnp.uint8).reshape(-1)
+
+
+def unpack_columns(packed: jax.Array, rows: int, cols: int) -> jax.Array:
+  """Inverse of :func:`pack_columns`: ``rows * cols / 8`` bytes to ``(rows, cols)`` bool."""
+  words = lax.bitcast_convert_type(packed.reshape(cols, rows // 32, 4), jnp.uint32)
+  b = (words.T[:, None, :] >> _word_shifts()) & jnp.uint32(1)
+  return b.astype(jnp.bool_).reshape(rows, cols)
 
 
 def _column_sums(x: jax.Array):
@@ -83,18 +117,24 @@ def quantize_rows(x: jax.Array, scale: str):
   bits = x >= 0
   n = x.shape[-1]
   if scale == "column":
-    # Counts in float32: exact up to 2**24 entries per column.
-    pos_sum, neg_sum, pos_cnt = _column_sums(x)
-    hi = pos_sum / jnp.maximum(pos_cnt, 1.0)
-    lo = neg_sum / jnp.maximum(n - pos_cnt, 1.0)
+    pairs = _column_pairs(*_column_sums(x), n)
   else:
     total = _lane_sum(jnp.abs(x) if scale == "l1" else jnp.square(x))
     hi = total / max(n, 1)
     if scale == "l2":
       hi = jnp.sqrt(hi)
-    lo = -hi
-  pairs = jnp.stack([hi, lo], axis=-1)
+    pairs = jnp.stack([hi, -hi], axis=-1)
   return bits, pairs, decode_rows(bits, pairs)
+
+
+def _column_pairs(pos_sum, neg_sum, pos_cnt, n: int) -> jax.Array:
+  """``(hi, lo)``: the means of the non-negative and of the negative entries.
+
+  Counts are float32: exact up to 2**24 entries per column.
+  """
+  hi = pos_sum / jnp.maximum(pos_cnt, 1.0)
+  lo = neg_sum / jnp.maximum(n - pos_cnt, 1.0)
+  return jnp.stack([hi, lo], axis=-1)
 
 
 def decode_rows(bits: jax.Array, pairs: jax.Array) -> jax.Array:
@@ -105,6 +145,17 @@ def decode_rows(bits: jax.Array, pairs: jax.Array) -> jax.Array:
 def _view(flat: jax.Array, run: Run, base: int = 0) -> jax.Array:
   lo = base + run.start
   return flat[..., lo : lo + run.size].reshape(flat.shape[:-1] + (run.count, run.length))
+
+
+def _worker_run(run: Run, leaves, residual, scale: str, layout: Layout):
+  """One run: ``(v, bits, pairs, decoded)``, all in buffer order."""
+  if run.leaf >= 0:
+    v = leaf_rows(leaves[run.leaf], layout, run.leaf)
+  else:
+    v = jnp.zeros((run.count, run.length), jnp.float32)
+  if residual is not None:
+    v = v + _view(residual, run)
+  return (v,) + quantize_rows(v, scale)
 
 
 def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
@@ -118,20 +169,15 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
     decode: also return the decoded leaves (float32, leaf shapes).
 
   Returns:
-    ``(bits, pairs, new_residual, decoded)``: bits ``(n_pad,)`` bool, pairs
-    ``(segments, 2)`` float32 in buffer order, the new residual (``None``
-    without error feedback; the old one where ``v`` is not finite) and the
-    decoded leaves (``None`` unless ``decode``).
+    ``(packed, pairs, new_residual, decoded)``: the bits in buffer order
+    packed to ``(n_pad / 8,)`` uint8, pairs ``(segments, 2)`` float32 in
+    buffer order, the new residual (``None`` without error feedback; the
+    old one where ``v`` is not finite) and the decoded leaves (``None``
+    unless ``decode``).
   """
   bits, pairs, new_r, dec = [], [], [], []
   for run in layout.worker_runs:
-    if run.leaf >= 0:
-      v = leaf_rows(leaves[run.leaf], layout, run.leaf)
-    else:
-      v = jnp.zeros((run.count, run.length), jnp.float32)
-    if residual is not None:
-      v = v + _view(residual, run)
-    b, p, d = quantize_rows(v, scale)
+    v, b, p, d = _worker_run(run, leaves, residual, scale, layout)
     bits.append(b.reshape(-1))
     pairs.append(p)
     if residual is not None:
@@ -142,7 +188,7 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
   if residual is not None:
     # Non-finite v makes its segment's pairs non-finite: keep the residual.
     residual = jnp.where(all_finite(pairs), jnp.concatenate(new_r), residual)
-  return jnp.concatenate(bits), pairs, residual, (dec if decode else None)
+  return pack(jnp.concatenate(bits)), pairs, residual, (dec if decode else None)
 
 
 def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):
@@ -196,18 +242,51 @@ def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
   return lax.switch(owner, branches, recv_bits, recv_pairs, e)
 
 
+def _decode_columns(flat_bytes, all_pairs, layout: Layout, i: int) -> jax.Array:
+  """Word-packed leaf ``i`` decoded in its own ``(rows, columns)`` order.
+
+  Each column takes the pair of its piece that starts at row 0; the pieces
+  that start lower (a chunk boundary cuts the column) are written over it.
+  """
+  rows, cols, off = layout.rows(i), layout.shapes[i][-1], layout.offsets[i]
+  bits = unpack_columns(flat_bytes[off // 8 : (off + rows * cols) // 8], rows, cols)
+  base, cuts = [], []
+  for j, row, run in layout.leaf_runs(i):
+    if run.length == rows:  # whole columns
+      base.append(all_pairs[j, row : row + run.count])
+      continue
+    for t in range(run.count):
+      start = run.start + t * run.length
+      if start % rows == 0:
+        base.append(all_pairs[j, row + t : row + t + 1])
+      else:
+        cuts.append((all_pairs[j, row + t], start % rows, start // rows, run.length))
+  base = jnp.concatenate(base)  # (cols, 2)
+  out = jnp.where(bits, base[:, 0], base[:, 1])
+  for pair, a, c, length in cuts:
+    piece = jnp.where(bits[a : a + length, c : c + 1], pair[0], pair[1])
+    out = lax.dynamic_update_slice(out, piece, (a, c))
+  return out
+
+
 def final_decode(all_bits, all_pairs, layout: Layout, dtypes) -> list[jax.Array]:
   """The leaves from the owners' gathered ``(K, S/8)`` bits and ``(K, M, 2)`` pairs."""
-  bits = unpack(all_bits)  # (K, S)
+  words = [layout.packs_words(i) for i in range(len(layout.shapes))]
+  bits = None if all(words) else unpack(all_bits)  # (K, S)
   parts = [[] for _ in layout.shapes]
   for j, runs in enumerate(layout.owner_runs):
     row = 0
     for run in runs:
       pairs = all_pairs[j, row : row + run.count]
       row += run.count
-      if run.leaf >= 0:
+      if run.leaf >= 0 and not words[run.leaf]:
         parts[run.leaf].append(decode_rows(_view(bits[j], run), pairs).reshape(-1))
-  return [
-      from_flat_leaf(jnp.concatenate(p) if p else jnp.zeros((0,), jnp.float32), layout, i, dtype)
-      for i, (p, dtype) in enumerate(zip(parts, dtypes))
-  ]
+  out = []
+  for i, (p, dtype) in enumerate(zip(parts, dtypes)):
+    if words[i]:
+      x = _decode_columns(all_bits.reshape(-1), all_pairs, layout, i)
+      out.append(x.reshape(layout.shapes[i]).astype(dtype))
+    else:
+      flat = jnp.concatenate(p) if p else jnp.zeros((0,), jnp.float32)
+      out.append(from_flat_leaf(flat, layout, i, dtype))
+  return out
