@@ -147,6 +147,21 @@ def _view(flat: jax.Array, run: Run, base: int = 0) -> jax.Array:
   return flat[..., lo : lo + run.size].reshape(flat.shape[:-1] + (run.count, run.length))
 
 
+def _assemble(pieces, base: jax.Array) -> jax.Array:
+  """``base`` with every ``(start, flat)`` piece written from ``start``.
+
+  Used instead of ``jnp.concatenate``: XLA:CPU runs a concatenation of
+  computed pieces (and what is fused into it, such as bit packing) many
+  times slower than a copy, while dynamic-update-slices of the pieces into
+  one buffer run at memory speed.
+  """
+  if len(pieces) == 1 and pieces[0][1].shape == base.shape:
+    return pieces[0][1]
+  for start, x in pieces:
+    base = lax.dynamic_update_slice(base, x, (start,))
+  return base
+
+
 def _worker_run(run: Run, leaves, residual, scale: str, layout: Layout):
   """One run: ``(v, bits, pairs, decoded)``, all in buffer order."""
   if run.leaf >= 0:
@@ -175,26 +190,31 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
     old one where ``v`` is not finite) and the decoded leaves (``None``
     unless ``decode``).
   """
-  bits, pairs, new_r, dec = [], [], [], []
+  bits, pairs, vd, dec = [], [], [], []
   for run in layout.worker_runs:
     v, b, p, d = _worker_run(run, leaves, residual, scale, layout)
-    bits.append(b.reshape(-1))
+    bits.append((run.start, b.reshape(-1)))
     pairs.append(p)
-    if residual is not None:
-      new_r.append((v - d).reshape(-1))
+    vd.append((run, v, d))
     if decode and run.leaf >= 0:
       dec.append(from_flat_leaf(d.reshape(-1), layout, run.leaf, jnp.float32))
   pairs = jnp.concatenate(pairs)
   if residual is not None:
     # Non-finite v makes its segment's pairs non-finite: keep the residual.
-    residual = jnp.where(all_finite(pairs), jnp.concatenate(new_r), residual)
-  return pack(jnp.concatenate(bits)), pairs, residual, (dec if decode else None)
+    finite = all_finite(pairs)
+    new_r = [
+        (run.start, jnp.where(finite, v - d, _view(residual, run)).reshape(-1))
+        for run, v, d in vd
+    ]
+    residual = _assemble(new_r, residual)
+  packed = pack(_assemble(bits, jnp.zeros((layout.n_pad,), jnp.bool_)))
+  return packed, pairs, residual, (dec if decode else None)
 
 
 def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):
   """One owner's step on its static pieces ``runs``; ``e`` may be ``None``."""
   bits = unpack(recv_bits)  # (K, S)
-  out_bits, out_pairs, out_e = [], [], []
+  out_bits, out_pairs, ud = [], [], []
   row = 0
   for run in runs:
     pairs_in = recv_pairs[:, row : row + run.count]  # (K, count, 2)
@@ -208,14 +228,15 @@ def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):
     if e is not None:
       u = u + _view(e, run)
     b, p, d = quantize_rows(u, scale)
-    out_bits.append(b.reshape(-1))
+    out_bits.append((run.start, b.reshape(-1)))
     out_pairs.append(p)
-    if e is not None:
-      out_e.append((u - d).reshape(-1))
+    ud.append((run, u, d))
   pairs = jnp.concatenate(out_pairs + [jnp.zeros((m - row, 2), jnp.float32)])
   if e is not None:
-    e = jnp.where(all_finite(pairs), jnp.concatenate(out_e), e)
-  return pack(jnp.concatenate(out_bits)), pairs, e
+    finite = all_finite(pairs)
+    new_e = [(run.start, jnp.where(finite, u - d, _view(e, run)).reshape(-1)) for run, u, d in ud]
+    e = _assemble(new_e, e)
+  return pack(_assemble(out_bits, jnp.zeros(bits.shape[1:], jnp.bool_))), pairs, e
 
 
 def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
@@ -273,20 +294,17 @@ def final_decode(all_bits, all_pairs, layout: Layout, dtypes) -> list[jax.Array]
   """The leaves from the owners' gathered ``(K, S/8)`` bits and ``(K, M, 2)`` pairs."""
   words = [layout.packs_words(i) for i in range(len(layout.shapes))]
   bits = None if all(words) else unpack(all_bits)  # (K, S)
-  parts = [[] for _ in layout.shapes]
-  for j, runs in enumerate(layout.owner_runs):
-    row = 0
-    for run in runs:
-      pairs = all_pairs[j, row : row + run.count]
-      row += run.count
-      if run.leaf >= 0 and not words[run.leaf]:
-        parts[run.leaf].append(decode_rows(_view(bits[j], run), pairs).reshape(-1))
   out = []
-  for i, (p, dtype) in enumerate(zip(parts, dtypes)):
+  for i, dtype in enumerate(dtypes):
     if words[i]:
       x = _decode_columns(all_bits.reshape(-1), all_pairs, layout, i)
       out.append(x.reshape(layout.shapes[i]).astype(dtype))
-    else:
-      flat = jnp.concatenate(p) if p else jnp.zeros((0,), jnp.float32)
-      out.append(from_flat_leaf(flat, layout, i, dtype))
+      continue
+    parts = []
+    for j, row, run in layout.leaf_runs(i):
+      chunk_run = run._replace(start=run.start + layout.offsets[i] - j * layout.chunk)
+      pairs = all_pairs[j, row : row + run.count]
+      parts.append((run.start, decode_rows(_view(bits[j], chunk_run), pairs).reshape(-1)))
+    flat = _assemble(parts, jnp.zeros((layout.sizes[i],), jnp.float32))
+    out.append(from_flat_leaf(flat, layout, i, dtype))
   return out
