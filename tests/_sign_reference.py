@@ -20,10 +20,15 @@ AXIS = "i"
 # In jax.tree order (sorted keys), so that leaf order matches the flat buffer.
 SHAPES = {"bias": (3,), "conv": (2, 2, 3, 4), "dense": (5, 3), "scalar": ()}
 MIXED_DTYPES = {"conv": jnp.float32, "dense": jnp.bfloat16, "bias": jnp.float16, "scalar": jnp.float32}
-# Leaves with 32-row multiples (bits transposed as packed words), one of them
-# at an offset that is not a multiple of 8 (bits transposed one per byte),
-# columns cut by chunk boundaries for K = 2..8.
-WIDE_SHAPES = {"a": (64, 24), "b": (5,), "c": (4, 8, 6), "d": (96, 40), "e": (32, 3)}
+# Column-scale leaves whose bits cross to buffer order as uint32, uint16 and
+# uint8 words ("a", "c", "i"; "g"; "h"), one at an offset that is not a
+# multiple of 8 (bits transposed one per byte: "e"), columns cut by chunk
+# boundaries for K = 3 and 8, a chunk boundary on a column start (K = 8) and
+# columns longer than a chunk ("i", K = 8).
+WIDE_SHAPES = {
+    "a": (64, 24), "b": (8,), "c": (4, 8, 6), "d": (3,), "e": (48, 5), "f": (5,),
+    "g": (48, 40), "h": (24, 3), "i": (1024, 2),
+}
 
 
 def ref_flatten(leaves, scale):

@@ -126,13 +126,14 @@ def test_compiled_exchange_has_no_gather_scatter_or_sort(scale):
     assert np.prod([int(d) for d in dims.split(",") if d]) <= 2 * k * (32 // k + 3), dims
 
 
-@pytest.mark.parametrize("rows, cols", [(32, 1), (64, 24), (96, 5)])
-def test_unpack_columns_inverts_packing_the_transpose(rows, cols):
+@pytest.mark.parametrize("rows, cols, word", [(32, 1, 32), (64, 24, 32), (48, 5, 16), (24, 7, 8)])
+def test_unpack_columns_inverts_packing_the_transpose(rows, cols, word):
   bits = np.random.default_rng(rows).random((rows, cols)) > 0.5
   packed = np.packbits(bits.T.reshape(-1), bitorder="little")
-  np.testing.assert_array_equal(np.asarray(sign_codec.pack_columns(jnp.asarray(bits))), packed)
+  got = sign_codec.pack_columns(jnp.asarray(bits), word)
+  np.testing.assert_array_equal(np.asarray(got), packed)
   np.testing.assert_array_equal(
-      np.asarray(sign_codec.unpack_columns(jnp.asarray(packed), rows, cols)), bits
+      np.asarray(sign_codec.unpack_columns(jnp.asarray(packed), rows, cols, word)), bits
   )
 
 
@@ -143,7 +144,7 @@ def test_final_decode_transposes_no_float_buffer():
 
   k, rows, cols = 4, 64, 32
   layout = sign_layout.make_layout([(rows, cols)], "column", k)
-  assert layout.packs_words(0)
+  assert layout.word_bits(0) == 32
   bits = jnp.zeros((k, layout.chunk // 8), jnp.uint8)
   pairs = jnp.zeros((k, layout.max_local, 2), jnp.float32)
   fn = jax.jit(lambda b, p: sign_codec.final_decode(b, p, layout, [jnp.float32]))

@@ -8,7 +8,7 @@ view (``bitorder="little"``: element ``8i + b`` is bit ``b`` of byte ``i``).
 
 The final decode writes a column-scale leaf in its own ``(rows, columns)``
 order: its bits cross from the buffer's column-by-column order as packed
-32-bit words (:func:`unpack_columns`), so no float buffer is transposed (a
+32-, 16- or 8-bit words (:func:`unpack_columns`), so no float buffer is transposed (a
 transpose runs several times slower than a copy on XLA:CPU).
 
 * :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``.
@@ -49,29 +49,35 @@ def unpack(packed: jax.Array) -> jax.Array:
   return b.astype(jnp.bool_).reshape(packed.shape[:-1] + (-1,))
 
 
-def _word_shifts() -> jax.Array:
-  return jnp.arange(32, dtype=jnp.uint32)[None, :, None]
+_WORDS = {32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8}
 
 
-def pack_columns(bits: jax.Array) -> jax.Array:
+def pack_columns(bits: jax.Array, word: int = 32) -> jax.Array:
   """Packs a boolean ``(rows, columns)`` matrix in column-by-column order.
 
-  Equals ``pack(bits.T.reshape(-1))`` for ``rows`` a multiple of 32, with
-  no transpose of the bits: 32 rows are packed into one ``uint32`` word per
-  column, the ``(rows / 32, columns)`` words are transposed (1/32 of the
-  elements) and read as little-endian bytes.
+  Equals ``pack(bits.T.reshape(-1))`` for ``rows`` a multiple of ``word``
+  (32, 16 or 8), with no transpose of the bits: ``word`` rows are packed
+  into one unsigned word per column, the ``(rows / word, columns)`` words
+  are transposed and read as little-endian bytes.
   """
   r, c = bits.shape
-  words = jnp.sum(
-      bits.reshape(r // 32, 32, c).astype(jnp.uint32) << _word_shifts(), axis=1, dtype=jnp.uint32
-  )
+  dtype = _WORDS[word]
+  shifts = jnp.arange(word, dtype=dtype)[None, :, None]
+  words = jnp.sum(bits.reshape(r // word, word, c).astype(dtype) << shifts, axis=1, dtype=dtype)
+  if word == 8:
+    return words.T.reshape(-1)
   return lax.bitcast_convert_type(words.T, jnp.uint8).reshape(-1)
 
 
-def unpack_columns(packed: jax.Array, rows: int, cols: int) -> jax.Array:
+def unpack_columns(packed: jax.Array, rows: int, cols: int, word: int = 32) -> jax.Array:
   """Inverse of :func:`pack_columns`: ``rows * cols / 8`` bytes to ``(rows, cols)`` bool."""
-  words = lax.bitcast_convert_type(packed.reshape(cols, rows // 32, 4), jnp.uint32)
-  b = (words.T[:, None, :] >> _word_shifts()) & jnp.uint32(1)
+  dtype = _WORDS[word]
+  if word == 8:
+    words = packed.reshape(cols, rows // 8)
+  else:
+    words = lax.bitcast_convert_type(packed.reshape(cols, rows // word, word // 8), dtype)
+  shifts = jnp.arange(word, dtype=dtype)[None, :, None]
+  b = (words.T[:, None, :] >> shifts) & jnp.asarray(1, dtype)
   return b.astype(jnp.bool_).reshape(rows, cols)
 
 
@@ -264,13 +270,14 @@ def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
 
 
 def _decode_columns(flat_bytes, all_pairs, layout: Layout, i: int) -> jax.Array:
-  """Word-packed leaf ``i`` decoded in its own ``(rows, columns)`` order.
+  """Leaf ``i`` (with :meth:`Layout.word_bits`) decoded in its own ``(rows, columns)`` order.
 
   Each column takes the pair of its piece that starts at row 0; the pieces
   that start lower (a chunk boundary cuts the column) are written over it.
   """
   rows, cols, off = layout.rows(i), layout.shapes[i][-1], layout.offsets[i]
-  bits = unpack_columns(flat_bytes[off // 8 : (off + rows * cols) // 8], rows, cols)
+  packed = flat_bytes[off // 8 : (off + rows * cols) // 8]
+  bits = unpack_columns(packed, rows, cols, layout.word_bits(i))
   base, cuts = [], []
   for j, row, run in layout.leaf_runs(i):
     if run.length == rows:  # whole columns
@@ -292,7 +299,7 @@ def _decode_columns(flat_bytes, all_pairs, layout: Layout, i: int) -> jax.Array:
 
 def final_decode(all_bits, all_pairs, layout: Layout, dtypes) -> list[jax.Array]:
   """The leaves from the owners' gathered ``(K, S/8)`` bits and ``(K, M, 2)`` pairs."""
-  words = [layout.packs_words(i) for i in range(len(layout.shapes))]
+  words = [layout.word_bits(i) for i in range(len(layout.shapes))]
   bits = None if all(words) else unpack(all_bits)  # (K, S)
   out = []
   for i, dtype in enumerate(dtypes):
@@ -304,7 +311,8 @@ def final_decode(all_bits, all_pairs, layout: Layout, dtypes) -> list[jax.Array]
     for j, row, run in layout.leaf_runs(i):
       chunk_run = run._replace(start=run.start + layout.offsets[i] - j * layout.chunk)
       pairs = all_pairs[j, row : row + run.count]
-      parts.append((run.start, decode_rows(_view(bits[j], chunk_run), pairs).reshape(-1)))
-    flat = _assemble(parts, jnp.zeros((layout.sizes[i],), jnp.float32))
-    out.append(from_flat_leaf(flat, layout, i, dtype))
+      parts.append(decode_rows(_view(bits[j], chunk_run), pairs).reshape(-1))
+    # Concatenated: these decoded rows broadcast one pair per row, which
+    # XLA:CPU concatenates at memory speed (dynamic-update-slices are slower here).
+    out.append(from_flat_leaf(jnp.concatenate(parts), layout, i, dtype))
   return out

@@ -11,9 +11,9 @@ broadcasts only: no per-element segment ids, gathers or scatters.
   order of the bits on the wire and of the owners' chunks.
 * The final decode writes a column-scale leaf in its own order from the
   buffer-order bits without transposing floats: when its rows are a
-  multiple of 32 and its offset a multiple of 8, the packed bits are read
-  as 32-bit words and only the words are transposed
-  (:meth:`Layout.packs_words`).
+  multiple of 8 and its offset a multiple of 8, the packed bits are read
+  as 32-, 16- or 8-bit words and only the words are transposed
+  (:meth:`Layout.word_bits`).
 * A *segment* shares reconstruction values: a column (``"column"``) or a
   whole leaf (``"l1"``, ``"l2"``); the padding is one more segment.
 * Chunk ``k`` (``S = N_pad / K`` elements) is owned by replica ``k``. A
@@ -99,17 +99,17 @@ class Layout:
     size = self.sizes[i]
     return size // self.shapes[i][-1] if self.transpose[i] and size else size
 
-  def packs_words(self, i: int) -> bool:
-    """Whether leaf ``i``'s bits are transposed as packed 32-bit words.
+  def word_bits(self, i: int) -> int:
+    """Bits per word in which leaf ``i``'s bits are transposed (``0``: one per byte).
 
-    True for a column-scale leaf whose rows are a multiple of 32 and whose
-    offset is a multiple of 8 (its packed bytes start on a byte); other
-    column-scale leaves transpose their bits one byte per element.
+    A column-scale leaf whose offset is a multiple of 8 (its packed bytes
+    start on a byte) and whose rows are a multiple of 32, 16 or 8 transposes
+    its bits as packed ``uint32``, ``uint16`` or ``uint8`` words; other
+    column-scale leaves transpose them one byte per element.
     """
-    return bool(
-        self.transpose[i] and self.sizes[i] and self.rows(i) % 32 == 0
-        and self.offsets[i] % 8 == 0
-    )
+    if not (self.transpose[i] and self.sizes[i] and self.offsets[i] % 8 == 0):
+      return 0
+    return next((w for w in (32, 16, 8) if self.rows(i) % w == 0), 0)
 
   def leaf_runs(self, i: int) -> list[tuple[int, int, Run]]:
     """The owners' runs of leaf ``i``, in buffer order.
