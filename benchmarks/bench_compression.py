@@ -38,7 +38,7 @@ the wire, stores a kernel column by column); the column decode transposes
 packed 32-bit words only.
 
 ``--quick`` (a smoke test, figures meaningless): a 64-128-10 MLP, K = 2,
-a 64 x 64 gradient.
+a 64 x 64 gradient, everything compiled without LLVM optimizations.
 """
 
 from __future__ import annotations
@@ -158,13 +158,18 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
   return calls
 
 
-def _throughput_records(shape_sets, repeats: int, k: int) -> list[dict]:
+def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None) -> list[dict]:
   calls = {}
   sizes = {}
   for suffix, shapes in shape_sets.items():
     part = _codec_calls(shapes, k, suffix)
     calls.update(part)
     sizes.update({name: (suffix, sum(int(np.prod(s)) for s in shapes)) for name in part})
+  if compiler_options:
+    calls = {
+        name: (fn.lower(*args).compile(compiler_options=compiler_options), args)
+        for name, (fn, args) in calls.items()
+    }
   times = _harness.interleaved_median_seconds(
       {name: (lambda fn=fn, args=args: fn(*args)) for name, (fn, args) in calls.items()},
       repeats=repeats,
@@ -195,6 +200,7 @@ def run(quick: bool) -> list[dict]:
   mlp = _mlp_shapes(quick)
   records = _bytes_records(mlp, ks)
   if quick:
-    return records + _throughput_records({"": [(64, 64)]}, repeats=3, k=2)
+    # A smoke test: its figures mean nothing, so skip LLVM's optimizations too.
+    return records + _throughput_records({"": [(64, 64)]}, repeats=3, k=2, compiler_options=_INSPECT_ONLY)
   shape_sets = {"": [(2048, 2048)], "_mlp": list(mlp.values())}
   return records + _throughput_records(shape_sets, repeats=15, k=8)
