@@ -18,17 +18,27 @@ replicas under ``pmap``:
 all-reduce ``2(K-1)/K·n``; see :mod:`jmp_train._src.hlo`); ``vs_f32`` is
 ``wire_bytes`` over the float32 all-reduce's.
 
-Part 2, throughput: one device, a 2048 x 2048 float32 gradient, each
-direction of the 1-bit codec for K = 8 (``_worker``: residual add, scales,
-bits, packing, new residual; ``_owner``: unpack and decode the K received
-chunks, average, add the server residual, re-quantize, pack; ``_decode``:
-the gathered bits to the leaf), the bfloat16/float8 quantize + dequantize
-(``compressed_mean()`` without an axis), and bit packing + unpacking alone,
-against an elementwise pass over the same float32 buffer (``x + 1``, a read
-and a write: the memory-bound floor). GB/s counts the buffer's float32 bytes
-once (for the owner: the K chunks it decodes); ``vs_copy`` is the copy's
-time over the codec's. Column scales pay a float32 transpose each way (the
-flat buffer stores a kernel column by column).
+The programs of part 1 are only inspected, never run: they are compiled
+with LLVM's optimizations off (``xla_backend_optimization_level=0``), which
+changes the machine code, not the HLO and its collectives.
+
+Part 2, throughput: one device, each direction of the 1-bit codec for K = 8
+(``_worker``: residual add, scales, bits, packing, new residual; ``_owner``:
+unpack and decode the K received chunks, average, add the server residual,
+re-quantize, pack; ``_decode``: the gathered bits to the leaves), the
+bfloat16/float8 quantize + dequantize (``compressed_mean()`` without an
+axis), and bit packing + unpacking alone, against an elementwise pass over
+the same float32 buffer (``x + 1``, a read and a write: the memory-bound
+floor), for a 2048 x 2048 float32 gradient, and (rows ending in ``_mlp``)
+for the gradients of the MLP of part 1, six leaves. GB/s counts the
+buffer's float32 bytes once (for the owner: the K chunks it decodes);
+``vs_copy`` is the copy's time over the codec's, in the same run. The
+column worker pays a float32 transpose of the gradient (its residual, like
+the wire, stores a kernel column by column); the column decode transposes
+packed 32-bit words only.
+
+``--quick`` (a smoke test, figures meaningless): a 64-128-10 MLP, K = 2,
+a 64 x 64 gradient, everything compiled without LLVM optimizations.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ COLUMNS = (
     "vs_f32", "seconds", "gb_per_s", "vs_copy",
 )
 AXIS = "i"
+# The bytes programs are inspected, not run: skip LLVM's optimizations.
+_INSPECT_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _mlp_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
@@ -64,7 +76,7 @@ def _bytes_records(shapes, ks) -> list[dict]:
   records = []
   for k in ks:
     devices = jax.devices()[:k]
-    grads = {name: jnp.zeros((k,) + s, jnp.float32) for name, s in shapes.items()}
+    grads = {name: jax.ShapeDtypeStruct((k,) + s, jnp.float32) for name, s in shapes.items()}
     programs = {
         "pmean_f32": (jax.pmap(lambda g: jax.lax.pmean(g, AXIS), axis_name=AXIS, devices=devices), None),
         "pmean_bf16": (
@@ -78,16 +90,16 @@ def _bytes_records(shapes, ks) -> list[dict]:
     }
     for wire in ("bfloat16", "float8_e4m3"):
       tx = compressed_mean(AXIS, wire=wire)
-      state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(grads)
+      state = jax.eval_shape(jax.pmap(tx.init, axis_name=AXIS, devices=devices), grads)
       programs[f"two_phase_{wire}"] = (jax.pmap(tx.update, axis_name=AXIS, devices=devices), state)
     for scale in ("column", "l1"):
       tx = sign_compression(AXIS, scale=scale)
-      state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(grads)
+      state = jax.eval_shape(jax.pmap(tx.init, axis_name=AXIS, devices=devices), grads)
       programs[f"1bit_{scale}"] = (jax.pmap(tx.update, axis_name=AXIS, devices=devices), state)
     base = None
     for scheme, (fn, state) in programs.items():
       args = (grads,) if state is None else (grads, state)
-      compiled = fn.lower(*args).compile()
+      compiled = fn.lower(*args).compile(compiler_options=_INSPECT_ONLY)
       operand = collective_bytes(compiled)["total"]
       wire = collective_bytes(compiled, wire=True)["total"]
       if scheme == "pmean_f32":
@@ -104,63 +116,77 @@ def _bytes_records(shapes, ks) -> list[dict]:
   return records
 
 
-def _codec_calls(side: int, k: int) -> dict:
-  """name -> zero-argument callable, for every direction of every codec."""
+def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
+  """name -> (jitted function, args), for every direction of every codec."""
   from jmp_train._src import sign_codec, sign_layout
   from jmp_train._src.compressed_mean import compressed_mean
 
-  g = jax.random.normal(jax.random.key(0), (side, side), jnp.float32)
-  calls = {"elementwise_x_plus_1": (jax.jit(lambda x: x + 1.0), (g,))}
+  keys = jax.random.split(jax.random.key(0), len(shapes))
+  grads = [jax.random.normal(key, s, jnp.float32) for key, s in zip(keys, shapes)]
+  n = sum(int(np.prod(s)) for s in shapes)
+  flat = jnp.concatenate([g.reshape(-1) for g in grads])
+  calls = {f"elementwise_x_plus_1{suffix}": (jax.jit(lambda x: x + 1.0), (flat,))}
   for scale in ("column", "l1", "l2"):
-    layout = sign_layout.make_layout([(side, side)], scale, k)
+    layout = sign_layout.make_layout(shapes, scale, k)
     r = jnp.zeros((layout.n_pad,), jnp.float32)
 
     def worker(g, r, layout=layout, scale=scale):
-      bits, pairs, r, _ = sign_codec.worker_step([g], r, layout, scale, decode=False)
-      return sign_codec.pack(bits), pairs, r
+      return sign_codec.worker_step(g, r, layout, scale, decode=False)[:3]
 
     s, m = layout.chunk, layout.max_local
     bits = jax.random.bits(jax.random.key(1), (k, s // 8), jnp.uint8)
     pairs = jnp.tile(jnp.asarray([0.5, -0.5], jnp.float32), (k, m, 1))
     e = jnp.zeros((s,), jnp.float32)
-    calls[f"1bit_{scale}_worker"] = (jax.jit(worker), (g, r))
-    calls[f"1bit_{scale}_owner"] = (
+    calls[f"1bit_{scale}_worker{suffix}"] = (jax.jit(worker), (grads, r))
+    calls[f"1bit_{scale}_owner{suffix}"] = (
         jax.jit(lambda b, p, e, i, layout=layout, scale=scale: sign_codec.owner_step(b, p, e, i, layout, scale)),
         (bits, pairs, e, jnp.int32(k // 2)),
     )
-    calls[f"1bit_{scale}_decode"] = (
-        jax.jit(lambda b, p, layout=layout: sign_codec.final_decode(b, p, layout, [jnp.float32])),
+    calls[f"1bit_{scale}_decode{suffix}"] = (
+        jax.jit(lambda b, p, layout=layout: sign_codec.final_decode(b, p, layout, [jnp.float32] * len(shapes))),
         (bits, pairs),
     )
-  for wire in ("bfloat16", "float8_e4m3"):
-    tx = compressed_mean(wire=wire)
-    calls[f"{wire}_quantize_dequantize"] = (jax.jit(tx.update), ({"w": g}, tx.init({"w": g})))
-  flat = g.reshape(-1)
-  calls["pack_unpack_bits"] = (jax.jit(lambda x: sign_codec.unpack(sign_codec.pack(x >= 0))), (flat,))
+  if not suffix:
+    tree = {"w": grads[0]}
+    for wire in ("bfloat16", "float8_e4m3"):
+      tx = compressed_mean(wire=wire)
+      calls[f"{wire}_quantize_dequantize"] = (jax.jit(tx.update), (tree, tx.init(tree)))
+    calls["pack_unpack_bits"] = (
+        jax.jit(lambda x: sign_codec.unpack(sign_codec.pack(x >= 0))),
+        (flat[: n - n % 8],),
+    )
   return calls
 
 
-def _throughput_records(n: int, repeats: int, k: int) -> list[dict]:
-  side = int(np.sqrt(n))
-  nbytes = 4 * side * side
-  calls = _codec_calls(side, k)
+def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None) -> list[dict]:
+  calls = {}
+  sizes = {}
+  for suffix, shapes in shape_sets.items():
+    part = _codec_calls(shapes, k, suffix)
+    calls.update(part)
+    sizes.update({name: (suffix, sum(int(np.prod(s)) for s in shapes)) for name in part})
+  if compiler_options:
+    calls = {
+        name: (fn.lower(*args).compile(compiler_options=compiler_options), args)
+        for name, (fn, args) in calls.items()
+    }
   times = _harness.interleaved_median_seconds(
       {name: (lambda fn=fn, args=args: fn(*args)) for name, (fn, args) in calls.items()},
       repeats=repeats,
   )
-  copy = times["elementwise_x_plus_1"]
-  return [
-      {
-          "part": "throughput",
-          "scheme": name,
-          "replicas": k if "_owner" in name or "_decode" in name else 1,
-          "params": side * side,
-          "seconds": t,
-          "gb_per_s": nbytes / t / 1e9,
-          "vs_copy": copy / t,
-      }
-      for name, t in times.items()
-  ]
+  records = []
+  for name, t in times.items():
+    suffix, n = sizes[name]
+    records.append({
+        "part": "throughput",
+        "scheme": name,
+        "replicas": k if "_owner" in name or "_decode" in name else 1,
+        "params": n,
+        "seconds": t,
+        "gb_per_s": 4 * n / t / 1e9,
+        "vs_copy": times[f"elementwise_x_plus_1{suffix}"] / t,
+    })
+  return records
 
 
 def run(quick: bool) -> list[dict]:
@@ -170,7 +196,11 @@ def run(quick: bool) -> list[dict]:
         "benchmarks` (8 simulated CPU devices) or set "
         "XLA_FLAGS=--xla_force_host_platform_device_count=8."
     )
-  ks = (2, min(8, jax.device_count())) if quick else tuple(range(2, min(8, jax.device_count()) + 1))
-  records = _bytes_records(_mlp_shapes(quick), ks)
-  records += _throughput_records(2**12 if quick else 2**22, repeats=3 if quick else 15, k=8)
-  return records
+  ks = (2,) if quick else tuple(range(2, min(8, jax.device_count()) + 1))
+  mlp = _mlp_shapes(quick)
+  records = _bytes_records(mlp, ks)
+  if quick:
+    # A smoke test: its figures mean nothing, so skip LLVM's optimizations too.
+    return records + _throughput_records({"": [(64, 64)]}, repeats=3, k=2, compiler_options=_INSPECT_ONLY)
+  shape_sets = {"": [(2048, 2048)], "_mlp": list(mlp.values())}
+  return records + _throughput_records(shape_sets, repeats=15, k=8)

@@ -6,7 +6,12 @@ are row reductions and decoding is a broadcast of one ``(hi, lo)`` pair per
 row. Bits are packed eight to a ``uint8`` with shifts over a ``(-1, 8)``
 view (``bitorder="little"``: element ``8i + b`` is bit ``b`` of byte ``i``).
 
-* :func:`worker_step`: ``v = g + r``; bits, pairs, ``r <- v - decode``.
+The final decode writes a column-scale leaf in its own ``(rows, columns)``
+order: its bits cross from the buffer's column-by-column order as packed
+32-, 16- or 8-bit words (:func:`unpack_columns`), so no float buffer is transposed (a
+transpose runs several times slower than a copy on XLA:CPU).
+
+* :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``.
 * :func:`owner_step`: decode the ``K`` received chunks, average them, add
   the server residual, re-quantize (one ``lax.switch`` branch per owner:
   each owner's pieces are static).
@@ -22,7 +27,10 @@ from jax import lax
 from jmp_train._src.loss_scale import all_finite
 from jmp_train._src.sign_layout import Layout, Run, from_flat_leaf, leaf_rows
 
-__all__ = ["pack", "unpack", "quantize_rows", "worker_step", "owner_step", "final_decode"]
+__all__ = [
+    "pack", "unpack", "pack_columns", "unpack_columns", "quantize_rows",
+    "worker_step", "owner_step", "final_decode",
+]
 
 _SHIFTS = tuple(range(8))
 
@@ -39,6 +47,38 @@ def unpack(packed: jax.Array) -> jax.Array:
   shifts = jnp.asarray(_SHIFTS, jnp.uint8)
   b = (packed[..., None] >> shifts) & jnp.uint8(1)
   return b.astype(jnp.bool_).reshape(packed.shape[:-1] + (-1,))
+
+
+_WORDS = {32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8}
+
+
+def pack_columns(bits: jax.Array, word: int = 32) -> jax.Array:
+  """Packs a boolean ``(rows, columns)`` matrix in column-by-column order.
+
+  Equals ``pack(bits.T.reshape(-1))`` for ``rows`` a multiple of ``word``
+  (32, 16 or 8), with no transpose of the bits: ``word`` rows are packed
+  into one unsigned word per column, the ``(rows / word, columns)`` words
+  are transposed and read as little-endian bytes.
+  """
+  r, c = bits.shape
+  dtype = _WORDS[word]
+  shifts = jnp.arange(word, dtype=dtype)[None, :, None]
+  words = jnp.sum(bits.reshape(r // word, word, c).astype(dtype) << shifts, axis=1, dtype=dtype)
+  if word == 8:
+    return words.T.reshape(-1)
+  return lax.bitcast_convert_type(words.T, jnp.uint8).reshape(-1)
+
+
+def unpack_columns(packed: jax.Array, rows: int, cols: int, word: int = 32) -> jax.Array:
+  """Inverse of :func:`pack_columns`: ``rows * cols / 8`` bytes to ``(rows, cols)`` bool."""
+  dtype = _WORDS[word]
+  if word == 8:
+    words = packed.reshape(cols, rows // 8)
+  else:
+    words = lax.bitcast_convert_type(packed.reshape(cols, rows // word, word // 8), dtype)
+  shifts = jnp.arange(word, dtype=dtype)[None, :, None]
+  b = (words.T[:, None, :] >> shifts) & jnp.asarray(1, dtype)
+  return b.astype(jnp.bool_).reshape(rows, cols)
 
 
 def _column_sums(x: jax.Array):
@@ -83,18 +123,24 @@ def quantize_rows(x: jax.Array, scale: str):
   bits = x >= 0
   n = x.shape[-1]
   if scale == "column":
-    # Counts in float32: exact up to 2**24 entries per column.
-    pos_sum, neg_sum, pos_cnt = _column_sums(x)
-    hi = pos_sum / jnp.maximum(pos_cnt, 1.0)
-    lo = neg_sum / jnp.maximum(n - pos_cnt, 1.0)
+    pairs = _column_pairs(*_column_sums(x), n)
   else:
     total = _lane_sum(jnp.abs(x) if scale == "l1" else jnp.square(x))
     hi = total / max(n, 1)
     if scale == "l2":
       hi = jnp.sqrt(hi)
-    lo = -hi
-  pairs = jnp.stack([hi, lo], axis=-1)
+    pairs = jnp.stack([hi, -hi], axis=-1)
   return bits, pairs, decode_rows(bits, pairs)
+
+
+def _column_pairs(pos_sum, neg_sum, pos_cnt, n: int) -> jax.Array:
+  """``(hi, lo)``: the means of the non-negative and of the negative entries.
+
+  Counts are float32: exact up to 2**24 entries per column.
+  """
+  hi = pos_sum / jnp.maximum(pos_cnt, 1.0)
+  lo = neg_sum / jnp.maximum(n - pos_cnt, 1.0)
+  return jnp.stack([hi, lo], axis=-1)
 
 
 def decode_rows(bits: jax.Array, pairs: jax.Array) -> jax.Array:
@@ -105,6 +151,32 @@ def decode_rows(bits: jax.Array, pairs: jax.Array) -> jax.Array:
 def _view(flat: jax.Array, run: Run, base: int = 0) -> jax.Array:
   lo = base + run.start
   return flat[..., lo : lo + run.size].reshape(flat.shape[:-1] + (run.count, run.length))
+
+
+def _assemble(pieces, base: jax.Array) -> jax.Array:
+  """``base`` with every ``(start, flat)`` piece written from ``start``.
+
+  Used instead of ``jnp.concatenate``: XLA:CPU runs a concatenation of
+  computed pieces (and what is fused into it, such as bit packing) many
+  times slower than a copy, while dynamic-update-slices of the pieces into
+  one buffer run at memory speed.
+  """
+  if len(pieces) == 1 and pieces[0][1].shape == base.shape:
+    return pieces[0][1]
+  for start, x in pieces:
+    base = lax.dynamic_update_slice(base, x, (start,))
+  return base
+
+
+def _worker_run(run: Run, leaves, residual, scale: str, layout: Layout):
+  """One run: ``(v, bits, pairs, decoded)``, all in buffer order."""
+  if run.leaf >= 0:
+    v = leaf_rows(leaves[run.leaf], layout, run.leaf)
+  else:
+    v = jnp.zeros((run.count, run.length), jnp.float32)
+  if residual is not None:
+    v = v + _view(residual, run)
+  return (v,) + quantize_rows(v, scale)
 
 
 def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
@@ -118,37 +190,37 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
     decode: also return the decoded leaves (float32, leaf shapes).
 
   Returns:
-    ``(bits, pairs, new_residual, decoded)``: bits ``(n_pad,)`` bool, pairs
-    ``(segments, 2)`` float32 in buffer order, the new residual (``None``
-    without error feedback; the old one where ``v`` is not finite) and the
-    decoded leaves (``None`` unless ``decode``).
+    ``(packed, pairs, new_residual, decoded)``: the bits in buffer order
+    packed to ``(n_pad / 8,)`` uint8, pairs ``(segments, 2)`` float32 in
+    buffer order, the new residual (``None`` without error feedback; the
+    old one where ``v`` is not finite) and the decoded leaves (``None``
+    unless ``decode``).
   """
-  bits, pairs, new_r, dec = [], [], [], []
+  bits, pairs, vd, dec = [], [], [], []
   for run in layout.worker_runs:
-    if run.leaf >= 0:
-      v = leaf_rows(leaves[run.leaf], layout, run.leaf)
-    else:
-      v = jnp.zeros((run.count, run.length), jnp.float32)
-    if residual is not None:
-      v = v + _view(residual, run)
-    b, p, d = quantize_rows(v, scale)
-    bits.append(b.reshape(-1))
+    v, b, p, d = _worker_run(run, leaves, residual, scale, layout)
+    bits.append((run.start, b.reshape(-1)))
     pairs.append(p)
-    if residual is not None:
-      new_r.append((v - d).reshape(-1))
+    vd.append((run, v, d))
     if decode and run.leaf >= 0:
       dec.append(from_flat_leaf(d.reshape(-1), layout, run.leaf, jnp.float32))
   pairs = jnp.concatenate(pairs)
   if residual is not None:
     # Non-finite v makes its segment's pairs non-finite: keep the residual.
-    residual = jnp.where(all_finite(pairs), jnp.concatenate(new_r), residual)
-  return jnp.concatenate(bits), pairs, residual, (dec if decode else None)
+    finite = all_finite(pairs)
+    new_r = [
+        (run.start, jnp.where(finite, v - d, _view(residual, run)).reshape(-1))
+        for run, v, d in vd
+    ]
+    residual = _assemble(new_r, residual)
+  packed = pack(_assemble(bits, jnp.zeros((layout.n_pad,), jnp.bool_)))
+  return packed, pairs, residual, (dec if decode else None)
 
 
 def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):
   """One owner's step on its static pieces ``runs``; ``e`` may be ``None``."""
   bits = unpack(recv_bits)  # (K, S)
-  out_bits, out_pairs, out_e = [], [], []
+  out_bits, out_pairs, ud = [], [], []
   row = 0
   for run in runs:
     pairs_in = recv_pairs[:, row : row + run.count]  # (K, count, 2)
@@ -162,14 +234,15 @@ def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):
     if e is not None:
       u = u + _view(e, run)
     b, p, d = quantize_rows(u, scale)
-    out_bits.append(b.reshape(-1))
+    out_bits.append((run.start, b.reshape(-1)))
     out_pairs.append(p)
-    if e is not None:
-      out_e.append((u - d).reshape(-1))
+    ud.append((run, u, d))
   pairs = jnp.concatenate(out_pairs + [jnp.zeros((m - row, 2), jnp.float32)])
   if e is not None:
-    e = jnp.where(all_finite(pairs), jnp.concatenate(out_e), e)
-  return pack(jnp.concatenate(out_bits)), pairs, e
+    finite = all_finite(pairs)
+    new_e = [(run.start, jnp.where(finite, u - d, _view(e, run)).reshape(-1)) for run, u, d in ud]
+    e = _assemble(new_e, e)
+  return pack(_assemble(out_bits, jnp.zeros(bits.shape[1:], jnp.bool_))), pairs, e
 
 
 def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
@@ -196,18 +269,50 @@ def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
   return lax.switch(owner, branches, recv_bits, recv_pairs, e)
 
 
+def _decode_columns(flat_bytes, all_pairs, layout: Layout, i: int) -> jax.Array:
+  """Leaf ``i`` (with :meth:`Layout.word_bits`) decoded in its own ``(rows, columns)`` order.
+
+  Each column takes the pair of its piece that starts at row 0; the pieces
+  that start lower (a chunk boundary cuts the column) are written over it.
+  """
+  rows, cols, off = layout.rows(i), layout.shapes[i][-1], layout.offsets[i]
+  packed = flat_bytes[off // 8 : (off + rows * cols) // 8]
+  bits = unpack_columns(packed, rows, cols, layout.word_bits(i))
+  base, cuts = [], []
+  for j, row, run in layout.leaf_runs(i):
+    if run.length == rows:  # whole columns
+      base.append(all_pairs[j, row : row + run.count])
+      continue
+    for t in range(run.count):
+      start = run.start + t * run.length
+      if start % rows == 0:
+        base.append(all_pairs[j, row + t : row + t + 1])
+      else:
+        cuts.append((all_pairs[j, row + t], start % rows, start // rows, run.length))
+  base = jnp.concatenate(base)  # (cols, 2)
+  out = jnp.where(bits, base[:, 0], base[:, 1])
+  for pair, a, c, length in cuts:
+    piece = jnp.where(bits[a : a + length, c : c + 1], pair[0], pair[1])
+    out = lax.dynamic_update_slice(out, piece, (a, c))
+  return out
+
+
 def final_decode(all_bits, all_pairs, layout: Layout, dtypes) -> list[jax.Array]:
   """The leaves from the owners' gathered ``(K, S/8)`` bits and ``(K, M, 2)`` pairs."""
-  bits = unpack(all_bits)  # (K, S)
-  parts = [[] for _ in layout.shapes]
-  for j, runs in enumerate(layout.owner_runs):
-    row = 0
-    for run in runs:
+  words = [layout.word_bits(i) for i in range(len(layout.shapes))]
+  bits = None if all(words) else unpack(all_bits)  # (K, S)
+  out = []
+  for i, dtype in enumerate(dtypes):
+    if words[i]:
+      x = _decode_columns(all_bits.reshape(-1), all_pairs, layout, i)
+      out.append(x.reshape(layout.shapes[i]).astype(dtype))
+      continue
+    parts = []
+    for j, row, run in layout.leaf_runs(i):
+      chunk_run = run._replace(start=run.start + layout.offsets[i] - j * layout.chunk)
       pairs = all_pairs[j, row : row + run.count]
-      row += run.count
-      if run.leaf >= 0:
-        parts[run.leaf].append(decode_rows(_view(bits[j], run), pairs).reshape(-1))
-  return [
-      from_flat_leaf(jnp.concatenate(p) if p else jnp.zeros((0,), jnp.float32), layout, i, dtype)
-      for i, (p, dtype) in enumerate(zip(parts, dtypes))
-  ]
+      parts.append(decode_rows(_view(bits[j], chunk_run), pairs).reshape(-1))
+    # Concatenated: these decoded rows broadcast one pair per row, which
+    # XLA:CPU concatenates at memory speed (dynamic-update-slices are slower here).
+    out.append(from_flat_leaf(jnp.concatenate(parts), layout, i, dtype))
+  return out

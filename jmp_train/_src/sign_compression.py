@@ -222,7 +222,7 @@ def _compress(leaves, state: SignCompressionState, layout: Layout, cfg: _Config)
     return decoded, r, state.server_residual
   axis, k, s = cfg.axis_name, layout.k, layout.chunk
   # Phase 1: packed chunks (and their pieces' pairs) to their owners.
-  recv_bits = lax.all_to_all(sign_codec.pack(bits).reshape(k, s // 8), axis, 0, 0)
+  recv_bits = lax.all_to_all(bits.reshape(k, s // 8), axis, 0, 0)
   recv_pairs = lax.all_to_all(pairs[layout.send_index], axis, 0, 0)
   e = state.server_residual if cfg.server_error_feedback else None
   o_bits, o_pairs, e = sign_codec.owner_step(

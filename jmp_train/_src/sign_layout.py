@@ -5,9 +5,15 @@ shapes, the scale and the replica count ``K``), so the codec in
 :mod:`jmp_train._src.sign_codec` is built from reshapes, reductions and
 broadcasts only: no per-element segment ids, gathers or scatters.
 
-* The gradient tree is laid out in one flat float32 buffer of ``N`` elements,
-  leaf after leaf, a leaf with column scales stored column by column (its
-  last axis first), padded with zeros to ``N_pad``, a multiple of ``8·K``.
+* The gradient tree is laid out in one flat buffer of ``N`` elements, leaf
+  after leaf, a leaf with column scales stored column by column (its last
+  axis first), padded with zeros to ``N_pad``, a multiple of ``8·K``: the
+  order of the bits on the wire and of the owners' chunks.
+* The final decode writes a column-scale leaf in its own order from the
+  buffer-order bits without transposing floats: when its rows are a
+  multiple of 8 and its offset a multiple of 8, the packed bits are read
+  as 32-, 16- or 8-bit words and only the words are transposed
+  (:meth:`Layout.word_bits`).
 * A *segment* shares reconstruction values: a column (``"column"``) or a
   whole leaf (``"l1"``, ``"l2"``); the padding is one more segment.
 * Chunk ``k`` (``S = N_pad / K`` elements) is owned by replica ``k``. A
@@ -30,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Run", "Layout", "make_layout", "check_leaves", "axis_size", "to_flat"]
+__all__ = ["Run", "Layout", "make_layout", "check_leaves", "axis_size", "leaf_rows"]
 
 
 class Run(NamedTuple):
@@ -87,6 +93,40 @@ class Layout:
   @property
   def sizes(self) -> tuple[int, ...]:
     return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+
+  def rows(self, i: int) -> int:
+    """Rows of leaf ``i`` as a ``(rows, columns)`` matrix (its size if not by column)."""
+    size = self.sizes[i]
+    return size // self.shapes[i][-1] if self.transpose[i] and size else size
+
+  def word_bits(self, i: int) -> int:
+    """Bits per word in which leaf ``i``'s bits are transposed (``0``: one per byte).
+
+    A column-scale leaf whose offset is a multiple of 8 (its packed bytes
+    start on a byte) and whose rows are a multiple of 32, 16 or 8 transposes
+    its bits as packed ``uint32``, ``uint16`` or ``uint8`` words; other
+    column-scale leaves transpose them one byte per element.
+    """
+    if not (self.transpose[i] and self.sizes[i] and self.offsets[i] % 8 == 0):
+      return 0
+    return next((w for w in (32, 16, 8) if self.rows(i) % w == 0), 0)
+
+  def leaf_runs(self, i: int) -> list[tuple[int, int, Run]]:
+    """The owners' runs of leaf ``i``, in buffer order.
+
+    Returns:
+      ``(owner, pair_row, run)``: ``pair_row`` is the run's first row in the
+      owner's pair table; ``run.start`` is relative to the leaf's offset
+      (its position in the leaf's column-by-column order).
+    """
+    out = []
+    for j, runs in enumerate(self.owner_runs):
+      row = 0
+      for run in runs:
+        if run.leaf == i:
+          out.append((j, row, run._replace(start=j * self.chunk + run.start - self.offsets[i])))
+        row += run.count
+    return out
 
 
 def _group(starts, lengths, leaves, base: int) -> tuple[Run, ...]:
@@ -209,13 +249,6 @@ def leaf_rows(leaf: jax.Array, layout: Layout, i: int) -> jax.Array:
   size = layout.sizes[i]
   c = layout.shapes[i][-1] if layout.transpose[i] else 1
   return x.reshape(c, size // c)
-
-
-def to_flat(leaves, layout: Layout) -> jax.Array:
-  """The leaves as one float32 buffer of ``n_pad`` elements."""
-  parts = [leaf_rows(x, layout, i).reshape(-1) for i, x in enumerate(leaves) if x.size]
-  parts.append(jnp.zeros((layout.n_pad - layout.n,), jnp.float32))
-  return jnp.concatenate(parts)
 
 
 def from_flat_leaf(flat: jax.Array, layout: Layout, i: int, dtype) -> jax.Array:
