@@ -124,16 +124,26 @@ def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float
   return sent / (2 * (replicas - 1) / replicas * 4 * n)
 
 
+# one_bit_momentum's quick smoke test is in bench_one_bit_convergence.
+QUICK_MODES = ("sgdm_float32", "adam_float32", "one_bit_adam")
+
+
 def run(quick: bool) -> list[dict]:
-  steps = 20 if quick else 400
+  # --quick (a smoke test, run by the test suite): a linear classifier (one
+  # tensor: compiling the 1-bit exchange dominates), 10 steps, 1 seed, one
+  # learning rate, three rows.
+  steps = 10 if quick else 400
+  hidden = None if quick else 64
   seeds = (0,) if quick else (0, 1, 2)
   lr_momentum = (0.1,) if quick else (0.1, 0.3)
   lr_adam = 3e-3
-  params = digits._init_mlp(jax.random.key(0), (64, 64, 10))  # pylint: disable=protected-access
+  params = digits._init_model(jax.random.key(0), hidden)  # pylint: disable=protected-access
   large = digits._init_mlp(jax.random.key(0), (784, 2048, 1024, 10))  # pylint: disable=protected-access
   records = []
   for optimizer, mode, lr, tx in _optimizers(lr_momentum, lr_adam, steps):
-    runs = [digits.train_digits(tx, steps=steps, seed=s) for s in seeds]
+    if quick and mode not in QUICK_MODES:
+      continue
+    runs = [digits.train_digits(tx, steps=steps, seed=s, hidden=hidden) for s in seeds]
     losses = np.asarray([r["final_loss"] for r in runs])
     records.append({
         "optimizer": optimizer,
