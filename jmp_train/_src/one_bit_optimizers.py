@@ -92,7 +92,10 @@ refresh). Elements whose ``v`` is 0 at the freeze stay still (a refresh
 gives them a tiny ``v`` that would amplify the quantization error of
 ``m``). The residuals are left as they are on those steps. The other
 steps are 1-bit; a step's bytes on the wire average
-``(1/k)·float + (1-1/k)·1-bit``.
+``(1/k)·float + (1-1/k)·1-bit``. Pair refreshes with
+``exchange="preconditioned"``: a refreshed ``v`` is smaller, and with
+``exchange="momentum"`` the per-tensor quantization error of ``m`` is divided
+by each element's own ``sqrt(v)``.
 
 1-bit momentum SGD does the same with the momentum (trace) of
 ``optax.sgd(learning_rate, momentum)``: ``m_j = μ m + g_j``, the update is
