@@ -17,8 +17,8 @@ demo's ``optax.warmup_cosine_decay_schedule``); 3 seeds. Rows (``mode``):
   ``v``, as in 0/1 Adam) and ``adam_grad_1bit`` (gradient compression,
   :func:`jmp_train.sign_compression`, before ``optax.adam``: for contrast);
 * momentum SGD 0.9 (peak learning rate ``LR_SGDM``, the demo's):
-  ``sgdm_float32``, ``one_bit_momentum`` (column scales, no warm-up) and
-  ``sgdm_grad_1bit``.
+  ``sgdm_float32``, ``one_bit_momentum`` (column scales, no warm-up),
+  ``one_bit_momentum_l2`` (per-tensor RMS scales) and ``sgdm_grad_1bit``.
 
 Columns: validation loss (mean next-byte cross-entropy over 16 fixed
 held-out batches) at the last step, mean and spread over seeds;
@@ -167,6 +167,8 @@ def _optimizers(steps: int, quick: bool):
       ("sgdm", "sgdm_float32", LR_SGDM,
        lambda: optax.chain(_exact_mean(AXIS), optax.sgd(sgdm, momentum=0.9))),
       ("sgdm", "one_bit_momentum", LR_SGDM, lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS)),
+      ("sgdm", "one_bit_momentum_l2", LR_SGDM,
+       lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS, scale="l2")),
       ("sgdm", "sgdm_grad_1bit", LR_SGDM,
        lambda: optax.chain(sign_compression(AXIS), optax.sgd(sgdm, momentum=0.9))),
   ]
