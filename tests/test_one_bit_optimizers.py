@@ -104,23 +104,33 @@ def ref_exchange(values, r, e, scale):
   return ref_unflatten(out[:n], shapes, scale), v - dec, (u - out).reshape(k, chunk)
 
 
-def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange):
+def ref_covered(t, warmup, refresh):
+  """Steps of gradient history v stands for after t steps."""
+  after = max(t - warmup, 0)
+  return min(t, warmup) + (after - after % refresh if refresh else 0)
+
+
+def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refresh=0):
   """One step of 1-bit Adam for K replicas from the (replicated) state.
 
   grads: K lists of leaves; params, mu, nu: lists of leaves; state: dict with
-  count, mu, nu, r (K, n_pad), e (K, S). Returns (updates, new state).
+  count, mu, nu, r (K, n_pad), e (K, S). ``refresh``: an exact step every
+  ``refresh`` steps after warm-up, v decayed by B2**refresh. Returns
+  (updates, new state).
   """
   k, count = len(grads), state["count"]
   mu, nu, r, e = state["mu"], state["nu"], state["r"], state["e"]
-  if count < warmup:
+  if count < warmup or (refresh and (count + 1 - warmup) % refresh == 0):
+    keep = B2 if count < warmup else B2**refresh
     g = [np.mean([grads[j][i] for j in range(k)], axis=0, dtype=np.float32) for i in range(len(mu))]
-    mu = [B1 * m + (1 - B1) * x for m, x in zip(mu, g)]
-    nu = [B2 * v + (1 - B2) * x * x for v, x in zip(nu, g)]
+    live = [np.full(v.shape, count < warmup) | (v > 0) for v in nu]
+    mu = [np.where(ok, B1 * m + (1 - B1) * x, 0) for m, x, ok in zip(mu, g, live)]
+    nu = [np.where(ok, keep * v + (1 - keep) * x * x, v) for v, x, ok in zip(nu, g, live)]
   else:
     # Frozen preconditioner d (m/d is exchanged) or none (m is exchanged);
     # elements with v == 0 keep m == 0.
     if exchange == "preconditioned":
-      c2 = np.float32(1) - np.float32(B2) ** np.float32(warmup)
+      c2 = np.float32(1) - np.float32(B2) ** np.float32(ref_covered(count, warmup, refresh))
       d = [np.sqrt(v / c2) + EPS for v in nu]
     else:
       d = [np.ones_like(v) for v in nu]
@@ -131,7 +141,7 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange):
     avg, r, e = ref_exchange(local, r, e, scale)
     mu = [np.where(v > 0, a * dd, 0) for a, v, dd in zip(avg, nu, d)]
   t = count + 1
-  c1, c2 = 1 - B1**t, 1 - B2 ** min(t, warmup)
+  c1, c2 = 1 - B1**t, 1 - B2 ** ref_covered(t, warmup, refresh)
   updates = [
       -lr * ((m / c1) / (np.sqrt(v / c2) + EPS) + wd * p) for m, v, p in zip(mu, nu, params)
   ]
@@ -179,20 +189,22 @@ def momentum(**kw):
 
 
 @pytest.mark.parametrize(
-    "k, scale, exchange",
-    [(2, "l2", "momentum"), (4, "l2", "momentum"), (8, "l2", "momentum"),
-     (4, "column", "momentum"), (4, "l2", "preconditioned")],
+    "k, scale, exchange, refresh",
+    [(2, "l2", "momentum", 0), (4, "l2", "momentum", 0), (8, "l2", "momentum", 0),
+     (4, "column", "momentum", 0), (4, "l2", "preconditioned", 0),
+     (4, "l2", "momentum", 2), (4, "l2", "preconditioned", 3)],
 )
-def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange):
+def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh):
   lr, wd, warmup = 1e-2, 0.05, 2
   _, init, update = pmapped(
-      k, adam, learning_rate=lr, weight_decay=wd, warmup_steps=warmup, scale=scale, exchange=exchange
+      k, adam, learning_rate=lr, weight_decay=wd, warmup_steps=warmup, scale=scale,
+      exchange=exchange, variance_refresh=refresh,
   )
   params = make_tree(k, seed=1)
   params = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), params)  # replicated
   state = init(params)
   p_np = leaves_of(params, 0)
-  for step in range(5):
+  for step in range(7 if refresh else 5):
     grads = make_tree(k, seed=10 + step)
     before = dict(
         count=int(state.count[0]),
@@ -203,8 +215,9 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange):
     )
     ref_u, ref = ref_adam_step(
         [leaves_of(grads, j) for j in range(k)], p_np, before,
-        lr=lr, wd=wd, warmup=warmup, scale=scale, exchange=exchange,
+        lr=lr, wd=wd, warmup=warmup, scale=scale, exchange=exchange, refresh=refresh,
     )
+    residuals = (state.compression.worker_residual, state.compression.server_residual)
     updates, state = update(grads, state, params)
     for j in range(k):  # every replica holds the same update and moments
       for a, b in zip(leaves_of(updates, j), ref_u):
@@ -220,6 +233,12 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange):
       np.testing.assert_array_equal(np.asarray(state.compression.worker_residual), 0.0)
     else:
       assert np.abs(np.asarray(state.compression.worker_residual)).max() > 0
+    exact = step < warmup or (refresh and (step + 1 - warmup) % refresh == 0)
+    if exact:  # an exact step leaves both residuals as they were
+      np.testing.assert_array_equal(np.asarray(state.compression.worker_residual), residuals[0])
+      np.testing.assert_array_equal(np.asarray(state.compression.server_residual), residuals[1])
+    if refresh and step >= warmup:  # v moves on refresh steps only
+      assert (ref["nu"][0] != before["nu"][0]).any() == bool(exact)
 
 
 @pytest.mark.parametrize(
@@ -405,9 +424,10 @@ def test_one_bit_momentum_without_warmup_has_no_float_all_reduce():
   assert wire <= 2 * (k - 1) / k * 4 * n / 28
 
 
-def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch():
+@pytest.mark.parametrize("refresh", [0, 4])
+def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch(refresh):
   k = 8
-  tx = one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=5)
+  tx = one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=5, variance_refresh=refresh)
   params = {"w": jnp.zeros((k, 64, 256)), "b": jnp.zeros((k, 256))}
   devices = jax.devices()[:k]
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
@@ -521,6 +541,8 @@ def test_bad_arguments():
     one_bit_momentum(0.1, axis_name=AXIS, scale="max")
   with pytest.raises(ValueError, match="exchange"):
     one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1, exchange="gradient")
+  with pytest.raises(ValueError, match="variance_refresh"):
+    one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1, variance_refresh=-1)
 
 
 # ---------------------------------------------------------------------------

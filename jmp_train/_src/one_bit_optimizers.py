@@ -73,6 +73,30 @@ the frozen :math:`\hat v = v/(1-\beta_2^{W})` with ``W = warmup_steps``. Run
 with ``warmup_steps`` past the last step, the optimizer is
 ``optax.adamw`` on the averaged gradients.
 
+Refreshing the second moment (0/1 Adam)
+---------------------------------------
+A ``v`` frozen early is the size of the early, large gradients: as they
+shrink, every later step is smaller than Adam's. 0/1 Adam (Lu et al., 2022)
+updates ``v`` on a sparse set of steps instead. ``variance_refresh=k``
+(default 0: frozen, no float all-reduce after warm-up) makes every
+``k``-th step after warm-up an *exact* step: the gradients are averaged
+with a float all-reduce (as in warm-up), ``m`` takes the exact average and
+``v`` takes it for the ``k`` steps since the last refresh,
+
+.. math::
+  v \leftarrow \beta_2^k v + (1-\beta_2^k)\,\bar g^2,
+
+what ``k`` Adam steps with that gradient would give (the bias correction
+then counts the steps ``v`` stands for: ``W`` plus the steps up to the last
+refresh). Elements whose ``v`` is 0 at the freeze stay still (a refresh
+gives them a tiny ``v`` that would amplify the quantization error of
+``m``). The residuals are left as they are on those steps. The other
+steps are 1-bit; a step's bytes on the wire average
+``(1/k)·float + (1-1/k)·1-bit``. Pair refreshes with
+``exchange="preconditioned"``: a refreshed ``v`` is smaller, and with
+``exchange="momentum"`` the per-tensor quantization error of ``m`` is divided
+by each element's own ``sqrt(v)``.
+
 1-bit momentum SGD does the same with the momentum (trace) of
 ``optax.sgd(learning_rate, momentum)``: ``m_j = μ m + g_j``, the update is
 :math:`-\eta_t\, C(m_1..m_K)`; with ``nesterov=True`` it is
@@ -240,6 +264,7 @@ def one_bit_adam(
     warmup_steps: int,
     scale: str = "l2",
     exchange: str = "momentum",
+    variance_refresh: int = 0,
     num_replicas: int | None = None,
 ) -> optax.GradientTransformation:
   r"""1-bit Adam (AdamW): Adam whose momentum crosses devices as 1 bit per element.
@@ -269,6 +294,10 @@ def one_bit_adam(
     exchange: what crosses devices: ``"momentum"`` (``m``, Tang et al.)
       or ``"preconditioned"`` (``m / (sqrt(v_hat) + eps)``, multiplied
       back after; see the module docstring).
+    variance_refresh: ``0`` (default): ``v`` stays frozen after warm-up.
+      ``k > 0``: every ``k``-th step after warm-up is an exact step (a float
+      all-reduce of the gradients) that updates ``m`` and ``v`` (0/1 Adam's
+      sparse variance updates; see the module docstring).
     num_replicas: size of ``axis_name``, for ``init`` outside a mapped
       context.
 
@@ -276,8 +305,8 @@ def one_bit_adam(
     An ``optax.GradientTransformation`` with state :class:`OneBitAdamState`.
 
   Raises:
-    ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale`` or
-      ``exchange``; at trace time for a state made for another replica count.
+    ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale``,
+      ``exchange`` or ``variance_refresh``; at trace time for a state made for another replica count.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -298,13 +327,36 @@ def one_bit_adam(
 
     Loshchilov, Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     https://arxiv.org/abs/1711.05101
+
+    Lu, Li, Zhang, De Sa, He, "Maximizing Communication Efficiency for
+    Large-scale Training via 0/1 Adam", ICLR 2023.
+    https://arxiv.org/abs/2202.06009
   """
   _check_common(axis_name, warmup_steps, 1)
   if exchange not in EXCHANGES:
     raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
+  if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
+    raise ValueError(
+        f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}."
+    )
   compression = sign_compression(axis_name, scale=scale, num_replicas=num_replicas)
-  # The second moment's bias correction, frozen at the end of warm-up.
-  c2 = lambda t: 1 - b2 ** jnp.minimum(t, warmup_steps).astype(jnp.float32)
+  k = int(variance_refresh)
+
+  def covered(t):
+    """Steps of gradient history ``v`` stands for after ``t`` steps."""
+    if not k:
+      return jnp.minimum(t, warmup_steps)
+    after = jnp.maximum(t - warmup_steps, 0)
+    return jnp.minimum(t, warmup_steps) + after - after % k
+
+  # The second moment's bias correction (frozen between refreshes).
+  c2 = lambda t: 1 - b2 ** covered(t).astype(jnp.float32)
+
+  def exact_step(count):
+    """Warm-up, or (with refreshes) every k-th step after it."""
+    if not k:
+      return count < warmup_steps
+    return (count < warmup_steps) | ((count + 1 - warmup_steps) % k == 0)
 
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
@@ -315,7 +367,16 @@ def one_bit_adam(
   def warmup(grads, state):
     g = lax.pmean(_f32(grads), axis_name)
     mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
-    nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
+    if not k:
+      nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
+      return mu, nu, state.compression
+    # A refresh stands for the k steps since the last one, and revives no
+    # element whose v was 0 at the freeze (it keeps m = 0, as after warm-up).
+    in_warmup = state.count < warmup_steps
+    keep, take = jnp.where(in_warmup, b2, b2**k), jnp.where(in_warmup, 1 - b2, 1 - b2**k)
+    live = jax.tree.map(lambda v: in_warmup | (v > 0), state.nu)
+    nu = jax.tree.map(lambda v, x, ok: jnp.where(ok, keep * v + take * x * x, v), state.nu, g, live)
+    mu = jax.tree.map(lambda m, ok: jnp.where(ok, m, 0.0), mu, live)
     return mu, nu, state.compression
 
   def compressed(grads, state):
@@ -329,7 +390,7 @@ def one_bit_adam(
       mu, cstate = _exchange(compression, mask(local), state.compression, "one_bit_adam")
       return mask(mu), state.nu, cstate
     # The frozen preconditioner d is the same on every replica: exchange m/d.
-    frozen = c2(jnp.asarray(warmup_steps, jnp.int32))
+    frozen = c2(state.count)
     d = jax.tree.map(lambda v: jnp.sqrt(v / frozen) + eps, state.nu)
     local = mask(jax.tree.map(jnp.divide, local, d))
     avg, cstate = _exchange(compression, local, state.compression, "one_bit_adam")
@@ -340,7 +401,7 @@ def one_bit_adam(
       raise ValueError("one_bit_adam with weight_decay needs params in update.")
     # lax.cond, not jnp.where: a step runs either the float all-reduce or
     # the 1-bit exchange, never both; the counter is the same everywhere.
-    mu, nu, cstate = _cond(state.count < warmup_steps, warmup, compressed, updates, state)
+    mu, nu, cstate = _cond(exact_step(state.count), warmup, compressed, updates, state)
     t = optax.safe_increment(state.count)
     c1 = 1 - b1 ** t.astype(jnp.float32)
     c2_t = c2(t)
