@@ -71,10 +71,10 @@ _EXPORTS = {
     "scale_by_adam": "optimizers_8bit",
     "sgd_8bit": "optimizers_8bit",
     # 1-bit Adam and 1-bit momentum SGD
-    "OneBitAdamState": "one_bit_optimizers",
-    "OneBitMomentumState": "one_bit_optimizers",
-    "one_bit_adam": "one_bit_optimizers",
-    "one_bit_momentum": "one_bit_optimizers",
+    "OneBitAdamState": "one_bit_adam",
+    "OneBitMomentumState": "one_bit_momentum",
+    "one_bit_adam": "one_bit_adam",
+    "one_bit_momentum": "one_bit_momentum",
     # train-step builder
     "TrainState": "train",
     "TrainStep": "train",

@@ -62,7 +62,7 @@ def train(devices, optimizer: str, steps: int = STEPS) -> dict[str, np.ndarray]:
   process's devices ``d`` (by global device id).
   """
   from jmp_train import sign_compression_specs
-  from jmp_train._src.one_bit_optimizers import one_bit_adam, one_bit_momentum
+  from jmp_train import one_bit_adam, one_bit_momentum
 
   mesh = Mesh(np.asarray(devices), (AXIS,))
   k = len(devices)

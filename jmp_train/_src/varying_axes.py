@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["pvary", "varying_axes"]
+__all__ = ["cond", "pvary", "varying_axes"]
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -29,7 +29,10 @@ def varying_axes(x: Any) -> frozenset[str]:
     >>> sorted(varying_axes(jnp.zeros(3)))
     []
   """
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  return _aval_axes(x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x))
+
+
+def _aval_axes(aval: Any) -> frozenset[str]:
   manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
   if manual is not None:
     return frozenset(manual.varying)
@@ -56,3 +59,36 @@ def pvary(x: Any, axes: frozenset[str]) -> Any:
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, missing, to="varying")
   return jax.lax.pvary(x, missing)
+
+
+def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
+  """``lax.cond`` whose branches may differ in the mesh axes they vary over.
+
+  Under ``shard_map`` a branch that ``pmean``s is invariant across replicas
+  where the other branch's outputs vary (or the reverse), and ``lax.cond``
+  requires equal types: each output is marked varying over the union of both
+  branches' axes (:func:`pvary`), which changes no value.
+
+  Args:
+    pred: a boolean scalar.
+    true_fun: called with ``operands`` where ``pred`` holds.
+    false_fun: called with ``operands`` elsewhere.
+    *operands: the branches' arguments.
+
+  Returns:
+    The output of the branch ``pred`` selects.
+
+  Examples:
+    >>> int(cond(jnp.array(True), lambda x: x + 1, lambda x: x - 1, 1))
+    2
+  """
+  outs = [jax.make_jaxpr(f)(*operands).out_avals for f in (true_fun, false_fun)]
+  axes = [_aval_axes(a) | _aval_axes(b) for a, b in zip(*outs)]
+
+  def unified(fun):
+    def branch(*args):
+      flat, tree = jax.tree.flatten(fun(*args))
+      return jax.tree.unflatten(tree, [pvary(x, want) for x, want in zip(flat, axes)])
+    return branch
+
+  return jax.lax.cond(pred, unified(true_fun), unified(false_fun), *operands)

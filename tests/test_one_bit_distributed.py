@@ -1,0 +1,344 @@
+"""1-bit Adam and 1-bit momentum SGD across modes, loss scaling, checkpoints, processes."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmp_train
+from jmp_train import SignCompressionState, collective_ops, sign_compression_specs
+from jmp_train._src.one_bit_optimizers import (
+    OneBitAdamState,
+    OneBitMomentumState,
+    one_bit_adam,
+    one_bit_momentum,
+)
+
+from _one_bit_util import AXIS, SHAPES, adam, make_tree, momentum, pmapped
+
+
+# ---------------------------------------------------------------------------
+# Execution modes, dtypes, state structure.
+# ---------------------------------------------------------------------------
+
+
+def shard_mapped(tx, k):
+  """(init, step) under shard_map over k devices; step takes local grads."""
+  mesh = jax.make_mesh((k,), (AXIS,), devices=jax.devices()[:k])
+  params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
+  shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
+  specs = sign_compression_specs(shapes, AXIS)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+  def local_step(p, s, g):
+    updates, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+    return optax.apply_updates(p, updates), s
+
+  step = jax.jit(
+      jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
+  )
+  return mesh, specs, init, step
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, weight_decay=0.01),
+     one_bit_momentum(0.1, axis_name=AXIS, nesterov=True)],
+    ids=["adam", "momentum"],
+)
+def test_shard_map_equals_pmap(tx):
+  k = 4
+  mesh, specs, init, step = shard_mapped(tx, k)
+  # The moments are replicated, the residuals per replica.
+  assert specs.compression == SignCompressionState(P(), P(AXIS), P(AXIS))
+  assert all(s == P() for s in jax.tree.leaves(specs[1]))
+  params = {n: jnp.full(s, 0.1) for n, s in SHAPES.items()}
+  p_sm, s_sm = jax.device_put(params, NamedSharding(mesh, P())), init(params)
+  p_pm = jax.tree.map(lambda x: jnp.broadcast_to(x, (k,) + x.shape), params)
+  devices = jax.devices()[:k]
+  s_pm = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(p_pm)
+
+  def pm_step(p, s, g):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  pm_step = jax.pmap(pm_step, axis_name=AXIS, devices=devices)
+  for t in range(3):
+    grads = make_tree(k, seed=90 + t)
+    p_sm, s_sm = jax.block_until_ready(step(p_sm, s_sm, jax.device_put(grads, NamedSharding(mesh, P(AXIS)))))
+    p_pm, s_pm = jax.block_until_ready(pm_step(p_pm, s_pm, grads))
+  for n in SHAPES:
+    np.testing.assert_allclose(np.asarray(p_sm[n]), np.asarray(p_pm[n][0]), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(
+      np.asarray(s_sm.compression.worker_residual).reshape(k, -1),
+      np.asarray(s_pm.compression.worker_residual), rtol=1e-5, atol=1e-6,
+  )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("factory", [adam, momentum], ids=["adam", "momentum"])
+def test_dtypes_are_stable(dtype, factory):
+  k = 2
+  tx, init, update = pmapped(k, factory, warmup_steps=1)
+  params = make_tree(k, seed=3, dtype=dtype)
+  state = init(params)
+  first = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+  for t in range(3):
+    updates, state = update(make_tree(k, seed=t, dtype=dtype), state, params)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == first
+    for u in jax.tree.leaves(updates):
+      assert u.dtype == dtype and np.isfinite(np.asarray(u, np.float32)).all()
+  assert state.count.dtype == jnp.int32
+  assert isinstance(state, OneBitAdamState if factory is adam else OneBitMomentumState)
+
+
+def test_one_bit_momentum_without_warmup_has_no_float_all_reduce():
+  k = 8
+  tx = one_bit_momentum(0.1, axis_name=AXIS, scale="l1")
+  params = {"w": jnp.zeros((k, 64, 256)), "b": jnp.zeros((k, 256))}
+  devices = jax.devices()[:k]
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
+  compiled = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(params, state).compile()
+  counts = jmp_train.collective_bytes(compiled)
+  assert counts["all-reduce"] == 0
+  n = 64 * 256 + 256
+  assert counts["all-to-all:u8"] == n // 8
+  wire = jmp_train.collective_bytes(compiled, wire=True)["total"]
+  assert wire <= 2 * (k - 1) / k * 4 * n / 28
+
+
+@pytest.mark.parametrize("refresh", [0, 4])
+def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch(refresh):
+  k = 8
+  tx = one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=5, variance_refresh=refresh)
+  params = {"w": jnp.zeros((k, 64, 256)), "b": jnp.zeros((k, 256))}
+  devices = jax.devices()[:k]
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
+  text = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(params, state, params).compile().as_text()
+  ops = collective_ops(text)
+  branches = re.findall(r"branch_computations=\{([^}]*)\}", text)
+  branches += [",".join(m) for m in re.findall(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)]
+  names = {b.strip().lstrip("%") for group in branches for b in group.split(",")}
+  float_reduce = [op for op in ops if op.kind == "all-reduce"]
+  packed = [op for op in ops if op.dtypes == ("u8",)]
+  assert float_reduce and packed
+  warmup_comps = {op.computation for op in float_reduce}
+  assert warmup_comps <= names  # never in the entry computation
+  after = [op for op in ops if op.computation not in warmup_comps]
+  assert not any(op.kind == "all-reduce" for op in after)
+  # After warm-up, at K = 8: under 1/28 of a float32 ring all-reduce.
+  n = 64 * 256 + 256
+  assert sum(op.wire_bytes for op in after) <= 2 * (k - 1) / k * 4 * n / 28
+
+
+# ---------------------------------------------------------------------------
+# loss_scaled: an overflow anywhere skips the step everywhere.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factory", [adam, momentum], ids=["adam", "momentum"])
+def test_loss_scaled_overflow_on_one_replica_keeps_state_bit_for_bit(factory):
+  k, scale = 4, 2.0**10
+  inner = factory(warmup_steps=1)
+  tx = jmp_train.loss_scaled(inner, jmp_train.DynamicLossScale(scale=scale), axis_name=AXIS)
+  devices = jax.devices()[:k]
+  init = jax.pmap(tx.init, axis_name=AXIS, devices=devices)
+  update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+  params = jax.tree.map(lambda x: x * 0 + 0.1, make_tree(k, seed=0))
+  state = init(params)
+  scaled = lambda g, s: jax.tree.map(lambda x: x * s, g)
+  for t in range(3):  # past warm-up: residuals non-zero
+    _, state = update(scaled(make_tree(k, seed=100 + t), scale), state, params)
+  before = state.inner_state
+  assert np.abs(np.asarray(before.compression.worker_residual)).max() > 0
+  assert np.abs(np.asarray(before.compression.server_residual)).max() > 0
+  bad = make_tree(k, seed=110)
+  bad["w"] = bad["w"].at[2, 0, 0].set(np.inf)  # replica 2 only
+  updates, after_state = update(scaled(bad, scale), state, params)
+  for leaf in jax.tree.leaves(updates):
+    np.testing.assert_array_equal(np.asarray(leaf), 0.0)
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after_state.inner_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.asarray(after_state.total_notfinite).tolist() == [1] * k
+  updates, final = update(scaled(make_tree(k, seed=111), scale / 2), after_state, params)
+  assert np.asarray(final.inner_state.count).tolist() == [4] * k
+  assert np.abs(np.asarray(updates["w"])).max() > 0
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: resume bit for bit after warm-up; another replica count fails.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factory", [adam, momentum], ids=["adam", "momentum"])
+def test_checkpoint_after_warmup_resumes_bit_for_bit(tmp_path, factory):
+  pytest.importorskip("orbax.checkpoint")
+  import orbax.checkpoint as ocp
+
+  k = 4
+  tx = factory(warmup_steps=2)
+  mesh, specs, init, step = shard_mapped(tx, k)
+  params = jax.device_put({n: jnp.full(s, 0.1) for n, s in SHAPES.items()}, NamedSharding(mesh, P()))
+  opt_state = init(params)
+  grads = [jax.device_put(make_tree(k, seed=120 + t), NamedSharding(mesh, P(AXIS))) for t in range(6)]
+  for t in range(3):
+    params, opt_state = jax.block_until_ready(step(params, opt_state, grads[t]))
+  assert int(opt_state.count) == 3 and np.abs(np.asarray(opt_state.compression.server_residual)).max() > 0
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path, {"params": params, "opt_state": opt_state})
+    ckpt.wait_until_finished()
+  p_a, s_a = params, opt_state
+  for t in range(3, 6):
+    p_a, s_a = jax.block_until_ready(step(p_a, s_a, grads[t]))
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(path, target)
+  assert restored["opt_state"].compression.worker_residual.sharding.spec == P(AXIS)
+  p_b, s_b = restored["params"], restored["opt_state"]
+  for t in range(3, 6):
+    p_b, s_b = jax.block_until_ready(step(p_b, s_b, grads[t]))
+  for a, b in zip(jax.tree.leaves((p_a, s_a)), jax.tree.leaves((p_b, s_b))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("factory", [adam, momentum], ids=["adam", "momentum"])
+def test_state_for_another_replica_count_raises(factory):
+  tx4, init4, _ = pmapped(4, factory, warmup_steps=1)
+  _, _, update2 = pmapped(2, factory, warmup_steps=1)
+  state4 = init4(jax.tree.map(jnp.zeros_like, make_tree(4, seed=0)))
+  # Two replicas' copies of a 4-replica state (as a restore onto 2 devices gives).
+  moved = jax.tree.map(lambda x: x[:2], state4)
+  with pytest.raises(ValueError, match="replica count"):
+    update2(make_tree(2, seed=1), moved, make_tree(2, seed=2))
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="warmup_steps"):
+    one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=0)
+  with pytest.raises(ValueError, match="warmup_steps"):
+    one_bit_momentum(0.1, axis_name=AXIS, warmup_steps=-1)
+  with pytest.raises(ValueError, match="axis_name"):
+    one_bit_momentum(0.1, axis_name=None)
+  with pytest.raises(ValueError, match="scale"):
+    one_bit_momentum(0.1, axis_name=AXIS, scale="max")
+  with pytest.raises(ValueError, match="exchange"):
+    one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1, exchange="gradient")
+  with pytest.raises(ValueError, match="variance_refresh"):
+    one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1, variance_refresh=-1)
+
+
+# ---------------------------------------------------------------------------
+# Integration points owned elsewhere (enabled at merge).
+# ---------------------------------------------------------------------------
+
+
+def test_public_names():
+  assert jmp_train.one_bit_adam is one_bit_adam
+  assert jmp_train.one_bit_momentum is one_bit_momentum
+  assert jmp_train.OneBitAdamState is OneBitAdamState
+  assert jmp_train.OneBitMomentumState is OneBitMomentumState
+
+
+@pytest.mark.parametrize("make, state_type", [
+    (lambda: one_bit_adam(1e-2, axis_name="batch", warmup_steps=2), OneBitAdamState),
+    # The warm-up's pmean is invariant across replicas, the compressed
+    # branch's output is not: the step must still trace under shard_map.
+    (lambda: one_bit_momentum(1e-2, axis_name="batch", warmup_steps=2), OneBitMomentumState),
+], ids=["adam", "momentum"])
+def test_make_train_step_with_one_bit_optimizer_as_the_whole_optimizer(make, state_type):
+  import flax.linen as nn
+
+  k = 4
+  model = nn.Dense(3)
+  params = model.init(jax.random.key(0), jnp.ones((1, 5)))["params"]
+  mesh = jax.make_mesh((k,), ("batch",), devices=jax.devices()[:k])
+  step = jmp_train.make_train_step(
+      model.apply, lambda out, y: jnp.mean((out - y) ** 2), None,
+      compression=make(),
+      loss_scale=jmp_train.DynamicLossScale(scale=2.0**8),
+      mode="shard_map", axis_name="batch", mesh=mesh,
+  )
+  state = step.init(params)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(8 * k, 5)), jnp.float32)
+  y = x[:, :3] * 0.5
+  losses = []
+  for _ in range(8):
+    state, metrics = step(state, step.shard_batch((x, y)))
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < losses[0]
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, state_type))
+           if isinstance(s, state_type)]
+  assert len(found) == 1 and np.asarray(found[0].count).max() == 8
+
+
+# ---------------------------------------------------------------------------
+# Two processes on loopback (jax.distributed, gloo) equal one process.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer, per_process", [("adam", 1), ("momentum", 2)])
+def test_two_processes_equal_one_process(tmp_path, optimizer, per_process):
+  import os
+  import pathlib
+  import socket
+  import subprocess
+  import sys
+
+  import _one_bit_multiprocess_worker as worker
+
+  here = pathlib.Path(__file__).parent
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+  env["PYTHONPATH"] = os.pathsep.join([str(here.parent), env.get("PYTHONPATH", "")])
+  outs = [tmp_path / f"out_{i}.npz" for i in range(2)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(here / "_one_bit_multiprocess_worker.py"), str(i), "2", str(port), str(out),
+           optimizer, str(per_process)],
+          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      )
+      for i, out in enumerate(outs)
+  ]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=300)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-4000:]
+  k = 2 * per_process
+  devices = jax.devices()[:k]
+  expected = worker.train(devices, optimizer)
+  got = {}
+  for out in outs:
+    with np.load(out) as f:
+      got.update({name: f[name] for name in f.files})
+  # Parameters on every process; residuals of process 0's devices, then
+  # process 1's, matched to the one-process run's devices in order.
+  for name in worker.initial_params():
+    np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    assert not np.array_equal(worker.initial_params()[name], expected[name])
+  for field in ("worker_residual", "server_residual"):
+    mine = [expected[f"{field}/{d.id}"] for d in devices]
+    theirs = [got[k] for k in sorted((k for k in got if k.startswith(field)), key=lambda k: int(k.split("/")[1]))]
+    assert len(theirs) == k
+    for a, b in zip(mine, theirs):
+      np.testing.assert_array_equal(a, b)
+    assert any(np.abs(a).max() > 0 for a in mine)
