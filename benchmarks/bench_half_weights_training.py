@@ -70,16 +70,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_train.examples import data as data_lib
+from jmp_train.examples.demo_configs import DemoSettings
+from jmp_train.examples.demo_configs import learning_rate_schedule
 from jmp_train.examples import half_weights as experiment
 
 NAME = "half_weights_training"
 COLUMNS = (
-    "half", "setup", "test_loss", "test_accuracy", "loss_gap", "accuracy_gap",
-    "within_1pct", "worst_seed_loss_gap", "seconds",
+    "task", "half", "setup", "test_loss", "test_accuracy", "loss_gap", "accuracy_gap",
+    "within_1pct", "paired_loss_gap", "worst_seed_loss_gap", "seconds",
 )
 
 SGD_LR = 0.01
 ADAM_LR = 1e-4
+TEXT_ADAM_LR = 3e-3
 SEEDS = (0, 1, 2)
 
 
@@ -88,6 +91,11 @@ def _mean(runs, field: str) -> float:
 
 
 def run(quick: bool) -> list[dict]:
+  return run_digits(quick) + run_text(quick)
+
+
+def run_digits(quick: bool) -> list[dict]:
+  """The digits rows."""
   steps = 100 if quick else 2000
   seeds = SEEDS[:1] if quick else SEEDS
   dataset = data_lib.load_digits()
@@ -119,6 +127,7 @@ def run(quick: bool) -> list[dict]:
       acc_gap = experiment.relative_gap(
           _mean(runs, "test_accuracy"), _mean(ref, "test_accuracy"))
       records.append({
+          "task": "digits",
           "half": jnp.dtype(half).name,
           "setup": name,
           "test_loss": _mean(runs, "test_loss"),
@@ -132,4 +141,44 @@ def run(quick: bool) -> list[dict]:
           "steps": steps,
           "seeds": len(seeds),
       })
+  return records
+
+
+def run_text(quick: bool) -> list[dict]:
+  """The text rows: the demo's Transformer, Adam, validation loss at the end."""
+  settings = DemoSettings(learning_rate=TEXT_ADAM_LR, eval_batches=16)
+  if quick:  # a smoke test of the code path: tiny model, 4 steps
+    settings = DemoSettings(
+        learning_rate=TEXT_ADAM_LR, steps=4, batch=8, seq_len=16, d_model=16, eval_batches=1)
+  seeds = SEEDS[:1] if quick else SEEDS
+  setups = experiment.make_text_setups(learning_rate_schedule(settings), jnp.bfloat16)
+  if quick:  # the reference and the 8-bit row
+    keep = ("adam / float32 master", "adam / bfloat16 + stochastic rounding, 8-bit moments")
+    setups = {k: setups[k] for k in keep}
+  records, ref = [], None
+  for name, (dtype, opt) in setups.items():
+    start = time.perf_counter()
+    runs = experiment.train_text(opt, dtype, jnp.bfloat16, settings=settings, seeds=seeds)
+    seconds = (time.perf_counter() - start) / len(seeds)
+    ref = ref or runs  # the first row: float32 master weights
+    loss_gap = experiment.relative_gap(_mean(runs, "test_loss"), _mean(ref, "test_loss"))
+    acc_gap = experiment.relative_gap(_mean(runs, "test_accuracy"), _mean(ref, "test_accuracy"))
+    paired = [r.test_loss / q.test_loss - 1.0 for r, q in zip(runs, ref)]
+    records.append({
+        "task": "text",
+        "half": "bfloat16",
+        "setup": name,
+        "test_loss": _mean(runs, "test_loss"),
+        "test_accuracy": _mean(runs, "test_accuracy"),
+        "loss_gap": loss_gap,
+        "accuracy_gap": acc_gap,
+        "within_1pct": bool(loss_gap <= 0.01 and acc_gap <= 0.01),
+        "paired_loss_gap": float(np.mean(paired)),
+        "worst_seed_loss_gap": float(max(abs(p) for p in paired)),
+        "test_losses": [r.test_loss for r in runs],
+        "train_loss": _mean(runs, "train_loss"),
+        "seconds": seconds,
+        "steps": settings.steps,
+        "seeds": len(seeds),
+    })
   return records

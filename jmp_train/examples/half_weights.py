@@ -22,10 +22,16 @@ stored and updated:
 Every setup starts from the same initial values (drawn in float32 and rounded
 to the half dtype) and sees the same minibatches. The setups are built in
 :mod:`jmp_train.examples.half_weights_setups`; this module trains them.
+
+:func:`train_text` runs the same comparison on the demo's text task
+(:data:`jmp_train.examples.demo_tasks.TASKS` ``["text"]``: a character-level
+Transformer on the standard library's source, the last 10% held out),
+with its data, model and initialization unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -34,9 +40,12 @@ import numpy as np
 import optax
 
 from jmp_train.examples import data as data_lib
+from jmp_train.examples import demo_tasks
+from jmp_train.examples.demo_configs import DemoSettings
 from jmp_train.examples.half_weights_setups import make_8bit_setups
 from jmp_train.examples.half_weights_setups import make_momentum_setups
 from jmp_train.examples.half_weights_setups import make_setups
+from jmp_train.examples.half_weights_setups import make_text_setups
 from jmp_train.examples.half_weights_setups import plain_momentum_sgd
 from jmp_train.examples.half_weights_setups import with_float32_state
 
@@ -46,10 +55,12 @@ __all__ = [
     "make_8bit_setups",
     "make_momentum_setups",
     "make_setups",
+    "make_text_setups",
     "plain_momentum_sgd",
     "relative_gap",
     "run_all",
     "train_digits",
+    "train_text",
     "with_float32_state",
 ]
 
@@ -184,4 +195,75 @@ def run_all(
     if progress:
       progress(name)
     results[name], _ = train_digits(opt, dtype, compute_dtype, dataset=dataset, **kwargs)
+  return results
+
+
+def train_text(
+    optimizer: optax.GradientTransformation,
+    param_dtype: Any,
+    compute_dtype: Any = jnp.bfloat16,
+    *,
+    settings: DemoSettings | None = None,
+    seeds: tuple[int, ...] = (0,),
+) -> list[DigitsResult]:
+  """Trains the demo's text Transformer once per seed; returns the final metrics.
+
+  The task is the demo's (:func:`jmp_train.examples.demo_tasks.TASKS`
+  ``["text"]`` and :func:`~jmp_train.examples.demo_tasks.init_params` with
+  ``settings``, its seed replaced by each of ``seeds``: the seed sets the
+  initial weights and the batches). The parameters are stored in
+  ``param_dtype`` (the float32 initial values rounded to ``compute_dtype``
+  first, so every setup starts from the same point) and cast to
+  ``compute_dtype`` for the forward and backward pass; one compiled program
+  serves every seed.
+
+  Args:
+    optimizer: the optax optimizer (``params`` are passed to ``update``).
+    param_dtype: dtype the parameters are stored and updated in.
+    compute_dtype: dtype of the forward and backward pass.
+    settings: the demo's settings (``DemoSettings()``, the demo's defaults,
+      when ``None``); ``steps``, ``batch``, ``seq_len``, ``d_model``,
+      ``layers`` and ``eval_batches`` are used.
+    seeds: the seeds to train with.
+
+  Returns:
+    One :class:`DigitsResult` per seed: ``test_loss`` and ``test_accuracy``
+    are the mean next-byte cross-entropy and accuracy on the held-out
+    ``"val"`` batches, ``train_loss`` on the ``"train"`` evaluation batches.
+  """
+  settings = settings or DemoSettings()
+
+  def loss(params, model, x, y):
+    p = jax.tree.map(lambda v: v.astype(compute_dtype), params)
+    logits = model.apply({"params": p}, x).astype(jnp.float32)
+    return demo_tasks.loss_fn(logits, y)
+
+  @jax.jit
+  def run(params, xs, ys, evals):
+    def step(carry, batch):
+      params, opt_state = carry
+      grads = jax.grad(lambda p: loss(p, model, *batch)[0])(params)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), None
+
+    (params, _), _ = jax.lax.scan(step, (params, optimizer.init(params)), (xs, ys))
+    return {
+        split: jax.lax.map(lambda b: loss(params, model, *b), (x, y))
+        for split, (x, y) in evals.items()
+    }
+
+  runs = [dataclasses.replace(settings, task="text", seed=seed) for seed in seeds]
+  tasks = [demo_tasks.TASKS["text"](s) for s in runs]
+  model = tasks[0].model  # the same for every seed
+  results = []
+  for s, task in zip(runs, tasks):
+    init = demo_tasks.init_params(task, s)
+    init = jax.tree.map(lambda p: jnp.asarray(p).astype(compute_dtype).astype(param_dtype), init)
+    xs, ys = (np.stack(b) for b in zip(*(task.train_batch(i) for i in range(s.steps))))
+    evals = {k: tuple(np.stack(b) for b in zip(*v)) for k, v in task.eval_sets.items()}
+    out = jax.device_get(run(init, xs, ys, evals))
+    val_loss, val_aux = out["val"]
+    results.append(DigitsResult(
+        float(np.mean(val_loss)), float(np.mean(val_aux["accuracy"])),
+        float(np.mean(out["train"][0]))))
   return results

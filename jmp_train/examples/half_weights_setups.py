@@ -22,6 +22,7 @@ __all__ = [
     "make_8bit_setups",
     "make_momentum_setups",
     "make_setups",
+    "make_text_setups",
     "plain_momentum_sgd",
     "with_float32_state",
 ]
@@ -204,6 +205,48 @@ def make_8bit_setups(
       f"momentum sgd / {h} + sgd_8bit (all leaves) + stochastic rounding": (
           half,
           optax.chain(jmp_train.sgd_8bit(learning_rate, momentum, min_8bit_size=0, seed=seed), sr())),
+  }
+
+
+def make_text_setups(
+    learning_rate: optax.ScalarOrSchedule,
+    half: Any = jnp.bfloat16,
+    *,
+    seed: int = 0,
+) -> dict[str, tuple[Any, optax.GradientTransformation]]:
+  """Adam on the text task: float32 master weights against half weights with 8-bit moments.
+
+  The reference ``"adam / float32 master"`` (``optax.adam``, float32
+  moments); half weights with float32 moments and stochastic rounding; half
+  weights with :func:`jmp_train.adam_8bit` (default ``min_8bit_size``)
+  followed by stochastic rounding, by Kahan compensation, or by nothing
+  (updates rounded to nearest: what the 8-bit moments alone give); and the
+  smallest state, every leaf 8-bit in blocks of 2,048, with stochastic
+  rounding.
+
+  Args:
+    learning_rate: Adam's learning rate or schedule (the same for every row).
+    half: the half dtype of the weights.
+    seed: seed of the stochastic roundings.
+
+  Returns:
+    An ordered dict name -> (parameter dtype, optimizer).
+  """
+  h = np.dtype(half).name
+  adam8 = lambda **kw: jmp_train.adam_8bit(learning_rate, seed=seed, **kw)
+  return {
+      "adam / float32 master": (jnp.float32, optax.adam(learning_rate)),
+      f"adam / {h} + stochastic rounding": (
+          half, optax.chain(with_float32_state(optax.adam(learning_rate)),
+                            jmp_train.stochastic_rounding(seed))),
+      f"adam / {h} + stochastic rounding, 8-bit moments": (
+          half, optax.chain(adam8(), jmp_train.stochastic_rounding(seed))),
+      f"adam / {h} + kahan, 8-bit moments": (
+          half, optax.chain(adam8(), jmp_train.kahan_compensation())),
+      f"adam / {h}, 8-bit moments": (half, adam8()),
+      f"adam / {h} + stochastic rounding, 8-bit moments (all leaves, blocks of 2048)": (
+          half, optax.chain(adam8(min_8bit_size=0, block_size=2048),
+                            jmp_train.stochastic_rounding(seed))),
   }
 
 
