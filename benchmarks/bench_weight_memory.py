@@ -21,7 +21,12 @@ number of parameters:
   first and float32 second moment (:func:`jmp_train.scale_by_adam`); and
   :func:`jmp_train.sgd_8bit`.
 
-``vs_adam_master`` is the total over the float32-master Adam total.
+``codes_per_param`` is the part of the state in 8-bit codes (``uint8``); the
+rest of an 8-bit state is float32: one scale per block of each quantized
+moment (``8 / block_size`` bytes per parameter for Adam's two moments) and
+the moments of the leaves under ``min_8bit_size``, 8 bytes per parameter
+of those leaves. ``vs_adam_master`` is the total over the float32-master
+Adam total.
 Counters and PRNG keys are included (a few bytes, hence the non-integers on
 small models).
 """
@@ -46,7 +51,8 @@ from jmp_train._src.optimizers_8bit import sgd_8bit
 NAME = "weight_memory"
 COLUMNS = (
     "setup", "weights", "optimizer", "params_per_param", "half_copy_per_param",
-    "opt_state_per_param", "total_per_param", "vs_adam_master", "num_params",
+    "opt_state_per_param", "codes_per_param", "total_per_param", "vs_adam_master",
+    "num_params",
 )
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -119,6 +125,7 @@ def run(quick: bool) -> list[dict]:
     params_bytes = _nbytes(params)
     copy_bytes = _nbytes(jax.tree.map(lambda p: p.astype(BF16), params)) if half_copy else 0
     state_bytes = _nbytes(state)
+    codes_bytes = _nbytes([x for x in jax.tree.leaves(state) if x.dtype == jnp.uint8])
     total = params_bytes + copy_bytes + state_bytes
     if reference is None:
       reference = total
@@ -129,6 +136,7 @@ def run(quick: bool) -> list[dict]:
         "params_per_param": params_bytes / num_params,
         "half_copy_per_param": copy_bytes / num_params,
         "opt_state_per_param": state_bytes / num_params,
+        "codes_per_param": codes_bytes / num_params,
         "total_per_param": total / num_params,
         "vs_adam_master": total / reference,
         "num_params": num_params,
