@@ -159,6 +159,8 @@ def run_digits(quick: bool) -> list[dict]:
           "loss_gap": loss_gap,
           "accuracy_gap": acc_gap,
           "within_1pct": bool(loss_gap <= 0.01 and acc_gap <= 0.01),
+          "paired_loss_gap": float(np.mean(
+              [r.test_loss / q.test_loss - 1.0 for r, q in zip(runs, ref)])),
           "worst_seed_loss_gap": max(
               experiment.relative_gap(r.test_loss, q.test_loss) for r, q in zip(runs, ref)),
           "seconds": seconds,
