@@ -157,8 +157,9 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
 
 
 def run(quick: bool) -> list[dict]:
-  if quick:
-    plan, links, rounds = [(2, "tiny")], (None,), 3
+  schemes = SCHEMES
+  if quick:  # a smoke test of the code: one exact and one 1-bit scheme
+    plan, links, rounds, schemes = [(2, "tiny")], (None,), 2, ("float32", "1bit_l1")
   else:
     sizes = os.environ.get("BENCH_MULTIPROCESS_SIZES", "1M,8M,32M").split(",")
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
@@ -169,7 +170,7 @@ def run(quick: bool) -> list[dict]:
   for rate in links:
     with loopback_cap(rate) as link:
       for processes, size in plan:
-        for r in launch(processes, size, rounds):
+        for r in launch(processes, size, rounds, schemes):
           records.append({**link, **r})
           print(json.dumps(records[-1]), flush=True)  # progress, if a later run fails
   return records

@@ -256,7 +256,7 @@ def momentum_study(
         "1bit_ef": optax.chain(sign_compression(AXIS), sgdm()),
         "1bit_ef_l2": optax.chain(sign_compression(AXIS, scale="l2"), sgdm()),
         "1bit_worker_ef": optax.chain(sign_compression(AXIS, server_error_feedback=False), sgdm()),
-        "one_bit_momentum": one_bit_momentum(lr, 0.9, axis_name=AXIS),
+        "one_bit_momentum": one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="column"),
     }
     rows = []
     for mode in modes:

@@ -107,7 +107,7 @@ def _optimizers(lr_momentum, adam_settings, steps: int):
         ("sgdm", "sgdm_grad_1bit", lr, "constant",
          lambda lr=lr: optax.chain(sign_compression(AXIS), optax.sgd(lr, momentum=0.9))),
         ("sgdm", "one_bit_momentum", lr, "constant",
-         lambda lr=lr: one_bit_momentum(lr, 0.9, axis_name=AXIS)),
+         lambda lr=lr: one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="column")),
         ("sgdm", "one_bit_momentum_l2", lr, "constant",
          lambda lr=lr: one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="l2")),
     ]

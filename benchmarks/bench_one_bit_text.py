@@ -166,7 +166,7 @@ def _optimizers(steps: int, quick: bool):
        lambda: optax.chain(sign_compression(AXIS), optax.adam(adam))),
       ("sgdm", "sgdm_float32", LR_SGDM,
        lambda: optax.chain(_exact_mean(AXIS), optax.sgd(sgdm, momentum=0.9))),
-      ("sgdm", "one_bit_momentum", LR_SGDM, lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS)),
+      ("sgdm", "one_bit_momentum", LR_SGDM, lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS, scale="column")),
       ("sgdm", "one_bit_momentum_l2", LR_SGDM,
        lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS, scale="l2")),
       ("sgdm", "sgdm_grad_1bit", LR_SGDM,

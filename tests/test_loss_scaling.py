@@ -246,7 +246,10 @@ def test_finiteness_is_of_unscaled_grads(dtype, jit):
   # right at the edge of the dtype's range.
   big = float(jnp.finfo(dtype).max)
   values = [0.0, 1.0, big / 2, big / 2 * 1.0009765625, big, np.inf, np.nan]
-  for scale in [2.0**-10, 0.5, 1.0, 3.0, 2.0**15]:
+  scales = [2.0**-10, 0.5, 1.0, 3.0, 2.0**15]
+  if not jit:  # Op by op every case costs seconds: the edges only.
+    values, scales = [1.0, big / 2 * 1.0009765625, np.inf, np.nan], [0.5, 2.0**15]
+  for scale in scales:
     ls = StaticLossScale(scale)
     tx = loss_scaled(optax.sgd(1.0), ls)
     update = jax.jit(tx.update) if jit else tx.update

@@ -43,7 +43,7 @@ def one_bit_momentum(
     *,
     axis_name: str,
     warmup_steps: int = 0,
-    scale: str = "column",
+    scale: str = "l2",
     nesterov: bool = False,
     weight_decay: float = 0.0,
     num_replicas: int | None = None,
@@ -71,8 +71,9 @@ def one_bit_momentum(
     axis_name: the replicas' mapped axis (``pmap`` / ``shard_map``).
     warmup_steps: exact (float all-reduce) steps first; ``0``: none, and
       the compiled step holds no float all-reduce at all.
-    scale: reconstruction values: ``"column"`` (Seide et al.), ``"l1"`` or
-      ``"l2"``.
+    scale: reconstruction values: ``"l2"`` (one per tensor, as 1-bit Adam),
+      ``"column"`` (Seide et al.; more bytes on small models) or
+      ``"l1"``.
     nesterov: Nesterov momentum.
     weight_decay: L2 term ``λ p`` added to the gradient (as
       ``torch.optim.SGD``); needs ``params``.
