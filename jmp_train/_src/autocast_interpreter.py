@@ -134,7 +134,9 @@ def _demanded(rules: _Rules, jaxpr: Any, scope: tuple[str, ...]) -> set[int]:
   before ``exp`` and the mask's ``select`` before it, the squares before a
   variance's sum, log-softmax's shift. An op that merely meets a float32
   value (a residual stream entering a normalization's ``x - mean``) is not
-  pulled in: it keeps its dtype, and the float32 op casts its operand.
+  pulled in: it keeps its dtype, and the float32 op casts its operand;
+  only an op whose every use meets a float32 value joins, one level deep
+  (:func:`_meets_float32`).
   """
   return _analyse(rules, jaxpr, scope)[0]
 
@@ -173,7 +175,31 @@ def _analyse(rules: _Rules, jaxpr: Any, scope: tuple[str, ...]):
       demanded.add(i)
   inputs = {k for k, v in enumerate(jaxpr.invars)
             if _is_float(getattr(v.aval, "dtype", None)) and float32_only(v)}
-  return demanded, inputs
+  return demanded | _meets_float32(eqns, inferable, deny | demanded, consumers, outputs), inputs
+
+
+def _meets_float32(eqns, inferable, float32, consumers, outputs) -> set[int]:
+  """Infer ops each of whose results meets a float32 value at every use.
+
+  ``x - mean`` feeding only ``(x - mean) * rsqrt(var)``: the subtraction runs
+  in float32 too, so that a normalization with stored statistics (batch norm
+  in evaluation mode) computes its centred values in float32. One level
+  only: the ops feeding such an op keep their dtypes.
+  """
+  producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+  mixes = set(float32)
+  for i, eqn in enumerate(eqns):
+    if inferable[i] and any(producer.get(v) in mixes for v in eqn.invars
+                            if not isinstance(v, jex_core.Literal)):
+      mixes.add(i)
+  pulled = set()
+  for i, eqn in enumerate(eqns):
+    outs = [v for v in eqn.outvars if _is_float(getattr(v.aval, "dtype", None))]
+    if inferable[i] and i not in mixes and outs and all(
+        v not in outputs and consumers.get(v) and all(c in mixes for c, _ in consumers[v])
+        for v in outs):
+      pulled.add(i)
+  return pulled
 
 
 def _eval(rules: _Rules, jaxpr: Any, consts: Sequence[Any], const_tags: Sequence[int],
