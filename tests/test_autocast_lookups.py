@@ -99,3 +99,16 @@ def test_transformer_module_dtypes_match_apply_policy(half):
   assert got["layer0/ln1"] == got["final_norm"] == F32
   for fn in (cast, reference):
     diag.precision_audit(fn, variables, TOKENS, backward=True).assert_clean()
+
+
+def test_resnet_module_dtypes_match_apply_policy():
+  # Evaluation mode: batch norm with stored statistics (parameters to
+  # autocast) centres and scales in float32, as apply_policy's float32 module.
+  model = models.ResNet(num_classes=8, stage_features=(8, 16))
+  x = jnp.linspace(0.0, 1.0, 8 * 64, dtype=jnp.float32).reshape(8, 64)
+  variables = model.init(jax.random.key(0), x)
+  got = _module_dtypes(autocast(model.apply, "mixed_bfloat16"), variables, x, root="ResNet")
+  want = _module_dtypes(jflax.apply_policy(model, "mixed_bfloat16", recompute=None).apply,
+                        variables, x, root="ResNet")
+  assert got == want
+  assert F32 in got.values() and BF16 in got.values()

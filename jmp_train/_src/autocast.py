@@ -108,9 +108,11 @@ def autocast(
     activation, else as traced. Parameters and constants never promote an
     activation: a float32 bias added to a half-precision activation is cast
     to the activation's dtype. Only the ops that feed nothing but float32
-    ops join a float32 region; a half-precision value that meets a float32
-    one (a residual stream entering a normalization) is cast at that op and
-    stays half precision elsewhere.
+    ops join a float32 region (softmax's ``x - max(x)``), and, one level
+    deep, an op whose every use meets a float32 value (batch norm's
+    ``x - mean`` before ``* rsqrt(var)``); a half-precision value that meets
+    a float32 one elsewhere (a residual stream entering a normalization) is
+    cast at that op and stays half precision.
 
   Inputs: floating leaves of the arguments at ``params_argnums`` are
   parameters, cast to ``policy.param_dtype`` and kept there outside the
