@@ -78,6 +78,7 @@ def autocast(
     *,
     float32_ops: Sequence[str] = autocast_lists.DEFAULT_FLOAT32_OPS,
     half_ops: Sequence[str] = autocast_lists.DEFAULT_HALF_OPS,
+    lookup_ops: Sequence[str] = autocast_lists.DEFAULT_LOOKUP_OPS,
     params_argnums: int | Sequence[int] | None = 0,
 ) -> Callable[..., Any]:
   r"""Runs ``fun`` under a mixed-precision policy by transforming its jaxpr.
@@ -97,11 +98,21 @@ def autocast(
     op whose floating results feed only float32 ops runs in float32 too, so
     whole patterns move together: softmax's ``x - max(x)`` before ``exp``,
     the squares before a variance's sum;
+  * ``lookup_ops`` (default :data:`DEFAULT_LOOKUP_OPS`: ``gather``) on a
+    parameter table: the rows are read in ``param_dtype`` and cast to
+    ``compute_dtype`` after the lookup (an embedding's output is a
+    half-precision activation; the table's gradient is scattered back in
+    ``param_dtype``);
   * every other op (infer) follows its operands: float32 if one comes from
     a float32 op, else ``compute_dtype`` if one is a half-precision
     activation, else as traced. Parameters and constants never promote an
     activation: a float32 bias added to a half-precision activation is cast
-    to the activation's dtype.
+    to the activation's dtype. Only the ops that feed nothing but float32
+    ops join a float32 region (softmax's ``x - max(x)``), and, one level
+    deep, an op whose every use meets a float32 value (batch norm's
+    ``x - mean`` before ``* rsqrt(var)``); a half-precision value that meets
+    a float32 one elsewhere (a residual stream entering a normalization) is
+    cast at that op and stays half precision.
 
   Inputs: floating leaves of the arguments at ``params_argnums`` are
   parameters, cast to ``policy.param_dtype`` and kept there outside the
@@ -131,6 +142,8 @@ def autocast(
     float32_ops: the deny list (primitive names and ``"scope:..."`` entries).
       Extend it with ``(*DEFAULT_FLOAT32_OPS, "tanh")``.
     half_ops: the allow list.
+    lookup_ops: the table lookups (``()`` to keep looked-up rows in
+      ``param_dtype``).
     params_argnums: positions of the parameter arguments (``None`` or ``()``
       for none).
 
@@ -165,12 +178,18 @@ def autocast(
   policy = _check_policy(policy)
   f32 = autocast_lists.check_op_list(float32_ops, "float32_ops")
   half = autocast_lists.check_op_list(half_ops, "half_ops")
+  lookup = autocast_lists.check_op_list(lookup_ops, "lookup_ops")
   both = sorted(set(f32) & set(half))
   if both:
     raise ValueError(f"{both} are in both float32_ops and half_ops; keep each in one list.")
+  lookup_prims, lookup_scopes = autocast_lists.split_op_list(lookup)
+  if lookup_scopes:
+    raise ValueError(
+        f"lookup_ops holds primitive names only (e.g. {autocast_lists.DEFAULT_LOOKUP_OPS}), "
+        f"got scope entries {list(lookup_scopes)}.")
   f32_prims, f32_scopes = autocast_lists.split_op_list(f32)
   half_prims, half_scopes = autocast_lists.split_op_list(half)
-  rules = _Rules(policy, half_prims, f32_prims, half_scopes, f32_scopes)
+  rules = _Rules(policy, half_prims, f32_prims, half_scopes, f32_scopes, lookup_prims)
   argnums = _check_argnums(params_argnums)
 
   @functools.wraps(fun)

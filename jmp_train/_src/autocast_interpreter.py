@@ -67,6 +67,7 @@ class _Rules:
   float32_prims: frozenset[str]
   half_scopes: tuple[str, ...]
   float32_scopes: tuple[str, ...]
+  lookup_prims: frozenset[str] = frozenset()
 
   def scope_mode(self, scope: tuple[str, ...]) -> int | None:
     """``_HALF``/``_FLOAT32`` if a scope entry names ``scope``; innermost wins."""
@@ -108,55 +109,97 @@ def _has_subjaxpr(eqn: Any) -> bool:
   return any(True for _ in jex_core.jaxprs_in_params(eqn.params))
 
 
-def _demanded(rules: _Rules, jaxpr: Any, scope: tuple[str, ...]) -> set[int]:
-  """Infer equations pulled into float32 by the float32 ops around them.
+# Calls whose body the float32 analysis looks into: parameter name of the
+# body, and the name it adds to the scope.
+_CALL_BODIES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                "custom_jvp_call": "call_jaxpr"}
 
-  An infer op whose floating results are consumed only by ops that run in
-  float32 (float32-list ops, ops pulled in, or ops with an operand produced
-  in float32) runs in float32 too: softmax's ``x - max(x)`` before ``exp``,
-  the squares before a variance's sum, log-softmax's shift. The set is a
-  fixed point of a forward pass (which ops produce float32) and a backward
-  pass (which ops only feed float32 ops).
+
+def _call_f32_inputs(rules: _Rules, eqn: Any, scope: tuple[str, ...]) -> set[int]:
+  """Operand positions of a call that its body consumes only in float32."""
+  key = _CALL_BODIES.get(eqn.primitive.name)
+  if key is None or key not in eqn.params:
+    return set()
+  body = eqn.params[key]
+  return _analyse(rules, getattr(body, "jaxpr", body), scope + _name_stack(eqn))[1]
+
+
+def _demanded(rules: _Rules, jaxpr: Any, scope: tuple[str, ...]) -> set[int]:
+  """Infer equations pulled into float32 by the float32 ops they feed.
+
+  An infer op (or a ``jit``/``custom_jvp`` call, whose activation operands
+  are then cast to float32) whose floating results are consumed only by
+  float32-list ops or by ops pulled in (looking into the bodies of such
+  calls) runs in float32 too: softmax's ``x - max(x)``
+  before ``exp`` and the mask's ``select`` before it, the squares before a
+  variance's sum, log-softmax's shift. An op that merely meets a float32
+  value (a residual stream entering a normalization's ``x - mean``) is not
+  pulled in: it keeps its dtype, and the float32 op casts its operand;
+  only an op whose every use meets a float32 value joins, one level deep
+  (:func:`_meets_float32`).
   """
+  return _analyse(rules, jaxpr, scope)[0]
+
+
+def _analyse(rules: _Rules, jaxpr: Any, scope: tuple[str, ...]):
+  """``(demanded equations, positions of inputs consumed only in float32)``."""
   eqns = jaxpr.eqns
   modes = [rules.mode(e.primitive.name, scope + _name_stack(e)) for e in eqns]
   inferable = [
       m is None and not _has_subjaxpr(e) and e.primitive.name not in _LOCKED
       and e.primitive.name != "convert_element_type"
+      and e.primitive.name not in rules.lookup_prims
       for e, m in zip(eqns, modes)
   ]
   deny = {i for i, m in enumerate(modes) if m == _FLOAT32}
-  producer: dict[Any, int] = {}
-  consumers: dict[Any, list[int]] = {}
+  consumers: dict[Any, list[tuple[int, int]]] = {}
   for i, eqn in enumerate(eqns):
-    for v in eqn.outvars:
-      producer[v] = i
-    for v in eqn.invars:
+    for k, v in enumerate(eqn.invars):
       if not isinstance(v, jex_core.Literal):
-        consumers.setdefault(v, []).append(i)
+        consumers.setdefault(v, []).append((i, k))
   outputs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+  call_inputs = {i: _call_f32_inputs(rules, e, scope) for i, e in enumerate(eqns)
+                 if e.primitive.name in _CALL_BODIES and modes[i] is None}
   demanded: set[int] = set()
-  for _ in range(4):
-    produces_f32 = set(deny | demanded)
-    for i, eqn in enumerate(eqns):
-      if inferable[i] and any(
-          producer.get(v) in produces_f32 for v in eqn.invars
-          if not isinstance(v, jex_core.Literal)):
-        produces_f32.add(i)
-    new: set[int] = set()
-    for i in reversed(range(len(eqns))):
-      if not inferable[i]:
-        continue
-      outs = [v for v in eqns[i].outvars if _is_float(getattr(v.aval, "dtype", None))]
-      if outs and all(
-          v not in outputs and consumers.get(v)
-          and all(c in deny or c in new or c in produces_f32 for c in consumers[v])
-          for v in outs):
-        new.add(i)
-    if new == demanded:
-      break
-    demanded = new
-  return demanded
+
+  def float32_only(v):
+    return v not in outputs and consumers.get(v) and all(
+        c in deny or c in demanded or k in call_inputs.get(c, ())
+        for c, k in consumers[v])
+
+  for i in reversed(range(len(eqns))):
+    if not (inferable[i] or i in call_inputs):
+      continue
+    outs = [v for v in eqns[i].outvars if _is_float(getattr(v.aval, "dtype", None))]
+    if outs and all(float32_only(v) for v in outs):
+      demanded.add(i)
+  inputs = {k for k, v in enumerate(jaxpr.invars)
+            if _is_float(getattr(v.aval, "dtype", None)) and float32_only(v)}
+  return demanded | _meets_float32(eqns, inferable, deny | demanded, consumers, outputs), inputs
+
+
+def _meets_float32(eqns, inferable, float32, consumers, outputs) -> set[int]:
+  """Infer ops each of whose results meets a float32 value at every use.
+
+  ``x - mean`` feeding only ``(x - mean) * rsqrt(var)``: the subtraction runs
+  in float32 too, so that a normalization with stored statistics (batch norm
+  in evaluation mode) computes its centred values in float32. One level
+  only: the ops feeding such an op keep their dtypes.
+  """
+  producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+  mixes = set(float32)
+  for i, eqn in enumerate(eqns):
+    if inferable[i] and any(producer.get(v) in mixes for v in eqn.invars
+                            if not isinstance(v, jex_core.Literal)):
+      mixes.add(i)
+  pulled = set()
+  for i, eqn in enumerate(eqns):
+    outs = [v for v in eqn.outvars if _is_float(getattr(v.aval, "dtype", None))]
+    if inferable[i] and i not in mixes and outs and all(
+        v not in outputs and consumers.get(v) and all(c in mixes for c, _ in consumers[v])
+        for v in outs):
+      pulled.add(i)
+  return pulled
 
 
 def _eval(rules: _Rules, jaxpr: Any, consts: Sequence[Any], const_tags: Sequence[int],
@@ -175,6 +218,8 @@ def _eval(rules: _Rules, jaxpr: Any, consts: Sequence[Any], const_tags: Sequence
     handler = HANDLERS.get(eqn.primitive.name)
     with jax.named_scope("/".join(_name_stack(eqn))) if _name_stack(eqn) else _nullcontext():
       if handler is not None:
+        if i in demanded:  # a call whose results feed only float32 ops
+          vals, in_tags = _to_float32(vals, in_tags)
         outs, out_tags = handler(rules, eqn, vals, in_tags, eqn_scope)
       elif _has_subjaxpr(eqn) or eqn.primitive.name in _LOCKED:
         outs, out_tags = _opaque(eqn, vals, in_tags)
@@ -185,6 +230,13 @@ def _eval(rules: _Rules, jaxpr: Any, consts: Sequence[Any], const_tags: Sequence
       env[v] = (x, t)
   read = [_read(env, v) for v in jaxpr.outvars]
   return [r[0] for r in read], [r[1] for r in read]
+
+
+def _to_float32(vals: list, tags: list) -> tuple[list, list]:
+  """Activations cast to float32 (parameters and constants unchanged)."""
+  pairs = [(_cast(x, _F32), _FLOAT32) if _dtype(x) is not None and t >= _HALF else (x, t)
+           for x, t in zip(vals, tags)]
+  return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 class _nullcontext:
@@ -226,6 +278,9 @@ def _plain(rules: _Rules, eqn: Any, vals: list, tags: list, mode: int | None):
   name = eqn.primitive.name
   if name == "convert_element_type":
     return _convert(eqn, vals, tags)
+  if mode is None and name in rules.lookup_prims and _dtype(vals[0]) is not None and (
+      tags[0] == _PARAM):
+    return _lookup(rules, eqn, vals, tags)
   dtype, out_tag = _target(rules, vals, tags, mode)
   if dtype is None:
     return _bind(eqn, vals), [out_tag] * len(eqn.outvars)
@@ -236,6 +291,16 @@ def _plain(rules: _Rules, eqn: Any, vals: list, tags: list, mode: int | None):
     params["preferred_element_type"] = dtype
   outs = _bind(eqn, vals, params)
   return outs, [out_tag if _dtype(o) is not None else _CONST for o in outs]
+
+
+def _lookup(rules: _Rules, eqn: Any, vals: list, tags: list):
+  """Rows of a parameter table: read in ``param_dtype``, cast to compute.
+
+  The cast comes after the lookup, so only the rows are converted and the
+  table's gradient is scattered back in the parameter dtype.
+  """
+  (out,) = _bind(eqn, vals)
+  return [_cast(out, rules.policy.compute_dtype)], [_HALF]
 
 
 def _convert(eqn: Any, vals: list, tags: list):

@@ -10,6 +10,12 @@ AMP (NVIDIA apex, ``torch.autocast``) sorts ops into three lists:
   softmax, log-softmax, losses and normalization statistics are built;
 * infer: everything else follows its inputs.
 
+A fourth list, lookups, holds the ops that read rows of a parameter table
+(an embedding's ``gather``): their result is an activation, cast to the
+compute dtype right after the lookup, as a Flax ``Embed`` with a half
+``dtype`` returns it; the table and its gradient stay in the parameter
+dtype.
+
 Here the lists hold JAX primitive names (``eqn.primitive.name`` in a jaxpr),
 so that they apply to any JAX function. An entry ``"scope:PATTERN"`` names a
 region instead: a ``jax.named_scope``, or a ``jax.jit``-ed, ``custom_jvp``
@@ -37,6 +43,7 @@ from jax.extend import core as jex_core
 __all__ = [
     "DEFAULT_HALF_OPS",
     "DEFAULT_FLOAT32_OPS",
+    "DEFAULT_LOOKUP_OPS",
     "SCOPE_PREFIX",
     "known_primitives",
     "check_op_list",
@@ -74,6 +81,12 @@ DEFAULT_FLOAT32_OPS: tuple[str, ...] = (
     "cumprod",
     "cumlogsumexp",
 )
+
+# The lookups: reading rows of a floating parameter table by (integer)
+# indices, as ``jnp.take``, ``table[ids]`` and Flax's ``Embed`` do. The rows
+# are activations: cast to the compute dtype after the lookup, so the
+# table's gradient is scattered back in the parameter dtype.
+DEFAULT_LOOKUP_OPS: tuple[str, ...] = ("gather",)
 
 SCOPE_PREFIX = "scope:"
 
