@@ -28,6 +28,7 @@ _EXPORTS = {
     "autocast": "autocast",
     "DEFAULT_FLOAT32_OPS": "autocast_lists",
     "DEFAULT_HALF_OPS": "autocast_lists",
+    "DEFAULT_LOOKUP_OPS": "autocast_lists",
     # FP8 products
     "Fp8DotMeta": "fp8_scaling",
     "Fp8Recipe": "fp8_scaling",
