@@ -11,6 +11,9 @@ import pytest
 
 from jmp_train import one_bit_adam, one_bit_momentum
 
+from _sign_reference import ref_flatten
+from _sign_reference import ref_quantize as ref_decode
+from _sign_reference import ref_unflatten as _ref_unflatten
 from _one_bit_util import AXIS, B1, B2, EPS, SHAPES, adam, leaves_of, make_tree, momentum, pmapped
 
 
@@ -21,44 +24,8 @@ from _one_bit_util import AXIS, B1, B2, EPS, SHAPES, adam, leaves_of, make_tree,
 # ---------------------------------------------------------------------------
 
 
-def ref_flatten(leaves, scale):
-  parts, seg_len = [], []
-  for x in leaves:
-    x = np.asarray(x, np.float32)
-    if scale == "column" and x.ndim >= 2:
-      parts.append(np.moveaxis(x, -1, 0).ravel())
-      seg_len += [x.size // x.shape[-1]] * x.shape[-1]
-    else:
-      parts.append(x.ravel())
-      seg_len.append(x.size)
-  return np.concatenate(parts), seg_len
-
-
 def ref_unflatten(flat, shapes, scale):
-  out, off = [], 0
-  for shape in shapes:
-    size = int(np.prod(shape))
-    part = flat[off : off + size]
-    if scale == "column" and len(shape) >= 2:
-      part = np.moveaxis(part.reshape((shape[-1],) + shape[:-1]), 0, -1)
-    out.append(part.reshape(shape))
-    off += size
-  return out
-
-
-def ref_decode(x, scale):
-  """One segment ``x`` quantized to two values and decoded."""
-  nonneg = x >= 0
-  if scale == "column":
-    hi = x[nonneg].mean() if nonneg.any() else 0.0
-    lo = x[~nonneg].mean() if (~nonneg).any() else 0.0
-  elif scale == "l1":
-    hi = lo = np.abs(x).mean()
-    lo = -lo
-  else:
-    hi = np.sqrt((x * x).mean())
-    lo = -hi
-  return np.where(nonneg, np.float32(hi), np.float32(lo)).astype(np.float32)
+  return _ref_unflatten(flat, [np.zeros(shape, np.float32) for shape in shapes], scale)
 
 
 def ref_exchange(values, r, e, scale):
