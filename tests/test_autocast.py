@@ -84,7 +84,7 @@ _FLAX_PARAMS = [
 def test_flax_models_match_apply_policy(name, half):
   model, x = _flax_cases()[name]
   policy = POLICIES[half]
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   reference = functools.partial(jflax.apply_policy(model, policy).apply)
   cast = autocast(model.apply, policy)
 
@@ -118,7 +118,7 @@ def test_flax_models_match_apply_policy(name, half):
 
 def test_resnet_train_mode_keeps_batch_stats_float32():
   model, x = _flax_cases()["resnet"]
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   fn = autocast(
       functools.partial(model.apply, train=True, mutable=["batch_stats"]), "mixed_float16"
   )
@@ -194,7 +194,7 @@ def test_plain_jax_models(name, half):
   cast = autocast(loss, POLICIES[half])
   # Strict promotion: any implicit float16/bfloat16 -> float32 mix would raise.
   with jax.numpy_dtype_promotion("strict"):
-    value, grads = jax.value_and_grad(cast)(params, x)
+    value, grads = jax.jit(jax.value_and_grad(cast))(params, x)
     jaxpr = jax.make_jaxpr(cast)(params, x).jaxpr
   assert value.dtype == F32
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
@@ -208,7 +208,7 @@ def test_plain_jax_models(name, half):
   adds = [e for e in eqns if e.primitive.name == "add"
           and any(v in produced_by_dot for v in e.invars if isinstance(v, jax.extend.core.Var))]
   assert adds and all(np.dtype(e.outvars[0].aval.dtype) == half for e in adds)
-  v32, g32 = jax.value_and_grad(loss)(params, x)
+  v32, g32 = jax.jit(jax.value_and_grad(loss))(params, x)
   assert abs(float(value) - float(v32)) < 16 * float(jnp.finfo(half).eps) * abs(float(v32))
   assert _rel_err(jax.flatten_util.ravel_pytree(grads)[0],
                   jax.flatten_util.ravel_pytree(g32)[0]) < 32 * float(jnp.finfo(half).eps)
@@ -423,7 +423,7 @@ def test_composes_with_pmap(num_devices):
 
 def test_with_make_train_step_and_loss_scaling():
   model = models.MLP(features=(32,))
-  variables = model.init(jax.random.key(0), X_IMG)
+  variables = jax.jit(model.init)(jax.random.key(0), X_IMG)
   step = jmp_train.make_train_step(
       autocast(model.apply, "mixed_float16"), _xent, optax.sgd(0.1),
       policy="mixed_float16", loss_scale=jmp_train.DynamicLossScale(2.0 ** 15),
@@ -454,10 +454,10 @@ def test_nnx_model_through_split_and_merge():
   cast = autocast(apply, "mixed_bfloat16")
   out = jax.jit(cast)(params, TOKENS)
   assert out.dtype == F32
-  assert _rel_err(out, apply(params, TOKENS)) < 8 * float(jnp.finfo(BF16).eps)
+  assert _rel_err(out, jax.jit(apply)(params, TOKENS)) < 8 * float(jnp.finfo(BF16).eps)
   assert _dtypes_of(cast, params, TOKENS) == {BF16}
   diag.precision_audit(cast, params, TOKENS, backward=True).assert_clean()
-  grads = jax.grad(lambda p: _xent(cast(p, TOKENS), TOKENS))(params)
+  grads = jax.jit(jax.grad(lambda p: _xent(cast(p, TOKENS), TOKENS)))(params)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
 
@@ -574,7 +574,7 @@ def test_digits_training_parity():
   except ImportError as e:
     pytest.skip(str(e))
   model = models.MLP(features=(64, 64))
-  variables = model.init(jax.random.key(0), ds.x_train[:8])
+  variables = jax.jit(model.init)(jax.random.key(0), ds.x_train[:8])
   x, y = jnp.asarray(ds.x_train[:512]), jnp.asarray(ds.y_train[:512])
 
   def train(apply):

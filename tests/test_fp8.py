@@ -206,7 +206,7 @@ def test_linen_layers_keep_meta_out_of_params_and_update_it():
   recipe = jmp_train.Fp8Recipe(amax_history_len=4)
   model = _linen_fp8(recipe)
   x = jnp.linspace(-3.0, 3.0, 4 * 16).reshape(4, 16)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   assert set(variables) == {"params", jmp_train.flax.FP8_COLLECTION}
   assert isinstance(model.layers[0].dot_general_cls(), jmp_train.flax.Fp8DotGeneral)
   assert not any("amax" in "/".join(map(str, p)) for p, _ in
@@ -277,7 +277,7 @@ def test_meta_survives_orbax_bit_for_bit(tmp_path):
   recipe = jmp_train.Fp8Recipe(amax_history_len=3)
   model = _linen_fp8(recipe)
   x = jnp.linspace(-1.0, 5.0, 64).reshape(4, 16)
-  v = model.init(jax.random.key(0), x)
+  v = jax.jit(model.init)(jax.random.key(0), x)
   g = jax.grad(lambda m: model.apply({**v, "fp8_meta": m}, x).sum())(v["fp8_meta"])
   meta = jmp_train.update_fp8_meta(v["fp8_meta"], g)
   with ocp.StandardCheckpointer() as ckpt:
@@ -339,7 +339,7 @@ def test_apply_policy_fp8_on_resnet_and_float32_modules(kind):
   if kind == "linen":
     model = jmp_train.flax.apply_policy(models.ResNet(num_classes=16), "mixed_float8",
                                         float32_paths=("head",))
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
     out = model.apply(variables, x, mutable=["batch_stats"])[0]
     metas = variables[jmp_train.flax.FP8_COLLECTION]
     paths = ["/".join(str(getattr(k, "key", k)) for k in p)
@@ -367,7 +367,7 @@ def test_make_train_step_updates_and_agrees_on_fp8_state(kind, mode):
 
   if kind == "linen":
     model = jmp_train.flax.apply_policy(models.MLP(features=(32,), num_classes=16), "mixed_float8")
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 64)))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 64)))
     params = variables.pop("params")
     init_args = {"params": params, "model_state": variables}
   else:
