@@ -21,6 +21,7 @@ from jmp_train._src.one_bit_optimizers import (
     one_bit_momentum,
 )
 
+import _processes
 from _one_bit_util import AXIS, SHAPES, adam, make_tree, momentum, pmapped
 
 
@@ -288,41 +289,13 @@ def test_make_train_step_with_one_bit_optimizer_as_the_whole_optimizer(make, sta
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer, per_process", [("adam", 1), ("momentum", 2)])
 def test_two_processes_equal_one_process(tmp_path, optimizer, per_process):
-  import os
-  import pathlib
-  import socket
-  import subprocess
-  import sys
-
   import _one_bit_multiprocess_worker as worker
 
-  here = pathlib.Path(__file__).parent
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
-  env["PYTHONPATH"] = os.pathsep.join([str(here.parent), env.get("PYTHONPATH", "")])
   outs = [tmp_path / f"out_{i}.npz" for i in range(2)]
-  procs = [
-      subprocess.Popen(
-          [sys.executable, str(here / "_one_bit_multiprocess_worker.py"), str(i), "2", str(port), str(out),
-           optimizer, str(per_process)],
-          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      )
-      for i, out in enumerate(outs)
-  ]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=300)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-4000:]
+  _processes.run_workers(
+      "_one_bit_multiprocess_worker.py",
+      [[str(i), "2", "{port}", str(out), optimizer, str(per_process)] for i, out in enumerate(outs)],
+      timeout=300)
   k = 2 * per_process
   devices = jax.devices()[:k]
   expected = worker.train(devices, optimizer)

@@ -8,10 +8,7 @@ the same training on 4 devices of this one process.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import jax
@@ -19,44 +16,18 @@ import numpy as np
 import pytest
 
 import _multiprocess_worker as worker
+import _processes
 
 HERE = pathlib.Path(__file__).parent
 NUM_PROCESSES = 2
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_equal_one_process(tmp_path):
-  port = _free_port()
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
-  env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
   outs = [tmp_path / f"params_{i}.npz" for i in range(NUM_PROCESSES)]
-  procs = [
-      subprocess.Popen(
-          [sys.executable, str(HERE / "_multiprocess_worker.py"), str(i), str(NUM_PROCESSES), str(port), str(out)],
-          env=env,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          text=True,
-      )
-      for i, out in enumerate(outs)
-  ]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=240)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-4000:]
+  _processes.run_workers(
+      "_multiprocess_worker.py",
+      [[str(i), str(NUM_PROCESSES), "{port}", str(out)] for i, out in enumerate(outs)],
+      timeout=240)
 
   collectives = {}
   expected = worker.train(jax.devices()[: 2 * NUM_PROCESSES], collectives=collectives)
