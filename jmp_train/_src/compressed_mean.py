@@ -195,8 +195,15 @@ def _init(cfg: _Config, params) -> CompressedMeanState:
 def _bucket_step(cfg: _Config, leaves, bucket: _Bucket, k: int, r, e):
   """Worker quantization and exchange of one bucket: (flat mean, r, e)."""
   parts = [leaves[i].astype(jnp.float32).reshape(-1) for i in bucket.leaves]
-  parts.append(jnp.zeros((bucket.n_pad - bucket.n,), jnp.float32))
-  v = jnp.concatenate(parts)
+  pad = jnp.zeros((bucket.n_pad - bucket.n,), jnp.float32)
+  if cfg.wire == "bfloat16":
+    # Elementwise from here on: XLA fuses the concatenation into the rounding.
+    v = jnp.concatenate(parts + [pad])
+  else:
+    # The per-chunk amax reads the buffer before it is rounded: build it once
+    # by in-place copies (a materialized concatenation is slow on XLA:CPU).
+    starts = np.cumsum([0] + [p.size for p in parts[:-1]]).tolist()
+    v = buckets_lib.assemble(list(zip(starts, parts)), jnp.zeros((bucket.n_pad,), jnp.float32))
   if r is not None:
     v = v + r
   v = v.reshape(k, bucket.n_pad // k)
@@ -238,7 +245,9 @@ def _update(cfg: _Config, updates, state: CompressedMeanState, params=None):
       off += size
     new_r += [] if r is None else [r]
     new_e += [] if e is None else [e]
-  cat = lambda xs, old: jnp.concatenate(xs) if xs else old
+  def cat(xs, old):
+    starts = np.cumsum([0] + [x.size for x in xs[:-1]]).tolist()
+    return buckets_lib.assemble(list(zip(starts, xs)), old) if xs else old
   return jax.tree.unflatten(treedef, out), CompressedMeanState(
       count=optax.safe_increment(state.count),
       worker_residual=cat(new_r, state.worker_residual),

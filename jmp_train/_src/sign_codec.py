@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmp_train._src.buckets import assemble
 from jmp_train._src.loss_scale import all_finite
 from jmp_train._src.sign_layout import Layout, Run, from_flat_leaf, leaf_rows
 
@@ -153,21 +154,6 @@ def _view(flat: jax.Array, run: Run, base: int = 0) -> jax.Array:
   return flat[..., lo : lo + run.size].reshape(flat.shape[:-1] + (run.count, run.length))
 
 
-def _assemble(pieces, base: jax.Array) -> jax.Array:
-  """``base`` with every ``(start, flat)`` piece written from ``start``.
-
-  Used instead of ``jnp.concatenate``: XLA:CPU runs a concatenation of
-  computed pieces (and what is fused into it, such as bit packing) many
-  times slower than a copy, while dynamic-update-slices of the pieces into
-  one buffer run at memory speed.
-  """
-  if len(pieces) == 1 and pieces[0][1].shape == base.shape:
-    return pieces[0][1]
-  for start, x in pieces:
-    base = lax.dynamic_update_slice(base, x, (start,))
-  return base
-
-
 def _worker_run(run: Run, leaves, residual, scale: str, layout: Layout):
   """One run: ``(v, bits, pairs, decoded)``, all in buffer order."""
   if run.leaf >= 0:
@@ -212,8 +198,8 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
         (run.start, jnp.where(finite, v - d, _view(residual, run)).reshape(-1))
         for run, v, d in vd
     ]
-    residual = _assemble(new_r, residual)
-  packed = pack(_assemble(bits, jnp.zeros((layout.n_pad,), jnp.bool_)))
+    residual = assemble(new_r, residual)
+  packed = pack(assemble(bits, jnp.zeros((layout.n_pad,), jnp.bool_)))
   return packed, pairs, residual, (dec if decode else None)
 
 
@@ -241,8 +227,8 @@ def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):
   if e is not None:
     finite = all_finite(pairs)
     new_e = [(run.start, jnp.where(finite, u - d, _view(e, run)).reshape(-1)) for run, u, d in ud]
-    e = _assemble(new_e, e)
-  return pack(_assemble(out_bits, jnp.zeros(bits.shape[1:], jnp.bool_))), pairs, e
+    e = assemble(new_e, e)
+  return pack(assemble(out_bits, jnp.zeros(bits.shape[1:], jnp.bool_))), pairs, e
 
 
 def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
