@@ -259,7 +259,7 @@ def _readme_quick_start() -> str:
   return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_readme_has_the_sections_the_issue_asks_for():
+def test_readme_has_the_sections_a_newcomer_needs():
   text = (ROOT / "README.md").read_text()
   for heading in ("## What and why", "## Two commands", "## Quick start",
                   "## The public API at a glance", "### Measured results", "## Notebooks"):

@@ -123,10 +123,11 @@ def gpt2_init(params: Any, key: jax.Array, num_layers: int, std: float = 0.02) -
 
 def init_params(task: Task, s: DemoSettings):
   """The task model's initial parameters (Flax's or GPT-2's initialization), on the host."""
-  variables = task.model.init(jax.random.PRNGKey(s.seed), task.example_input)
+  variables = jax.jit(task.model.init)(jax.random.PRNGKey(s.seed), task.example_input)
   params = variables["params"]
   if s.init not in ("flax", "gpt2"):
     raise ValueError(f"Unknown init {s.init!r}; valid: 'flax', 'gpt2'.")
   if s.init == "gpt2" and s.task == "text":
-    params = gpt2_init(params, jax.random.PRNGKey(s.seed + 1), max(1, s.layers))
+    draw = jax.jit(gpt2_init, static_argnums=2)
+    params = draw(params, jax.random.PRNGKey(s.seed + 1), max(1, s.layers))
   return jax.device_get(params)
