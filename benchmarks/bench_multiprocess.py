@@ -7,6 +7,9 @@ own batch shard; local gradients, then one exchange) with:
 
 * ``float32``: ``lax.pmean`` of the float32 gradients (one all-reduce per
   leaf, what a plain optax step does);
+* ``float32_buckets``: the same mean over the gradients flattened into
+  25 MB buckets, last layers first (:func:`jmp_train.make_train_step`'s
+  uncompressed exchange);
 * ``bfloat16`` / ``float8_e4m3``: :func:`jmp_train.compressed_mean`
   (``bfloat16_b4MB``: the same in 4 MB buckets, last layers first);
 * ``1bit_column`` / ``1bit_l1``: :func:`jmp_train.sign_compression`.
@@ -62,7 +65,8 @@ SIZES = {  # MLP layer widths (input 784, output 10)
     "8M": (784, 2048, 2048, 1024, 10),
     "32M": (784, 4096, 4096, 2048, 10),
 }
-SCHEMES = ("float32", "bfloat16", "bfloat16_b4MB", "float8_e4m3", "1bit_column", "1bit_l1")
+SCHEMES = ("float32", "float32_buckets", "bfloat16", "bfloat16_b4MB", "float8_e4m3",
+           "1bit_column", "1bit_l1")
 PER_PROCESS_BATCH = 32
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -208,15 +212,18 @@ def _transform(scheme: str, axis_name):
   import jax
   import optax
 
+  from jmp_train._src import buckets
   from jmp_train._src.compressed_mean import compressed_mean
   from jmp_train._src.sign_compression import sign_compression
 
-  if scheme == "float32":
+  if scheme.startswith("float32"):
     if axis_name is None:
       return optax.identity()
-    return optax.GradientTransformation(
-        lambda _: optax.EmptyState(), lambda u, s, p=None: (jax.lax.pmean(u, axis_name), s)
-    )
+    if scheme == "float32_buckets":
+      mean = lambda u: buckets.bucketed_mean(u, axis_name, buckets.DEFAULT_BUCKET_BYTES)
+    else:
+      mean = lambda u: jax.lax.pmean(u, axis_name)
+    return optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (mean(u), s))
   if scheme.startswith("1bit_"):
     return sign_compression(axis_name, scale=scheme.removeprefix("1bit_"))
   wire, _, bucket = scheme.partition("_b")
@@ -283,7 +290,7 @@ def _worker(args) -> int:
   progs = {s: _programs(s, mesh, params, batch, local_grads) for s in schemes}
   codecs = {}
   for s in schemes:
-    if s != "float32":
+    if not s.startswith("float32"):
       tx = _transform(s, None)
       codecs[s] = (jax.jit(tx.update), tx.init(local_grads))
   calls = {"compute": lambda: compute(params, *batch)}
