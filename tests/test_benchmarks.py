@@ -98,6 +98,24 @@ def test_benchmark_runs_quick(name, quick_run):
   header = "| " + " | ".join(columns)
   assert any(line.replace(" ", "").startswith(header.replace(" ", ""))
              for line in output.splitlines()), output[-2000:]
+  # What a benchmark's quick records show, checked here rather than in a
+  # test of its own (under pytest-xdist that could run the benchmark again).
+  _QUICK_RECORD_CHECKS.get(name, lambda records: None)(records)
+
+
+def _check_multiprocess_records(records):
+  # The code path of several hosts (launch, workers, timing, bytes): 2
+  # processes on the loopback as is, a tiny MLP.
+  by = {r["scheme"]: r for r in records}
+  assert set(by) == {"float32", "bfloat16", "1bit_l1"}
+  assert all(r["processes"] == 2 and r["step_ms"] > 0 for r in records)
+  assert all(r["cap"] is None and r["link"] == "loopback" for r in records)
+  assert by["float32"]["vs_float32"] == 1.0
+  assert by["bfloat16"]["wire_vs_float32"] == pytest.approx(0.5, abs=0.01)
+  assert by["1bit_l1"]["wire_vs_float32"] < 0.1
+
+
+_QUICK_RECORD_CHECKS = {"multiprocess": _check_multiprocess_records}
 
 
 # --------------------------------------------------------------------------
