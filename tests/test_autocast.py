@@ -203,14 +203,21 @@ def _xent(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-@pytest.mark.parametrize("half", HALF, ids=lambda d: d.name)
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
-def test_plain_jax_models(name, half):
+@functools.cache
+def _plain_case(name):
+  """(params, x, loss, float32 (value, grads)), shared by both half dtypes."""
   if name == "mlp":
     params, x, fn, labels = _mlp_params(jax.random.key(0)), X_IMG, _mlp, jnp.arange(8) % 16
   else:
     params, x, fn, labels = _transformer_params(jax.random.key(0)), TOKENS, _transformer, TOKENS
   loss = lambda p, x: _xent(fn(p, x), labels)
+  return params, x, loss, jax.jit(jax.value_and_grad(loss))(params, x)
+
+
+@pytest.mark.parametrize("half", HALF, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_plain_jax_models(name, half):
+  params, x, loss, (v32, g32) = _plain_case(name)
   cast = autocast(loss, POLICIES[half])
   # Strict promotion: any implicit float16/bfloat16 -> float32 mix would raise.
   with jax.numpy_dtype_promotion("strict"):
@@ -228,7 +235,6 @@ def test_plain_jax_models(name, half):
   adds = [e for e in eqns if e.primitive.name == "add"
           and any(v in produced_by_dot for v in e.invars if isinstance(v, jax.extend.core.Var))]
   assert adds and all(np.dtype(e.outvars[0].aval.dtype) == half for e in adds)
-  v32, g32 = jax.jit(jax.value_and_grad(loss))(params, x)
   assert abs(float(value) - float(v32)) < 16 * float(jnp.finfo(half).eps) * abs(float(v32))
   assert _rel_err(jax.flatten_util.ravel_pytree(grads)[0],
                   jax.flatten_util.ravel_pytree(g32)[0]) < 32 * float(jnp.finfo(half).eps)
@@ -490,11 +496,11 @@ def test_equinox_model():
     return jax.vmap(eqx.combine(params, static))(x)
 
   cast = autocast(apply, "mixed_float16")
-  out = cast(params, X_IMG)
+  out = jax.jit(cast)(params, X_IMG)
   assert out.dtype == F32
-  assert _rel_err(out, apply(params, X_IMG)) < 8 * float(jnp.finfo(F16).eps)
+  assert _rel_err(out, jax.jit(apply)(params, X_IMG)) < 8 * float(jnp.finfo(F16).eps)
   assert _dtypes_of(cast, params, X_IMG) == {F16}
-  grads = jax.grad(lambda p: _xent(cast(p, X_IMG), jnp.arange(8)))(params)
+  grads = jax.jit(jax.grad(lambda p: _xent(cast(p, X_IMG), jnp.arange(8))))(params)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
 
