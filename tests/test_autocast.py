@@ -470,8 +470,11 @@ def test_with_make_train_step_and_loss_scaling():
 
 
 def test_nnx_model_through_split_and_merge():
-  model = models.NNXTransformerBlock(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32,
-                                     max_len=8, rngs=nnx.Rngs(0))
+  # The NNX twin of the linen Transformer of _flax_cases(), built abstractly
+  # and given its (NumPy-filled) variables: no initializer runs.
+  abstract = nnx.eval_shape(lambda: models.NNXTransformerBlock(
+      vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=8, rngs=nnx.Rngs(0)))
+  model = models.nnx_with_linen_variables(abstract, _flax_variables("transformer"))
   graphdef, params = nnx.split(model)
 
   def apply(params, tokens):

@@ -172,7 +172,7 @@ def test_linen_remat_of_a_submodule_under_apply_policy():
 
   model = jflax.apply_policy(Net(), "mixed_float16")
   x = jnp.linspace(-1.0, 1.0, 4 * 16, dtype=jnp.float32).reshape(4, 16)
-  params = model.init(jax.random.key(0), x)["params"]
+  params = fill(jax.eval_shape(model.init, jax.random.key(0), x))["params"]
   loss = lambda p, x: jnp.mean(model.apply({"params": p}, x).astype(jnp.float32) ** 2)
   saved = _saved(residuals(loss, params, x))
   block_width = [(s, d) for s, d in saved if s == (4, 32)]
@@ -180,7 +180,7 @@ def test_linen_remat_of_a_submodule_under_apply_policy():
   assert any(d == F32 for _, d in saved)  # the LayerNorm outside it
   # No weight-shaped half copy inside the remat'd block.
   assert not any(s in ((16, 32), (32, 32), (32, 16)) and d == F16 for s, d in saved)
-  grads = jax.grad(loss)(params, x)
+  grads = jax.jit(jax.grad(loss))(params, x)
   assert {np.dtype(g.dtype) for g in jax.tree.leaves(grads)} == {F32}
 
 
