@@ -107,7 +107,7 @@ def train_once(task: str, policy: str, seed: int, quick: bool) -> dict[str, floa
   """Final held-out loss and steps/s of one run."""
   model, example, batch, held_out, steps, lr = TASKS[task](seed, quick)
   model = jmp_train.flax.apply_policy(model, policy)
-  params, meta = _split(model.init(jax.random.key(seed), example))
+  params, meta = _split(jax.jit(model.init)(jax.random.key(seed), example))  # not op by op
   tx = optax.adam(lr)
   step, evaluate = make_step(model, tx)
   opt_state = tx.init(params)

@@ -162,8 +162,8 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
 
 def run(quick: bool) -> list[dict]:
   schemes = SCHEMES
-  if quick:  # a smoke test of the code: one exact and one 1-bit scheme
-    plan, links, rounds, schemes = [(2, "tiny")], (None,), 2, ("float32", "1bit_l1")
+  if quick:  # a smoke test of the code: float32, a compressed_mean and a 1-bit scheme
+    plan, links, rounds, schemes = [(2, "tiny")], (None,), 1, ("float32", "bfloat16", "1bit_l1")
   else:
     sizes = os.environ.get("BENCH_MULTIPROCESS_SIZES", "1M,8M,32M").split(",")
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]

@@ -22,6 +22,8 @@ from jmp_train._src.autocast_lists import DEFAULT_FLOAT32_OPS
 from jmp_train._src.autocast_lists import DEFAULT_HALF_OPS
 from jmp_train.examples import models
 
+from _flax_policy_util import fill
+
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 HALF = [F16, BF16]
 POLICIES = {F16: "mixed_float16", BF16: "mixed_bfloat16"}
@@ -40,6 +42,13 @@ def _flax_cases():
           TOKENS,
       ),
   }
+
+
+@functools.cache
+def _flax_variables(name):
+  """Float32 variables of a ``_flax_cases()`` model, filled by NumPy (no compile)."""
+  model, x = _flax_cases()[name]
+  return fill(jax.eval_shape(model.init, jax.random.key(0), x))
 
 
 def _eqns(jaxpr):
@@ -80,11 +89,22 @@ _FLAX_PARAMS = [
 ]
 
 
+def _out_and_grad(apply, variables, x):
+  return apply(variables, x), jax.grad(lambda v: jnp.mean(apply(v, x) ** 2))(variables)
+
+
+@functools.cache
+def _float32_out_and_grad(name):
+  """The float32 model's output and gradients (shared by both half dtypes)."""
+  model, x = _flax_cases()[name]
+  return jax.jit(lambda v: _out_and_grad(model.apply, v, x))(_flax_variables(name))
+
+
 @pytest.mark.parametrize("name, half", _FLAX_PARAMS)
 def test_flax_models_match_apply_policy(name, half):
   model, x = _flax_cases()[name]
   policy = POLICIES[half]
-  variables = jax.jit(model.init)(jax.random.key(0), x)
+  variables = _flax_variables(name)
   reference = functools.partial(jflax.apply_policy(model, policy).apply)
   cast = autocast(model.apply, policy)
 
@@ -100,30 +120,30 @@ def test_flax_models_match_apply_policy(name, half):
 
   # Outputs and gradients within half-precision rounding of each other and
   # of float32.
-  def out_and_grad(apply, v):
-    return apply(v, x), jax.grad(lambda v: jnp.mean(apply(v, x) ** 2))(v)
-
-  (out, g), (out_ref, g_ref), (out32, g32) = jax.jit(
-      lambda v: [out_and_grad(a, v) for a in (cast, reference, model.apply)])(variables)
+  (out, g), (out_ref, g_ref) = jax.jit(
+      lambda v: [_out_and_grad(a, v, x) for a in (cast, reference)])(variables)
+  out32, g32 = _float32_out_and_grad(name)
   assert out.dtype == F32
   tol = 8 * float(jnp.finfo(half).eps)
   assert _rel_err(out, out32) < tol and _rel_err(out_ref, out32) < tol
   for leaf, leaf_ref, leaf32 in zip(*(jax.tree.leaves(t) for t in (g, g_ref, g32))):
     assert leaf.dtype == F32
-    scale = float(jnp.linalg.norm(leaf32)) + 1e-6
-    err = float(jnp.linalg.norm(leaf - leaf32)) / scale
-    err_ref = float(jnp.linalg.norm(leaf_ref - leaf32)) / scale
+    leaf, leaf_ref, leaf32 = (np.asarray(a) for a in (leaf, leaf_ref, leaf32))
+    scale = float(np.linalg.norm(leaf32)) + 1e-6
+    err = float(np.linalg.norm(leaf - leaf32)) / scale
+    err_ref = float(np.linalg.norm(leaf_ref - leaf32)) / scale
     assert err < max(4 * err_ref, 16 * float(jnp.finfo(half).eps)), (err, err_ref)
 
 
 def test_resnet_train_mode_keeps_batch_stats_float32():
   model, x = _flax_cases()["resnet"]
-  variables = jax.jit(model.init)(jax.random.key(0), x)
+  variables = _flax_variables("resnet")
   fn = autocast(
       functools.partial(model.apply, train=True, mutable=["batch_stats"]), "mixed_float16"
   )
   out, state = jax.jit(fn)(variables, x)
-  _, state32 = model.apply(variables, x, train=True, mutable=["batch_stats"])
+  _, state32 = jax.jit(functools.partial(model.apply, train=True, mutable=["batch_stats"]))(
+      variables, x)
   assert out.dtype == F32
   for leaf, leaf32 in zip(jax.tree.leaves(state), jax.tree.leaves(state32)):
     assert leaf.dtype == F32
@@ -183,14 +203,21 @@ def _xent(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-@pytest.mark.parametrize("half", HALF, ids=lambda d: d.name)
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
-def test_plain_jax_models(name, half):
+@functools.cache
+def _plain_case(name):
+  """(params, x, loss, float32 (value, grads)), shared by both half dtypes."""
   if name == "mlp":
     params, x, fn, labels = _mlp_params(jax.random.key(0)), X_IMG, _mlp, jnp.arange(8) % 16
   else:
     params, x, fn, labels = _transformer_params(jax.random.key(0)), TOKENS, _transformer, TOKENS
   loss = lambda p, x: _xent(fn(p, x), labels)
+  return params, x, loss, jax.jit(jax.value_and_grad(loss))(params, x)
+
+
+@pytest.mark.parametrize("half", HALF, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_plain_jax_models(name, half):
+  params, x, loss, (v32, g32) = _plain_case(name)
   cast = autocast(loss, POLICIES[half])
   # Strict promotion: any implicit float16/bfloat16 -> float32 mix would raise.
   with jax.numpy_dtype_promotion("strict"):
@@ -208,7 +235,6 @@ def test_plain_jax_models(name, half):
   adds = [e for e in eqns if e.primitive.name == "add"
           and any(v in produced_by_dot for v in e.invars if isinstance(v, jax.extend.core.Var))]
   assert adds and all(np.dtype(e.outvars[0].aval.dtype) == half for e in adds)
-  v32, g32 = jax.jit(jax.value_and_grad(loss))(params, x)
   assert abs(float(value) - float(v32)) < 16 * float(jnp.finfo(half).eps) * abs(float(v32))
   assert _rel_err(jax.flatten_util.ravel_pytree(grads)[0],
                   jax.flatten_util.ravel_pytree(g32)[0]) < 32 * float(jnp.finfo(half).eps)
@@ -444,8 +470,11 @@ def test_with_make_train_step_and_loss_scaling():
 
 
 def test_nnx_model_through_split_and_merge():
-  model = models.NNXTransformerBlock(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32,
-                                     max_len=8, rngs=nnx.Rngs(0))
+  # The NNX twin of the linen Transformer of _flax_cases(), built abstractly
+  # and given its (NumPy-filled) variables: no initializer runs.
+  abstract = nnx.eval_shape(lambda: models.NNXTransformerBlock(
+      vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=8, rngs=nnx.Rngs(0)))
+  model = models.nnx_with_linen_variables(abstract, _flax_variables("transformer"))
   graphdef, params = nnx.split(model)
 
   def apply(params, tokens):
@@ -470,11 +499,11 @@ def test_equinox_model():
     return jax.vmap(eqx.combine(params, static))(x)
 
   cast = autocast(apply, "mixed_float16")
-  out = cast(params, X_IMG)
+  out = jax.jit(cast)(params, X_IMG)
   assert out.dtype == F32
-  assert _rel_err(out, apply(params, X_IMG)) < 8 * float(jnp.finfo(F16).eps)
+  assert _rel_err(out, jax.jit(apply)(params, X_IMG)) < 8 * float(jnp.finfo(F16).eps)
   assert _dtypes_of(cast, params, X_IMG) == {F16}
-  grads = jax.grad(lambda p: _xent(cast(p, X_IMG), jnp.arange(8)))(params)
+  grads = jax.jit(jax.grad(lambda p: _xent(cast(p, X_IMG), jnp.arange(8))))(params)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
 

@@ -15,6 +15,8 @@ from jmp_train._src.autocast import autocast
 from jmp_train._src.autocast_lists import DEFAULT_LOOKUP_OPS
 from jmp_train.examples import models
 
+from _flax_policy_util import fill
+
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 POLICIES = {F16: "mixed_float16", BF16: "mixed_bfloat16"}
 TOKENS = (jnp.arange(2 * 8, dtype=jnp.int32).reshape(2, 8) * 7) % 32
@@ -88,7 +90,7 @@ def test_lookup_list_is_data():
 def test_transformer_module_dtypes_match_apply_policy(half):
   model = models.TransformerBlock(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=8)
   policy = POLICIES[half]
-  variables = jax.jit(model.init)(jax.random.key(0), TOKENS)
+  variables = fill(jax.eval_shape(model.init, jax.random.key(0), TOKENS))
   cast = autocast(model.apply, policy)
   reference = jflax.apply_policy(model, policy, recompute=None).apply
   got = _module_dtypes(cast, variables, TOKENS, root="TransformerBlock")
@@ -106,7 +108,7 @@ def test_resnet_module_dtypes_match_apply_policy():
   # autocast) centres and scales in float32, as apply_policy's float32 module.
   model = models.ResNet(num_classes=8, stage_features=(8, 16))
   x = jnp.linspace(0.0, 1.0, 8 * 64, dtype=jnp.float32).reshape(8, 64)
-  variables = jax.jit(model.init)(jax.random.key(0), x)
+  variables = fill(jax.eval_shape(model.init, jax.random.key(0), x))
   got = _module_dtypes(autocast(model.apply, "mixed_bfloat16"), variables, x, root="ResNet")
   want = _module_dtypes(jflax.apply_policy(model, "mixed_bfloat16", recompute=None).apply,
                         variables, x, root="ResNet")

@@ -98,6 +98,63 @@ def test_benchmark_runs_quick(name, quick_run):
   header = "| " + " | ".join(columns)
   assert any(line.replace(" ", "").startswith(header.replace(" ", ""))
              for line in output.splitlines()), output[-2000:]
+  # What a benchmark's quick records show, checked here rather than in a
+  # test of its own (under pytest-xdist that could run the benchmark again).
+  _QUICK_RECORD_CHECKS.get(name, lambda records: None)(records)
+
+
+def _check_multiprocess_records(records):
+  # The code path of several hosts (launch, workers, timing, bytes): 2
+  # processes on the loopback as is, a tiny MLP.
+  by = {r["scheme"]: r for r in records}
+  assert set(by) == {"float32", "bfloat16", "1bit_l1"}
+  assert all(r["processes"] == 2 and r["step_ms"] > 0 for r in records)
+  assert all(r["cap"] is None and r["link"] == "loopback" for r in records)
+  assert by["float32"]["vs_float32"] == 1.0
+  assert by["bfloat16"]["wire_vs_float32"] == pytest.approx(0.5, abs=0.01)
+  assert by["1bit_l1"]["wire_vs_float32"] < 0.1
+
+
+def _check_activation_memory_records(records):
+  models = {r["model"] for r in records}
+  assert len(models) == 3
+  # models x (3 policies for "none" and "dots", 2 mixed ones for "default"
+  # and "half")
+  assert len(records) == 3 * (3 + 3 + 2 + 2)
+  by_key = {(r["model"], r["remat"], r["policy"]): r for r in records}
+  for r in records:
+    assert r["residual_bytes"] > 0
+    if r["policy"] == "float32":
+      assert r["residual_ratio"] == 1.0 and r["meets_target"] is None
+      assert r["half_residual_share"] == 0.0 and r["cast_copy_bytes"] == 0
+    elif r["remat"] in ("default", "half"):
+      # No weight copies (recomputed from the float32 weights), and less
+      # than the same policy saves by default (tests/test_remat.py checks
+      # that the model's residuals are all half precision).
+      default = by_key[(r["model"], "none", r["policy"])]
+      assert r["cast_copy_bytes"] == 0, r
+      assert r["residual_bytes"] < default["residual_bytes"]
+      base = by_key[(r["model"], "none", "float32")]
+      assert r["residual_ratio"] == r["residual_bytes"] / base["residual_bytes"]
+      assert r["meets_target"] == (r["residual_ratio"] <= 0.55)
+    else:
+      # Normalization layers keep float32 residuals: never all half.
+      assert 0.0 < r["half_residual_share"] < 1.0
+      assert r["meets_target"] == (r["residual_ratio"] <= 0.55)
+    if r["remat"] == "dots" and r["policy"] != "float32":
+      # Only matmul/conv outputs saved, in half precision: about half.
+      assert 0.45 < r["residual_ratio"] < 0.6, r
+      assert r["half_residual_share"] > 0.7, r
+  # The quick run compiles only the first model's plain step.
+  compiled = [r for r in records if r["temp_bytes"] is not None]
+  assert {r["model"] for r in compiled} == {records[0]["model"]}
+  assert all(r["remat"] == "none" and r["argument_bytes"] > 0 for r in compiled)
+
+
+_QUICK_RECORD_CHECKS = {
+    "activation_memory": _check_activation_memory_records,
+    "multiprocess": _check_multiprocess_records,
+}
 
 
 # --------------------------------------------------------------------------
@@ -215,7 +272,8 @@ def test_skipped_records():
 
 
 # --------------------------------------------------------------------------
-# Activation memory: residual classification and what the quick run shows.
+# Activation memory: residual classification (its quick records are checked
+# above, in test_benchmark_runs_quick).
 # --------------------------------------------------------------------------
 
 
@@ -228,45 +286,6 @@ def test_activation_memory_rejects_unknown_remat(activation_memory):
   case = activation_memory._cases(quick=True)[0]
   with pytest.raises(ValueError, match="'everything'.*none, dots, half"):
     activation_memory.measure(case, get_policy("float32"), "everything")
-
-
-def test_activation_memory_quick_records(quick_run):
-  rc, output, payload = quick_run("activation_memory")
-  assert rc == 0, output[-4000:]
-  records = payload["records"]
-  models = {r["model"] for r in records}
-  assert len(models) == 3
-  # models x (3 policies for "none" and "dots", 2 mixed ones for "default"
-  # and "half")
-  assert len(records) == 3 * (3 + 3 + 2 + 2)
-  by_key = {(r["model"], r["remat"], r["policy"]): r for r in records}
-  for r in records:
-    assert r["residual_bytes"] > 0
-    if r["policy"] == "float32":
-      assert r["residual_ratio"] == 1.0 and r["meets_target"] is None
-      assert r["half_residual_share"] == 0.0 and r["cast_copy_bytes"] == 0
-    elif r["remat"] in ("default", "half"):
-      # No weight copies (recomputed from the float32 weights), and less
-      # than the same policy saves by default (tests/test_remat.py checks
-      # that the model's residuals are all half precision).
-      default = by_key[(r["model"], "none", r["policy"])]
-      assert r["cast_copy_bytes"] == 0, r
-      assert r["residual_bytes"] < default["residual_bytes"]
-      base = by_key[(r["model"], "none", "float32")]
-      assert r["residual_ratio"] == r["residual_bytes"] / base["residual_bytes"]
-      assert r["meets_target"] == (r["residual_ratio"] <= 0.55)
-    else:
-      # Normalization layers keep float32 residuals: never all half.
-      assert 0.0 < r["half_residual_share"] < 1.0
-      assert r["meets_target"] == (r["residual_ratio"] <= 0.55)
-    if r["remat"] == "dots" and r["policy"] != "float32":
-      # Only matmul/conv outputs saved, in half precision: about half.
-      assert 0.45 < r["residual_ratio"] < 0.6, r
-      assert r["half_residual_share"] > 0.7, r
-  # The quick run compiles only the first model's plain step.
-  compiled = [r for r in records if r["temp_bytes"] is not None]
-  assert {r["model"] for r in compiled} == {records[0]["model"]}
-  assert all(r["remat"] == "none" and r["argument_bytes"] > 0 for r in compiled)
 
 
 # --------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def _train_digits(policy, steps=60, seed=0):
 
   ds = data_lib.load_digits(seed=0)
   model = jmp_train.flax.apply_policy(models.MLP(features=(64, 64)), policy)
-  variables = model.init(jax.random.key(seed), jnp.zeros((1, 64)))
+  variables = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 64)))
   params = variables.pop("params")
   tx = optax.adam(3e-3)
   opt_state = tx.init(params)
@@ -316,7 +316,7 @@ def _train_digits(policy, steps=60, seed=0):
   for i in range(steps):
     idx = np.random.default_rng((seed, i)).integers(0, len(ds.x_train), 128)
     params, variables, opt_state = step(params, variables, opt_state, ds.x_train[idx], ds.y_train[idx])
-  return float(loss_fn(params, variables, ds.x_test, ds.y_test)), variables
+  return float(jax.jit(loss_fn)(params, variables, ds.x_test, ds.y_test)), variables
 
 
 @pytest.mark.slow
@@ -340,7 +340,7 @@ def test_apply_policy_fp8_on_resnet_and_float32_modules(kind):
     model = jmp_train.flax.apply_policy(models.ResNet(num_classes=16), "mixed_float8",
                                         float32_paths=("head",))
     variables = jax.jit(model.init)(jax.random.key(0), x)
-    out = model.apply(variables, x, mutable=["batch_stats"])[0]
+    out = jax.jit(functools.partial(model.apply, mutable=["batch_stats"]))(variables, x)[0]
     metas = variables[jmp_train.flax.FP8_COLLECTION]
     paths = ["/".join(str(getattr(k, "key", k)) for k in p)
              for p, _ in jax.tree_util.tree_leaves_with_path(metas)]
@@ -349,7 +349,7 @@ def test_apply_policy_fp8_on_resnet_and_float32_modules(kind):
   else:
     model = jmp_train.flax.apply_policy(
         models.NNXResNet(num_classes=16, rngs=nnx.Rngs(0)), "mixed_float8")
-    out = model(x)
+    out = nnx.jit(lambda model, x: model(x))(model, x)
     assert isinstance(model.module.stem.conv_general_dilated, jmp_train.flax.NNXFp8ConvGeneralDilated)
     assert len(jax.tree.leaves(nnx.state(model, jmp_train.flax.Fp8Meta))) > 0
   assert out.dtype == jnp.float32 and out.shape == (2, 16)

@@ -224,11 +224,12 @@ def test_warmup_is_adamw_on_the_average_and_momentum_is_sgd():
     step = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
     rp = jax.tree.map(lambda x: x[0], params)
     rstate = ref.init(rp)
+    ref_update = jax.jit(ref.update)
     for t in range(steps):
       grads = make_tree(k, seed=40 + t)
       updates, state = step(grads, state, params)
       params = optax.apply_updates(params, updates)
-      ru, rstate = ref.update(jax.tree.map(lambda x: x.mean(0), grads), rstate, rp)
+      ru, rstate = ref_update(jax.tree.map(lambda x: x.mean(0), grads), rstate, rp)
       rp = optax.apply_updates(rp, ru)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rp)):
       np.testing.assert_allclose(np.asarray(a)[0], np.asarray(b), rtol=1e-6, atol=1e-7)

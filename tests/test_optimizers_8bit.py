@@ -286,15 +286,17 @@ def test_pmap_and_shard_map_keep_replicated_state_identical(num_devices):
   local = jnp.stack([jax.tree.map(lambda x: x[i % 4], _grads(0, jnp.bfloat16))["v"]
                      for i in range(num_devices)])  # different gradients per device
 
+  shared = _grads(1, jnp.bfloat16)  # the same on every device
+
   def step(g_local, state, params):
-    g = jax.tree.map(lambda x: x, _grads(1, jnp.bfloat16))
+    g = dict(shared)
     g["v"] = g["v"] + jax.lax.pmean(g_local, "batch").astype(jnp.bfloat16)[None, :]
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state
 
   # Single device: the same averaged gradient.
   mean = jnp.mean(local.astype(jnp.float32), axis=0)
-  g_single = _grads(1, jnp.bfloat16)
+  g_single = dict(shared)
   g_single["v"] = g_single["v"] + mean.astype(jnp.bfloat16)[None, :]
   u, s_single = jax.jit(tx.update)(g_single, tx.init(params), params)
   p_single = optax.apply_updates(params, u)
@@ -307,8 +309,9 @@ def test_pmap_and_shard_map_keep_replicated_state_identical(num_devices):
                              in_specs=(P("batch"), P(), P()), out_specs=(P(), P())))
   local = jax.device_put(local, NamedSharding(mesh, P("batch")))
   p_sm, s_sm = jax.block_until_ready(sm(local, tx.init(params), params))
+  replicas, sm_host = jax.device_get(((p_pm, s_pm), (p_sm, s_sm)))
   for i in range(num_devices):
-    chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], (p_pm, s_pm)), (p_sm, s_sm))
+    chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], replicas), sm_host)
   # One device with the averaged gradient: the same up to the mean's rounding.
   chex.assert_trees_all_close(p_sm, p_single, atol=1e-2, rtol=1e-2)
   chex.assert_trees_all_equal_shapes_and_dtypes(s_sm, s_single)

@@ -13,7 +13,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 
 import _multiprocess_worker as worker
 import _processes
@@ -42,22 +41,6 @@ def test_two_processes_equal_one_process(tmp_path):
   initial = worker.initial_params()
   for name in expected:
     assert not np.array_equal(initial[name], expected[name]), name
-
-
-@pytest.mark.slow
-def test_multiprocess_benchmark_runs_two_processes():
-  # The benchmark's code path (launch, workers, timing, bytes) with P=2 and a
-  # tiny MLP, on the loopback as is.
-  sys.path.insert(0, str(HERE.parent))
-  from benchmarks import bench_multiprocess
-
-  records = bench_multiprocess.launch(2, "tiny", rounds=1, schemes=("float32", "bfloat16", "1bit_l1"))
-  by = {r["scheme"]: r for r in records}
-  assert set(by) == {"float32", "bfloat16", "1bit_l1"}
-  assert all(r["processes"] == 2 and r["step_ms"] > 0 for r in records)
-  assert by["float32"]["vs_float32"] == 1.0
-  assert by["bfloat16"]["wire_vs_float32"] == pytest.approx(0.5, abs=0.01)
-  assert by["1bit_l1"]["wire_vs_float32"] < 0.1
 
 
 def test_loopback_cap_without_rate_touches_nothing():

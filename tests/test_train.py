@@ -21,6 +21,8 @@ import pytest
 import jmp_train
 from jmp_train._src.sign_compression import sign_compression
 
+from _flax_policy_util import fill
+
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,9 +40,11 @@ class _Net(nn.Module):
 
 
 _NET = _Net()
-_VARS = _NET.init(
-    {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, jnp.ones((2, 6))
-)
+# NumPy-filled variables: an eager init compiles each op, in this process and
+# in each worker of the multi-process test.
+_VARS = fill(jax.eval_shape(
+    _NET.init, {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)},
+    jnp.ones((2, 6))))
 
 
 def _xent(logits, labels):
