@@ -40,14 +40,3 @@ def pytest_configure(config):
 def num_devices():
   return NUM_DEVICES
 
-
-# The modules with the longest tests first, each module's tests kept together
-# (module fixtures are set up once per worker): under `pytest -n 2` the long
-# tests start early and the many short ones fill the workers' last minutes,
-# instead of one worker running a long notebook alone at the end.
-_FIRST = ("test_notebooks.py", "test_demo.py", "test_benchmarks.py")
-
-
-def pytest_collection_modifyitems(items):
-  rank = lambda item: _FIRST.index(item.path.name) if item.path.name in _FIRST else len(_FIRST)
-  items.sort(key=rank)  # stable: the order within a module is kept
