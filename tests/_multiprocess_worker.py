@@ -17,6 +17,7 @@ if __name__ == "__main__":
   # Before jax is imported: 2 CPU devices in this process.
   # (A generous collective timeout: on a busy machine devices drift apart.)
   os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " "
       "--xla_force_host_platform_device_count=2"
       " --xla_cpu_collective_call_terminate_timeout_seconds=600"
   )

@@ -26,6 +26,7 @@ import sys
 if __name__ == "__main__":
   # Before jax is imported: 2 CPU devices in this process.
   os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " "
       f"--xla_force_host_platform_device_count={sys.argv[6]}"
       " --xla_cpu_collective_call_terminate_timeout_seconds=600"
   )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -17,17 +18,30 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def worker_env() -> dict[str, str]:
+  """This process's environment for a worker that sets its own device count.
+
+  ``XLA_FLAGS`` is passed on without the simulated device count, so that
+  the workers compile as the test process does (see ``conftest.py``): a
+  result compared bit for bit with one computed here must come from the
+  same compiler settings.
+  """
+  env = dict(os.environ)
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = " ".join(flags.split())
+  env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+  return env
+
+
 def run_workers(script: str, argv_per_process: list[list[str]], timeout: float) -> None:
   """Runs ``tests/<script>`` once per argv (``{port}`` filled in); asserts all exit 0.
 
-  The workers set their own device count (``XLA_FLAGS`` is not passed on)
-  and import the repository's packages. A worker still running after
+  The workers add their own device count to ``XLA_FLAGS`` (see
+  :func:`worker_env`) and import the repository's packages. A worker still running after
   ``timeout`` seconds, or after another failed, is killed.
   """
   port = str(free_port())
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+  env = worker_env()
   procs = [
       subprocess.Popen(
           [sys.executable, str(HERE / script), *(a.format(port=port) for a in argv)],

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+import _processes
 from jmp_train.examples import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _env():
   # A fresh process: the CLI must set up its 8 devices itself.
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = _processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   return env
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+import _processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -31,9 +32,9 @@ def test_notebook_is_committed_without_outputs(path):
 def test_notebook_runs(path, tmp_path):
   nb = nbformat.read(path, as_version=4)
   # A fresh kernel, with the devices the notebooks expect (8 simulated CPUs).
-  env = dict(os.environ)
+  env = _processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
   env["MPLBACKEND"] = "Agg"
   client = NotebookClient(
       nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

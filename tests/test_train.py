@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import pytest
 import jmp_train
 from jmp_train._src.sign_compression import sign_compression
 
+import _processes
 from _flax_policy_util import fill
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -278,21 +278,15 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_match_one(tmp_path):
   """The same step over jax.distributed (2 processes x 4 devices, gloo),
   checkpointed by both processes and resumed."""
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = _processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   tests_dir = str(ROOT / "tests")
-  port = _free_port()
+  port = _processes.free_port()
   procs = [
       subprocess.Popen(
           [sys.executable, str(script), str(i), "2", str(port), str(tmp_path), tests_dir],
