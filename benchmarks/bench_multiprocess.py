@@ -99,8 +99,12 @@ def loopback_cap(rate: str | None):
     yield {"link": "loopback", "cap": None, "cap_note": "loopback as is"}
     return
   reason = _cap_unavailable()
+  # The bucket must hold a whole packet: tbf never sends a packet larger than
+  # its burst, and loopback packets reach the interface's MTU (64 KiB), so a
+  # smaller burst stalls every TCP connection that sends a full segment.
+  mtu = int(pathlib.Path("/sys/class/net/lo/mtu").read_text()) if reason is None else 65536
   add = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
-         "burst", "256kbit", "latency", "50ms"]
+         "burst", str(4 * mtu), "latency", "50ms"]
   if reason is None:
     res = subprocess.run(add, capture_output=True, text=True)
     reason = None if res.returncode == 0 else f"tc failed: {res.stderr.strip()}"

@@ -62,6 +62,12 @@ def _train(tx, dtype, steps, seed=0):
   return params, np.asarray(losses), float(loss(params))
 
 
+@functools.cache
+def _adam_float32(lr, steps):
+  """``_train(optax.adam(lr), float32, steps)``, once per worker (several tests compare to it)."""
+  return _train(optax.adam(lr), jnp.float32, steps)
+
+
 # ---------------------------------------------------------------------------
 # Dtype choice per moment.
 # ---------------------------------------------------------------------------
@@ -73,9 +79,10 @@ def test_float_moments_match_optax(mu_dtype, nu_dtype):
   ours = scale_by_adam(mu_dtype=mu_dtype, nu_dtype=nu_dtype)
   ref = optax.scale_by_adam(mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype))
   s1, s2 = ours.init(params), ref.init(params)
+  update1, update2 = jax.jit(ours.update), jax.jit(ref.update)
   for step in range(5):
-    u1, s1 = ours.update(_grads(step), s1)
-    u2, s2 = ref.update(_grads(step), s2)
+    u1, s1 = update1(_grads(step), s1)
+    u2, s2 = update2(_grads(step), s2)
     if mu_dtype == "bfloat16":  # optax steps with mu rounded to bfloat16; we, with float32
       for name in SHAPES:
         assert float(jnp.linalg.norm(u1[name] - u2[name]) / jnp.linalg.norm(u2[name])) < 1e-2
@@ -122,7 +129,7 @@ def test_bfloat16_nu_stalls_where_8bit_follows():
 @pytest.mark.parametrize("code", qs.CODES)
 def test_adam_8bit_tracks_adam(code):
   lr, steps = 1e-2, 300
-  p32, l32, final32 = _train(optax.adam(lr), jnp.float32, steps)
+  p32, l32, final32 = _adam_float32(lr, steps)
   p8, l8, final8 = _train(adam_8bit(lr, code=code, min_8bit_size=0), jnp.float32, steps)
   assert final32 < 0.01 * l32[0]  # it did learn
   assert abs(final8 / final32 - 1) < 0.01
@@ -150,7 +157,7 @@ def test_nearest_rounding_freezes_a_slow_trace():
 ])
 def test_adam_8bit_with_half_weights(half, finisher):
   lr, steps = 1e-2, 300
-  _, _, final32 = _train(optax.adam(lr), jnp.float32, steps)
+  _, _, final32 = _adam_float32(lr, steps)
   params, _, final = _train(optax.chain(adam_8bit(lr, min_8bit_size=0), finisher()), half, steps)
   assert params["w"].dtype == half
   assert abs(final / final32 - 1) < 0.05
@@ -174,9 +181,10 @@ def test_weight_decay_and_schedule_are_adamw():
   ours = adam_8bit(sched, weight_decay=0.1, block_size=64)
   ref = optax.adamw(sched, weight_decay=0.1)
   s1, s2 = ours.init(params), ref.init(params)
+  update1, update2 = jax.jit(ours.update), jax.jit(ref.update)
   for step in range(3):
-    u1, s1 = ours.update(_grads(step), s1, params)
-    u2, s2 = ref.update(_grads(step), s2, params)
+    u1, s1 = update1(_grads(step), s1, params)
+    u2, s2 = update2(_grads(step), s2, params)
     # 8-bit moments: close to AdamW, with the same decay and schedule.
     for name in SHAPES:
       assert float(jnp.linalg.norm(u1[name] - u2[name]) / jnp.linalg.norm(u2[name])) < 0.02

@@ -204,6 +204,14 @@ def quantize(
     True
   """
   block_size = _check_block_size(block_size)
+  _check_code(code)
+  return _quantize(x, key, block_size=block_size, code=code, signed=bool(signed))
+
+
+# One compiled program per call outside ``jit`` (eager use, e.g. in a notebook,
+# would otherwise dispatch every operation on its own); inlined inside ``jit``.
+@functools.partial(jax.jit, static_argnames=("block_size", "code", "signed"))
+def _quantize(x, key, *, block_size: int, code: str, signed: bool) -> QuantizedArray:
   table = jnp.asarray(code_map(code, signed))
   blocks = _blocks(jnp.asarray(x, jnp.float32), block_size)
   absmax = jnp.max(jnp.abs(blocks), axis=1)
@@ -285,6 +293,12 @@ def dequantize(
         f"blocks of {block_size} need ({num_blocks},). Was it quantized with "
         "another block_size?"
     )
+  _check_code(code)
+  return _dequantize(q, block_size=block_size, code=code, signed=bool(signed))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "code", "signed"))
+def _dequantize(q: QuantizedArray, *, block_size: int, code: str, signed: bool) -> jax.Array:
   table = jnp.asarray(code_map(code, signed))
   values = table[_blocks(q.codes, block_size).astype(jnp.int32)] * q.absmax[:, None]
   return values.reshape(-1)[: q.codes.size].reshape(q.codes.shape)
