@@ -24,7 +24,6 @@ X_IMG = jnp.linspace(0.0, 1.0, 8 * 64, dtype=jnp.float32).reshape(8, 64)
 TOKENS = (jnp.arange(2 * 8, dtype=jnp.int32).reshape(2, 8) * 7) % 32
 
 
-
 def _flax_cases():
   return {
       "mlp": (models.MLP(features=(32, 32)), X_IMG),
@@ -69,7 +68,5 @@ def _rel_err(a, b):
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
-
 def _xent(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-

@@ -37,8 +37,8 @@ def run_workers(script: str, argv_per_process: list[list[str]], timeout: float) 
   """Runs ``tests/<script>`` once per argv (``{port}`` filled in); asserts all exit 0.
 
   The workers add their own device count to ``XLA_FLAGS`` (see
-  :func:`worker_env`) and import the repository's packages. A worker still running after
-  ``timeout`` seconds, or after another failed, is killed.
+  :func:`worker_env`) and import the repository's packages. A worker still
+  running after ``timeout`` seconds, or after another failed, is killed.
   """
   port = str(free_port())
   env = worker_env()

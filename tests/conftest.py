@@ -43,4 +43,3 @@ def pytest_configure(config):
 @pytest.fixture
 def num_devices():
   return NUM_DEVICES
-

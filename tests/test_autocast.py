@@ -142,6 +142,7 @@ def _transformer(p, tokens, heads=2):
   h = jax.nn.relu(_layer_norm(x, p["ln2"]) @ p["mlp_in"] + p["bias"]) @ p["mlp_out"]
   return (x + h) @ p["head"]
 
+
 @functools.cache
 def _plain_case(name):
   """(params, x, loss, float32 (value, grads)), shared by both half dtypes."""
