@@ -128,7 +128,7 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
   calls = {f"elementwise_x_plus_1{suffix}": (jax.jit(lambda x: x + 1.0), (flat,))}
   for scale in ("column", "l1", "l2"):
     layout = sign_layout.make_layout(shapes, scale, k)
-    r = jnp.zeros((layout.n_pad,), jnp.float32)
+    r = tuple(jnp.zeros((size,), jnp.float32) for size in layout.sizes)
 
     def worker(g, r, layout=layout, scale=scale):
       return sign_codec.worker_step(g, r, layout, scale, decode=False)[:3]

@@ -175,7 +175,7 @@ def train_digits(
              if hasattr(s, "worker_residual")]
     if not found:
       return jnp.zeros(())
-    return jax.lax.pmax(jnp.linalg.norm(found[0].worker_residual), AXIS)
+    return jax.lax.pmax(optax.tree.norm(found[0].worker_residual), AXIS)
 
   def train(params, opt_state, xs, ys):
     def body(carry, batch):

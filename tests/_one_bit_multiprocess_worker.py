@@ -107,8 +107,11 @@ def train(devices, optimizer: str, steps: int = STEPS) -> dict[str, np.ndarray]:
   out = {name: np.asarray(v.addressable_data(0)) for name, v in params.items()}
   c = opt_state.compression
   for name in ("worker_residual", "server_residual"):
-    for shard in getattr(c, name).addressable_shards:
-      out[f"{name}/{shard.device.id}"] = np.asarray(shard.data)
+    # Per device: the residual leaves' shards, concatenated.
+    leaves = jax.tree.leaves(getattr(c, name))
+    for shards in zip(*(leaf.addressable_shards for leaf in leaves)):
+      assert len({s.device for s in shards}) == 1
+      out[f"{name}/{shards[0].device.id}"] = np.concatenate([np.asarray(s.data).reshape(-1) for s in shards])
   return out
 
 

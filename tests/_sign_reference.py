@@ -2,8 +2,8 @@
 
 The reference is written from the description (segments, chunks, owners),
 independently of the implementation's tables. It works in *buffer order*
-(a column-scale leaf column by column), the order of the residuals of
-:class:`jmp_train.SignCompressionState`.
+(a column-scale leaf column by column); :func:`buffer_residual` puts the
+per-leaf worker residuals of :class:`jmp_train.SignCompressionState` in it.
 """
 
 from __future__ import annotations
@@ -56,6 +56,30 @@ def ref_unflatten(flat, like, scale):
     out.append(part.reshape(x.shape))
     off += size
   return out
+
+
+def buffer_residual(residual, shapes, scale, k):
+  """Per-leaf worker residuals (arrays ``(..., size)``) in buffer order, ``(..., N_pad)``.
+
+  ``shapes``: the leaves' shapes (a dict in tree order or a list).
+  """
+  shapes = list(shapes.values()) if isinstance(shapes, dict) else list(shapes)
+  parts = []
+  for r, shape in zip(residual, shapes, strict=True):
+    r = np.asarray(r, np.float32)
+    lead = r.shape[:-1]
+    if scale == "column" and len(shape) >= 2:
+      r = np.moveaxis(r.reshape(lead + tuple(shape)), -1, len(lead)).reshape(lead + (-1,))
+    parts.append(r)
+  flat = np.concatenate(parts, axis=-1)
+  n = flat.shape[-1]
+  n_pad = max(8 * k, -(-n // (8 * k)) * 8 * k)
+  return np.pad(flat, [(0, 0)] * (flat.ndim - 1) + [(0, n_pad - n)])
+
+
+def assert_residual_zero(residual):
+  for r in residual:
+    np.testing.assert_array_equal(np.asarray(r), 0.0)
 
 
 def ref_quantize(x, scale):

@@ -16,7 +16,8 @@ from jmp_train import SignCompressionState, sign_compression, sign_compression_s
 from jmp_train._src import sign_codec
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
-    AXIS, SHAPES, make_grads, pmapped, ref_step, ref_unflatten, replicated_zeros,
+    AXIS, SHAPES, buffer_residual, make_grads, pmapped, ref_step, ref_unflatten,
+    replicated_zeros,
 )
 
 
@@ -40,10 +41,10 @@ def test_local_error_feedback_matches_reference(dtype, mode, scale):
   assert state.server_residual.shape == (0,)
   for step in range(2):
     grads = {n: x[0].astype(dtype) for n, x in make_grads(1, seed=step).items()}
-    r_old = np.asarray(state.worker_residual)[None]
+    r_old = buffer_residual(state.worker_residual, SHAPES, scale, 1)[None]
     out, state = update(grads, state)
     assert {n: x.dtype for n, x in out.items()} == {n: np.dtype(dtype) for n in SHAPES}
-    assert state.worker_residual.dtype == jnp.float32
+    assert all(r.dtype == jnp.float32 for r in state.worker_residual)
     assert state.count.dtype == jnp.int32
     leaves = [np.asarray(grads[n], np.float32) for n in SHAPES]
     # With one replica the owner re-quantizes an already quantized buffer:
@@ -58,7 +59,19 @@ def test_local_error_feedback_matches_reference(dtype, mode, scale):
           rtol=1e-2 if dtype != jnp.float32 else 1e-5,
           atol=1e-6,
       )
-    np.testing.assert_allclose(np.asarray(state.worker_residual), ref_r[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        buffer_residual(state.worker_residual, SHAPES, scale, 1), ref_r[0], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_local_update_keeps_empty_leaves_in_place():
+  # A leaf with no elements has no segment; the others still line up.
+  tx = sign_compression(scale="l1")
+  grads = {"a": jnp.ones((0, 3)), "b": jnp.asarray([1.0, -2.0, 3.0])}
+  out, state = tx.update(grads, tx.init(grads))
+  assert out["a"].shape == (0, 3)
+  np.testing.assert_allclose(np.asarray(out["b"]), [2.0, -2.0, 2.0])
+  np.testing.assert_allclose(np.asarray(state.worker_residual[1]), [-1.0, 0.0, 1.0])
 
 
 # ---------------------------------------------------------------------------

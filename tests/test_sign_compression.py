@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
-    SHAPES, WIDE_SHAPES, make_grads, per_replica_leaves, pmapped,
-    ref_flatten, ref_step, replicated_zeros,
+    SHAPES, WIDE_SHAPES, assert_residual_zero, buffer_residual, make_grads,
+    per_replica_leaves, pmapped, ref_flatten, ref_step, replicated_zeros,
 )
 
 
@@ -28,7 +28,7 @@ def test_matches_numpy_reference_and_conserves(k, scale):
   state = init(replicated_zeros(k))
   for step in range(3):
     grads = make_grads(k, seed=step)
-    r_old = np.asarray(state.worker_residual)
+    r_old = buffer_residual(state.worker_residual, SHAPES, scale, k)
     e_old = np.asarray(state.server_residual)
     out, state = update(grads, state)
     ref_out, ref_r, ref_e, v, u, ref_flat = ref_step(
@@ -39,7 +39,7 @@ def test_matches_numpy_reference_and_conserves(k, scale):
       # Identical (bit for bit) on every replica.
       np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))
       np.testing.assert_allclose(got[0], ref_leaf, rtol=2e-5, atol=1e-6, err_msg=name)
-    r_new = np.asarray(state.worker_residual)
+    r_new = buffer_residual(state.worker_residual, SHAPES, scale, k)
     e_new = np.asarray(state.server_residual)
     np.testing.assert_allclose(r_new, ref_r, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(e_new, ref_e, rtol=2e-5, atol=2e-6)
@@ -65,7 +65,7 @@ def test_residual_is_exact_difference():
   state = init(replicated_zeros(k))
   grads = make_grads(k, seed=7)
   _, state = update(grads, state)
-  r = np.asarray(state.worker_residual)
+  r = buffer_residual(state.worker_residual, SHAPES, "column", k)
   for j in range(k):
     v, seg_len = ref_flatten(per_replica_leaves(grads, j), "column")
     decoded = v - r[j, : v.size]
@@ -93,11 +93,11 @@ def test_without_error_feedback_residuals_stay_zero():
   for step in range(2):
     grads = make_grads(k, seed=20 + step)
     out, state = update(grads, state)
-    np.testing.assert_array_equal(np.asarray(state.worker_residual), 0.0)
+    assert_residual_zero(state.worker_residual)
     np.testing.assert_array_equal(np.asarray(state.server_residual), 0.0)
     ref_out, *_ = ref_step(
         [per_replica_leaves(grads, j) for j in range(k)],
-        np.zeros(state.worker_residual.shape, np.float32),
+        buffer_residual(state.worker_residual, SHAPES, "column", k),
         np.zeros(state.server_residual.shape, np.float32),
         "column",
         error_feedback=False,
@@ -119,18 +119,20 @@ def test_warmup_is_exact_pmean_then_compressed():
         np.testing.assert_allclose(
             np.asarray(out[name][0]), np.asarray(grads[name]).mean(0), rtol=1e-6, atol=1e-7
         )
-      np.testing.assert_array_equal(np.asarray(state.worker_residual), 0.0)
+      assert_residual_zero(state.worker_residual)
       np.testing.assert_array_equal(np.asarray(state.server_residual), 0.0)
     else:
       ref_out, ref_r, *_ = ref_step(
           [per_replica_leaves(grads, j) for j in range(k)],
-          np.zeros(state.worker_residual.shape, np.float32),
+          np.zeros_like(buffer_residual(state.worker_residual, SHAPES, "column", k)),
           np.zeros(state.server_residual.shape, np.float32),
           "column",
       )
       for name, ref_leaf in zip(SHAPES, ref_out):
         np.testing.assert_allclose(np.asarray(out[name][0]), ref_leaf, rtol=2e-5, atol=1e-6)
-      np.testing.assert_allclose(np.asarray(state.worker_residual), ref_r, rtol=2e-5, atol=2e-6)
+      np.testing.assert_allclose(
+          buffer_residual(state.worker_residual, SHAPES, "column", k), ref_r, rtol=2e-5, atol=2e-6
+      )
   assert np.asarray(state.count)[0] == 3
 
 
@@ -147,10 +149,10 @@ def test_non_finite_gradient_keeps_residuals(bad):
   _, state = update(make_grads(k, seed=40), state)
   grads = make_grads(k, seed=41)
   grads["dense"] = grads["dense"].at[1, 2, 0].set(bad)
-  r_old = np.asarray(state.worker_residual)
+  r_old = buffer_residual(state.worker_residual, SHAPES, "column", k)
   e_old = np.asarray(state.server_residual)
   out, new_state = update(grads, state)
-  r_new = np.asarray(new_state.worker_residual)
+  r_new = buffer_residual(new_state.worker_residual, SHAPES, "column", k)
   e_new = np.asarray(new_state.server_residual)
   assert np.isfinite(r_new).all() and np.isfinite(e_new).all()
   # Replica 1 saw the bad value: its residual is untouched; others moved on.
@@ -179,7 +181,7 @@ def test_word_packed_leaves_match_numpy_reference(k):
   state = init(replicated_zeros(k, WIDE_SHAPES))
   for step in range(2):
     grads = make_grads(k, seed=80 + step, shapes=WIDE_SHAPES)
-    r_old = np.asarray(state.worker_residual)
+    r_old = buffer_residual(state.worker_residual, WIDE_SHAPES, "column", k)
     e_old = np.asarray(state.server_residual)
     out, state = update(grads, state)
     ref_out, ref_r, ref_e, *_ = ref_step(
@@ -189,6 +191,6 @@ def test_word_packed_leaves_match_numpy_reference(k):
       got = np.asarray(out[name])
       np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))
       np.testing.assert_allclose(got[0], ref_leaf, rtol=2e-5, atol=1e-6, err_msg=name)
-    r_new = np.asarray(state.worker_residual)
+    r_new = buffer_residual(state.worker_residual, WIDE_SHAPES, "column", k)
     np.testing.assert_allclose(r_new, ref_r, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(state.server_residual), ref_e, rtol=2e-5, atol=2e-6)

@@ -40,11 +40,12 @@ def lr_at(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Array:
 def exchange(compression, local: Any, cstate: SignCompressionState, name: str):
   """``compression.update`` with a clear error for another replica count."""
   expected = jax.eval_shape(compression.init, local)
+  shapes = lambda tree: [np.shape(x) for x in jax.tree.leaves(tree)]
   for field in ("worker_residual", "server_residual"):
-    want, got = getattr(expected, field).shape, getattr(cstate, field).shape
+    want, got = shapes(getattr(expected, field)), shapes(getattr(cstate, field))
     if want != got:
       raise ValueError(
-          f"{name} state's {field} has shape {got}, but these parameters on this "
+          f"{name} state's {field} has shapes {got}, but these parameters on this "
           f"replica count need {want}: the state was made (or checkpointed) for "
           "another replica count or other parameters; init a new state (1-bit "
           "residuals cannot be moved between replica counts)."

@@ -11,7 +11,8 @@ order: its bits cross from the buffer's column-by-column order as packed
 32-, 16- or 8-bit words (:func:`unpack_columns`), so no float buffer is transposed (a
 transpose runs several times slower than a copy on XLA:CPU).
 
-* :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``.
+* :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``,
+  each leaf in its own order (the residuals are per leaf).
 * :func:`owner_step`: decode the ``K`` received chunks, average them, add
   the server residual, re-quantize (one ``lax.switch`` branch per owner:
   each owner's pieces are static).
@@ -26,7 +27,7 @@ from jax import lax
 
 from jmp_train._src.buckets import assemble
 from jmp_train._src.loss_scale import all_finite
-from jmp_train._src.sign_layout import Layout, Run, from_flat_leaf, leaf_rows
+from jmp_train._src.sign_layout import Layout, Run, from_flat_leaf
 
 __all__ = [
     "pack", "unpack", "pack_columns", "unpack_columns", "quantize_rows",
@@ -154,23 +155,78 @@ def _view(flat: jax.Array, run: Run, base: int = 0) -> jax.Array:
   return flat[..., lo : lo + run.size].reshape(flat.shape[:-1] + (run.count, run.length))
 
 
-def _worker_run(run: Run, leaves, residual, scale: str, layout: Layout):
-  """One run: ``(v, bits, pairs, decoded)``, all in buffer order."""
-  if run.leaf >= 0:
-    v = leaf_rows(leaves[run.leaf], layout, run.leaf)
-  else:
-    v = jnp.zeros((run.count, run.length), jnp.float32)
-  if residual is not None:
-    v = v + _view(residual, run)
-  return (v,) + quantize_rows(v, scale)
+def _leaf_pairs(v: jax.Array, scale: str) -> jax.Array:
+  """The pair ``(1, 2)`` of a one-segment leaf ``v`` (1-D) with an ``l1``/``l2``/``column`` scale.
+
+  A plain sum: for one long row XLA:CPU reduces it at memory speed.
+  """
+  n = max(v.shape[0], 1)
+  if scale == "column":
+    return _column_pairs(*_column_sums(v[None]), v.shape[0])
+  total = jnp.sum(jnp.abs(v) if scale == "l1" else jnp.square(v))
+  hi = total / n
+  if scale == "l2":
+    hi = jnp.sqrt(hi)
+  return jnp.stack([hi, -hi])[None]
+
+
+def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
+  """Leaf ``i``: ``(v, bits in buffer order, pairs, decoded)``, ``v`` and decoded flat in the leaf's order."""
+  v = x.astype(jnp.float32).reshape(-1)
+  if r is not None:
+    v = v + r
+  if not layout.transpose[i]:
+    bits = v >= 0
+    pairs = _leaf_pairs(v, scale)
+    return v, bits, pairs, jnp.where(bits, pairs[0, 0], pairs[0, 1])
+  # Column scales: the sums run over the columns as rows (the same sums, in
+  # the same order, as the reference); the residual update and, where the
+  # rows allow packed words, the bits stay in the leaf's own order.
+  rows, cols = layout.rows(i), layout.shapes[i][-1]
+  v2 = v.reshape(rows, cols)
+  nonneg = v2 >= 0
+  pairs = _column_pairs(*_column_sums(v2.T), rows)
+  decoded = jnp.where(nonneg, pairs[:, 0], pairs[:, 1]).reshape(-1)
+  word = layout.word_bits(i)
+  bits = pack_columns(nonneg, word) if word else nonneg.T.reshape(-1)
+  return v, bits, pairs, decoded
+
+
+def _pack_pieces(pieces, n_pad: int) -> jax.Array:
+  """Packs pieces that cover ``[0, n_pad)`` in order into ``(n_pad / 8,)`` uint8.
+
+  A piece is boolean bits, or ``uint8`` bits already packed (starting on a
+  byte). A boolean piece that starts and ends on a byte is packed on its
+  own; neighbours that share a byte are concatenated first (small leaves,
+  in practice).
+  """
+  packed, group, start, size = [], [], 0, 0
+  for bits in pieces:
+    if bits.dtype == jnp.uint8:
+      assert not group, "packed pieces start on a byte"
+      packed.append((start // 8, bits))
+      start += 8 * bits.shape[0]
+      continue
+    group.append(bits)
+    size += bits.shape[0]
+    if size % 8 == 0:
+      packed.append((start // 8, pack(group[0] if len(group) == 1 else jnp.concatenate(group))))
+      start, group, size = start + size, [], 0
+  return assemble(packed, jnp.zeros((n_pad // 8,), jnp.uint8))
 
 
 def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
-  """Worker quantization of the local gradient leaves with residual ``residual``.
+  """Worker quantization of the local gradient leaves with residuals ``residual``.
+
+  Each leaf is quantized in its own order: ``v = g + r`` and ``r <- v -
+  decode(v)`` are elementwise on the leaf, so a donated residual is
+  updated in place; only the bits (and, for column scales, the column
+  sums) are taken in buffer order.
 
   Args:
     leaves: the gradient leaves (any floating dtype).
-    residual: float32 ``(n_pad,)``, or ``None`` without error feedback.
+    residual: the worker residuals, one float32 ``(size,)`` per leaf in the
+      leaf's own (row-major) order, or ``None`` without error feedback.
     layout: the static layout.
     scale: ``"column"``, ``"l1"`` or ``"l2"``.
     decode: also return the decoded leaves (float32, leaf shapes).
@@ -178,29 +234,37 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
   Returns:
     ``(packed, pairs, new_residual, decoded)``: the bits in buffer order
     packed to ``(n_pad / 8,)`` uint8, pairs ``(segments, 2)`` float32 in
-    buffer order, the new residual (``None`` without error feedback; the
-    old one where ``v`` is not finite) and the decoded leaves (``None``
+    buffer order, the new residuals (``None`` without error feedback; the
+    old ones where ``v`` is not finite) and the decoded leaves (``None``
     unless ``decode``).
   """
-  bits, pairs, vd, dec = [], [], [], []
+  bits, pairs, done = [], [], {}
   for run in layout.worker_runs:
-    v, b, p, d = _worker_run(run, leaves, residual, scale, layout)
-    bits.append((run.start, b.reshape(-1)))
+    if run.leaf < 0:  # the padding: zeros, which quantize to zero
+      b, p, _ = quantize_rows(jnp.zeros((1, run.length), jnp.float32), scale)
+      bits.append(b.reshape(-1))
+      pairs.append(p)
+      continue
+    i = run.leaf
+    v, b, p, d = _worker_leaf(leaves[i], None if residual is None else residual[i], layout, i, scale)
+    bits.append(b)
     pairs.append(p)
-    vd.append((run, v, d))
-    if decode and run.leaf >= 0:
-      dec.append(from_flat_leaf(d.reshape(-1), layout, run.leaf, jnp.float32))
+    done[i] = (v, d)
   pairs = jnp.concatenate(pairs)
   if residual is not None:
     # Non-finite v makes its segment's pairs non-finite: keep the residual.
     finite = all_finite(pairs)
-    new_r = [
-        (run.start, jnp.where(finite, v - d, _view(residual, run)).reshape(-1))
-        for run, v, d in vd
+    residual = tuple(
+        jnp.where(finite, done[i][0] - done[i][1], r) if i in done else r
+        for i, r in enumerate(residual)
+    )
+  dec = None
+  if decode:
+    dec = [
+        done[i][1].reshape(shape) if i in done else jnp.zeros(shape, jnp.float32)
+        for i, shape in enumerate(layout.shapes)
     ]
-    residual = assemble(new_r, residual)
-  packed = pack(assemble(bits, jnp.zeros((layout.n_pad,), jnp.bool_)))
-  return packed, pairs, residual, (dec if decode else None)
+  return _pack_pieces(bits, layout.n_pad), pairs, residual, dec
 
 
 def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):

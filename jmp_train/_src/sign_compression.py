@@ -57,11 +57,13 @@ its own whose values are always zero and decode to zero.
 
 Residuals
 ---------
-The worker residual ``r`` is a float32 buffer of ``N_pad`` elements per
-replica, in the flat layout above; the server residual ``e`` is float32 of
-``S`` elements, the replica's own chunk. Both depend on ``K``: ``init`` must
-know the replica count (it reads it when it runs inside ``pmap`` /
-``shard_map``, or takes ``num_replicas``). Conservation holds exactly up to
+The worker residual ``r`` is float32, one vector per gradient leaf in the
+leaf's own (row-major) order, so ``v = g + r`` and the update of ``r`` are
+elementwise on each leaf (in place when the state is donated); the padding
+needs none (its values are zero and decode to zero). The server residual
+``e`` is float32 of ``S`` elements, the replica's own chunk; it depends on
+``K``: ``init`` must know the replica count (it reads it when it runs inside
+``pmap`` / ``shard_map``, or takes ``num_replicas``). Conservation holds exactly up to
 one float32 rounding per step: ``v = decode(b) + r`` and ``u = decode(u) +
 e``. A residual is never updated from a non-finite ``v`` (or ``u``): the
 previous residual is kept (the check reads the reconstruction values, which
@@ -154,15 +156,17 @@ class SignCompressionState(NamedTuple):
   Attributes:
     count: int32 scalar, the number of updates so far (the same on every
       replica).
-    worker_residual: float32 ``(N_pad,)``, this replica's quantization error
-      over the whole flattened gradient tree (zeros without error feedback).
+    worker_residual: a tuple of float32 ``(size,)`` vectors, one per
+      gradient leaf (in ``jax.tree.leaves`` order), each the leaf's
+      quantization error on this replica, flattened in the leaf's own
+      row-major order (zeros without error feedback).
     server_residual: float32 ``(N_pad // K,)``, the error of re-quantizing
       the chunk this replica owns (zeros without server error feedback;
       ``(0,)`` when ``axis_name`` is ``None``).
   """
 
   count: jax.Array
-  worker_residual: jax.Array
+  worker_residual: tuple[jax.Array, ...]
   server_residual: jax.Array
 
 
@@ -199,9 +203,19 @@ def _layout(cfg: _Config, leaves, where: str) -> Layout:
   return make_layout([tuple(x.shape) for x in leaves], cfg.scale, k)
 
 
+def _residual_shapes(layout: Layout, cfg: _Config):
+  worker = tuple((size,) for size in layout.sizes)
+  return worker, (0 if cfg.axis_name is None else layout.chunk,)
+
+
 def _check_state(state: SignCompressionState, layout: Layout, cfg: _Config) -> None:
-  expected = (layout.n_pad,), (0 if cfg.axis_name is None else layout.chunk,)
-  got = tuple(state.worker_residual.shape), tuple(state.server_residual.shape)
+  expected = _residual_shapes(layout, cfg)
+  workers = state.worker_residual
+  got = (
+      tuple(tuple(np.shape(r)) for r in workers)
+      if isinstance(workers, (tuple, list)) else tuple(np.shape(workers)),
+      tuple(state.server_residual.shape),
+  )
   if got != expected:
     raise ValueError(
         f"SignCompressionState residual shapes {got} do not match the gradients "
@@ -249,7 +263,7 @@ def _init(cfg: _Config, params) -> SignCompressionState:
   layout = _layout(cfg, leaves, "init")
   return SignCompressionState(
       count=jnp.zeros((), jnp.int32),
-      worker_residual=jnp.zeros((layout.n_pad,), jnp.float32),
+      worker_residual=tuple(jnp.zeros((size,), jnp.float32) for size in layout.sizes),
       server_residual=jnp.zeros(
           (0 if cfg.axis_name is None else layout.chunk,), jnp.float32
       ),
@@ -388,7 +402,7 @@ def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
 
   Examples:
     >>> from jax.sharding import PartitionSpec as P
-    >>> state = SignCompressionState(jnp.zeros((), jnp.int32), jnp.zeros(8), jnp.zeros(4))
+    >>> state = SignCompressionState(jnp.zeros((), jnp.int32), (jnp.zeros(8),), jnp.zeros(4))
     >>> sign_compression_specs(state, "data")
     SignCompressionState(count=P(), worker_residual=P('data',), server_residual=P('data',))
   """

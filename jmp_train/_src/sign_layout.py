@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Run", "Layout", "make_layout", "check_leaves", "axis_size", "leaf_rows"]
+__all__ = ["Run", "Layout", "make_layout", "check_leaves", "axis_size"]
 
 
 class Run(NamedTuple):
@@ -239,16 +239,6 @@ def axis_size(
         f"{axis_name!r} has size {size}."
     )
   return int(size)
-
-
-def leaf_rows(leaf: jax.Array, layout: Layout, i: int) -> jax.Array:
-  """Leaf ``i`` as float32 in buffer order, ``(segments, length)``."""
-  x = leaf.astype(jnp.float32)
-  if layout.transpose[i]:
-    x = jnp.moveaxis(x, -1, 0)
-  size = layout.sizes[i]
-  c = layout.shapes[i][-1] if layout.transpose[i] else 1
-  return x.reshape(c, size // c)
 
 
 def from_flat_leaf(flat: jax.Array, layout: Layout, i: int, dtype) -> jax.Array:
