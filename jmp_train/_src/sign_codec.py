@@ -127,12 +127,16 @@ def quantize_rows(x: jax.Array, scale: str):
   if scale == "column":
     pairs = _column_pairs(*_column_sums(x), n)
   else:
-    total = _lane_sum(jnp.abs(x) if scale == "l1" else jnp.square(x))
-    hi = total / max(n, 1)
-    if scale == "l2":
-      hi = jnp.sqrt(hi)
-    pairs = jnp.stack([hi, -hi], axis=-1)
+    pairs = _norm_pairs(_lane_sum(jnp.abs(x) if scale == "l1" else jnp.square(x)), n, scale)
   return bits, pairs, decode_rows(bits, pairs)
+
+
+def _norm_pairs(total: jax.Array, n: int, scale: str) -> jax.Array:
+  """``(hi, -hi)`` from the sum of ``|x|`` (``l1``) or of ``x**2`` (``l2``) over ``n`` entries."""
+  hi = total / max(n, 1)
+  if scale == "l2":
+    hi = jnp.sqrt(hi)
+  return jnp.stack([hi, -hi], axis=-1)
 
 
 def _column_pairs(pos_sum, neg_sum, pos_cnt, n: int) -> jax.Array:
@@ -160,14 +164,10 @@ def _leaf_pairs(v: jax.Array, scale: str) -> jax.Array:
 
   A plain sum: for one long row XLA:CPU reduces it at memory speed.
   """
-  n = max(v.shape[0], 1)
+  n = v.shape[0]
   if scale == "column":
-    return _column_pairs(*_column_sums(v[None]), v.shape[0])
-  total = jnp.sum(jnp.abs(v) if scale == "l1" else jnp.square(v))
-  hi = total / n
-  if scale == "l2":
-    hi = jnp.sqrt(hi)
-  return jnp.stack([hi, -hi])[None]
+    return _column_pairs(*_column_sums(v[None]), n)
+  return _norm_pairs(jnp.sum(jnp.abs(v) if scale == "l1" else jnp.square(v)), n, scale)[None]
 
 
 def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
