@@ -12,7 +12,9 @@ own batch shard; local gradients, then one exchange) with:
   uncompressed exchange);
 * ``bfloat16`` / ``float8_e4m3``: :func:`jmp_train.compressed_mean`
   (``bfloat16_b4MB``: the same in 4 MB buckets, last layers first);
-* ``1bit_column`` / ``1bit_l1``: :func:`jmp_train.sign_compression`.
+* ``1bit_column`` / ``1bit_l1``: :func:`jmp_train.sign_compression`
+  (``1bit_l1_b4MB``: in 4 MB buckets, last layers first, each exchanged on
+  its own).
 
 Per scheme: ``step_ms`` (the whole step), ``compute_ms`` (forward and
 backward alone), ``exchange_ms`` (the exchange alone, on given gradients:
@@ -34,7 +36,8 @@ cap is set, the loopback: the figures are noisy.
 
 ``BENCH_MULTIPROCESS_SIZES`` (comma-separated of ``1M,8M,32M``),
 ``BENCH_MULTIPROCESS_PROCESSES`` (e.g. ``2,4``) and
-``BENCH_MULTIPROCESS_LINKS`` (of ``none,10gbit,1gbit``) restrict the full run.
+``BENCH_MULTIPROCESS_LINKS`` (of ``none,10gbit,1gbit``) and
+``BENCH_MULTIPROCESS_SCHEMES`` (of the schemes above) restrict the full run.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ SIZES = {  # MLP layer widths (input 784, output 10)
     "32M": (784, 4096, 4096, 2048, 10),
 }
 SCHEMES = ("float32", "float32_buckets", "bfloat16", "bfloat16_b4MB", "float8_e4m3",
-           "1bit_column", "1bit_l1")
+           "1bit_column", "1bit_l1", "1bit_l1_b4MB")
 PER_PROCESS_BATCH = 32
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -173,6 +176,7 @@ def run(quick: bool) -> list[dict]:
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
     links = os.environ.get("BENCH_MULTIPROCESS_LINKS", "none,10gbit,1gbit").split(",")
     links = tuple(None if link == "none" else link for link in links)
+    schemes = tuple(os.environ.get("BENCH_MULTIPROCESS_SCHEMES", ",".join(SCHEMES)).split(","))
     plan, rounds = [(p, s) for p in procs for s in sizes], 5
   records = []
   for rate in links:
@@ -228,10 +232,11 @@ def _transform(scheme: str, axis_name):
     else:
       mean = lambda u: jax.lax.pmean(u, axis_name)
     return optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (mean(u), s))
-  if scheme.startswith("1bit_"):
-    return sign_compression(axis_name, scale=scheme.removeprefix("1bit_"))
   wire, _, bucket = scheme.partition("_b")
-  return compressed_mean(axis_name, wire=wire, bucket_bytes=int(bucket[:-2]) * 2**20 if bucket else None)
+  bucket_bytes = int(bucket[:-2]) * 2**20 if bucket else None
+  if scheme.startswith("1bit_"):
+    return sign_compression(axis_name, scale=wire.removeprefix("1bit_"), bucket_bytes=bucket_bytes)
+  return compressed_mean(axis_name, wire=wire, bucket_bytes=bucket_bytes)
 
 
 def _programs(scheme, mesh, params, batch, grads_local):

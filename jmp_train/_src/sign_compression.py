@@ -137,6 +137,7 @@ import optax
 from jax import lax
 
 from jmp_train._src import sign_codec
+from jmp_train._src.buckets import bucket_sizes
 from jmp_train._src.compressed_mean import CompressedMeanState
 from jmp_train._src.sign_layout import Layout, axis_size, check_leaves, make_layout
 
@@ -180,9 +181,10 @@ class _Config:
   server_error_feedback: bool
   warmup_steps: int
   num_replicas: int | None
+  bucket_bytes: int | None
 
 
-def _validate(axis_name, scale, warmup_steps, num_replicas) -> None:
+def _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes) -> None:
   if scale not in SCALES:
     raise ValueError(f"Unknown scale {scale!r}; valid scales: {', '.join(SCALES)}.")
   if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
@@ -196,20 +198,39 @@ def _validate(axis_name, scale, warmup_steps, num_replicas) -> None:
       not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1
   ):
     raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+  if bucket_bytes is not None and (
+      isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
+      or bucket_bytes <= 0
+  ):
+    raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}.")
 
 
-def _layout(cfg: _Config, leaves, where: str) -> Layout:
+# A bucket: the indices of its leaves (in tree order) and their layout.
+_Bucket = tuple[tuple[int, ...], Layout]
+
+
+def _buckets(cfg: _Config, leaves, where: str) -> tuple[_Bucket, ...]:
+  """The leaves' buckets, last leaves first: each is exchanged on its own."""
   k = 1 if cfg.axis_name is None else axis_size(cfg.axis_name, cfg.num_replicas, where)
-  return make_layout([tuple(x.shape) for x in leaves], cfg.scale, k)
+  if cfg.bucket_bytes is None:
+    groups = [range(len(leaves))]
+  else:
+    like = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32) for x in leaves]
+    groups = [sorted(b) for b in bucket_sizes(like, cfg.bucket_bytes)]
+  return tuple(
+      (tuple(g), make_layout([tuple(np.shape(leaves[i])) for i in g], cfg.scale, k))
+      for g in groups
+  )
 
 
-def _residual_shapes(layout: Layout, cfg: _Config):
-  worker = tuple((size,) for size in layout.sizes)
-  return worker, (0 if cfg.axis_name is None else layout.chunk,)
+def _residual_shapes(leaves, buckets: tuple[_Bucket, ...], cfg: _Config):
+  worker = tuple((int(np.size(x)),) for x in leaves)
+  server = 0 if cfg.axis_name is None else sum(layout.chunk for _, layout in buckets)
+  return worker, (server,)
 
 
-def _check_state(state: SignCompressionState, layout: Layout, cfg: _Config) -> None:
-  expected = _residual_shapes(layout, cfg)
+def _check_state(state: SignCompressionState, leaves, buckets, cfg: _Config) -> None:
+  expected = _residual_shapes(leaves, buckets, cfg)
   workers = state.worker_residual
   got = (
       tuple(tuple(np.shape(r)) for r in workers)
@@ -219,30 +240,29 @@ def _check_state(state: SignCompressionState, layout: Layout, cfg: _Config) -> N
   if got != expected:
     raise ValueError(
         f"SignCompressionState residual shapes {got} do not match the gradients "
-        f"and {layout.k} replica(s), which need {expected}: init the state with "
-        "the same parameters and replica count."
+        f"and {buckets[0][1].k if buckets else 1} replica(s), which need {expected}: "
+        "init the state with the same parameters, replica count and buckets."
     )
 
 
-def _compress(leaves, state: SignCompressionState, layout: Layout, cfg: _Config):
-  """Worker step, exchange, owner step, final decode: ``(leaves, r, e)``."""
+def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
+  """One bucket's worker step, exchange, owner step and final decode: ``(leaves, r, e)``."""
   local = cfg.axis_name is None
-  r = state.worker_residual if cfg.error_feedback else None
-  bits, pairs, r, decoded = sign_codec.worker_step(
-      leaves, r, layout, cfg.scale, decode=local
+  bits, pairs, new_r, decoded = sign_codec.worker_step(
+      leaves, r if cfg.error_feedback else None, layout, cfg.scale, decode=local
   )
-  r = state.worker_residual if r is None else r
+  r = r if new_r is None else new_r
   if local:
-    return decoded, r, state.server_residual
+    return decoded, r, e
   axis, k, s = cfg.axis_name, layout.k, layout.chunk
   # Phase 1: packed chunks (and their pieces' pairs) to their owners.
   recv_bits = lax.all_to_all(bits.reshape(k, s // 8), axis, 0, 0)
   recv_pairs = lax.all_to_all(pairs[layout.send_index], axis, 0, 0)
-  e = state.server_residual if cfg.server_error_feedback else None
-  o_bits, o_pairs, e = sign_codec.owner_step(
-      recv_bits, recv_pairs, e, lax.axis_index(axis), layout, cfg.scale
+  o_bits, o_pairs, new_e = sign_codec.owner_step(
+      recv_bits, recv_pairs, e if cfg.server_error_feedback else None,
+      lax.axis_index(axis), layout, cfg.scale,
   )
-  e = state.server_residual if e is None else e
+  e = e if new_e is None else new_e
   # Phase 2: everyone gathers the owners' packed chunks and pairs.
   all_bits = lax.all_gather(o_bits, axis, to="invarying")
   all_pairs = lax.all_gather(o_pairs, axis, to="invarying")
@@ -250,7 +270,25 @@ def _compress(leaves, state: SignCompressionState, layout: Layout, cfg: _Config)
   return out, r, e
 
 
-def _exact(leaves, state: SignCompressionState, layout: Layout, cfg: _Config):
+def _compress(leaves, state: SignCompressionState, buckets, cfg: _Config):
+  """Every bucket compressed and exchanged, last leaves first: ``(leaves, r, e)``."""
+  out, r = list(leaves), list(state.worker_residual)
+  e_parts, start = [], 0
+  for idx, layout in buckets:
+    size = 0 if cfg.axis_name is None else layout.chunk
+    o, r_b, e_b = _compress_bucket(
+        [leaves[i] for i in idx], tuple(r[i] for i in idx),
+        state.server_residual[start : start + size], layout, cfg,
+    )
+    for j, i in enumerate(idx):
+      out[i], r[i] = o[j], r_b[j]
+    e_parts.append(e_b)
+    start += size
+  e = e_parts[0] if len(e_parts) == 1 else jnp.concatenate(e_parts or [state.server_residual])
+  return out, tuple(r), e
+
+
+def _exact(leaves, state: SignCompressionState, cfg: _Config):
   """The warm-up branch: a float32 ``pmean`` of the leaves, residuals kept."""
   out = [x.astype(jnp.float32) for x in leaves]
   if cfg.axis_name is not None:
@@ -260,28 +298,26 @@ def _exact(leaves, state: SignCompressionState, layout: Layout, cfg: _Config):
 
 def _init(cfg: _Config, params) -> SignCompressionState:
   leaves, _ = check_leaves(params, "parameters")
-  layout = _layout(cfg, leaves, "init")
+  worker, server = _residual_shapes(leaves, _buckets(cfg, leaves, "init"), cfg)
   return SignCompressionState(
       count=jnp.zeros((), jnp.int32),
-      worker_residual=tuple(jnp.zeros((size,), jnp.float32) for size in layout.sizes),
-      server_residual=jnp.zeros(
-          (0 if cfg.axis_name is None else layout.chunk,), jnp.float32
-      ),
+      worker_residual=tuple(jnp.zeros(shape, jnp.float32) for shape in worker),
+      server_residual=jnp.zeros(server, jnp.float32),
   )
 
 
 def _update(cfg: _Config, updates, state: SignCompressionState, params=None):
   del params
   leaves, treedef = check_leaves(updates, "gradients")
-  layout = _layout(cfg, leaves, "update")
-  _check_state(state, layout, cfg)
+  buckets = _buckets(cfg, leaves, "update")
+  _check_state(state, leaves, buckets, cfg)
   if cfg.warmup_steps == 0:
-    out, r, e = _compress(leaves, state, layout, cfg)
+    out, r, e = _compress(leaves, state, buckets, cfg)
   else:
     out, r, e = lax.cond(
         state.count < cfg.warmup_steps,
-        lambda: _exact(leaves, state, layout, cfg),
-        lambda: _compress(leaves, state, layout, cfg),
+        lambda: _exact(leaves, state, cfg),
+        lambda: _compress(leaves, state, buckets, cfg),
     )
   out = [o.astype(x.dtype) for o, x in zip(out, leaves)]
   return jax.tree.unflatten(treedef, out), SignCompressionState(
@@ -299,6 +335,7 @@ def sign_compression(
     server_error_feedback: bool = True,
     warmup_steps: int = 0,
     num_replicas: int | None = None,
+    bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Averages gradients across replicas with 1-bit compression and error feedback.
 
@@ -339,14 +376,25 @@ def sign_compression(
     num_replicas: the size of ``axis_name``, needed by ``init`` only when it
       runs outside ``pmap``/``shard_map``; checked against the axis
       otherwise.
+    bucket_bytes: ``None``: one exchange for the whole tree. An int: the
+      leaves are cut into buckets of about this many float32 bytes, last
+      leaves first (as ``make_train_step``'s ``bucket_bytes``; a leaf is never
+      split),
+      and each bucket is compressed and exchanged on its own, so the
+      exchange of the last layers' gradients depends on those gradients
+      only and may start while the backward pass still computes earlier
+      layers' (PyTorch DDP's buckets; Seide et al.'s double buffering). Each
+      bucket is a flat buffer of its own (its own padding and chunks); the
+      server residual is the buckets' chunks end to end, so ``init`` and
+      ``update`` (and a restored state) need the same ``bucket_bytes``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
     :class:`SignCompressionState`.
 
   Raises:
-    ValueError: at construction for an unknown ``scale`` or a negative
-      ``warmup_steps``; at trace time when ``axis_name`` is not bound,
+    ValueError: at construction for an unknown ``scale``, a negative
+      ``warmup_steps`` or a non-positive ``bucket_bytes``; at trace time when ``axis_name`` is not bound,
       when a gradient leaf is not floating, or when the state does not
       match the gradients (other parameters or another replica count).
 
@@ -369,7 +417,7 @@ def sign_compression(
     Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes", ICML 2019. https://arxiv.org/abs/1901.09847
   """
-  _validate(axis_name, scale, warmup_steps, num_replicas)
+  _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes)
   cfg = _Config(
       axis_name=axis_name,
       scale=scale,
@@ -377,6 +425,7 @@ def sign_compression(
       server_error_feedback=server_error_feedback,
       warmup_steps=int(warmup_steps),
       num_replicas=None if num_replicas is None else int(num_replicas),
+      bucket_bytes=None if bucket_bytes is None else int(bucket_bytes),
   )
   return optax.GradientTransformation(
       functools.partial(_init, cfg), functools.partial(_update, cfg)

@@ -1,0 +1,80 @@
+"""Bucketed 1-bit exchange: each bucket is the unbucketed exchange of its leaves."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jmp_train import collective_ops, sign_compression
+
+from _sign_reference import AXIS, WIDE_SHAPES, make_grads, replicated_zeros  # noqa: E402
+
+K = 4
+# 2,000 bytes: buckets {i}, {h, g} and {f, ..., a} (last leaves first).
+BUCKETS = (("i",), ("g", "h"), ("a", "b", "c", "d", "e", "f"))
+
+
+def _pmapped(**kwargs):
+  tx = sign_compression(AXIS, **kwargs)
+  devices = jax.devices()[:K]
+  return jax.pmap(tx.init, axis_name=AXIS, devices=devices), jax.pmap(
+      tx.update, axis_name=AXIS, devices=devices
+  )
+
+
+@pytest.mark.parametrize("scale", ["column", "l1"])
+def test_buckets_equal_separate_exchanges_bit_for_bit(scale):
+  init, update = _pmapped(scale=scale, bucket_bytes=2000)
+  state = init(replicated_zeros(K, WIDE_SHAPES))
+  sub = {names: _pmapped(scale=scale) for names in BUCKETS}
+  sub_states = {
+      names: sub[names][0](replicated_zeros(K, {n: WIDE_SHAPES[n] for n in names}))
+      for names in BUCKETS
+  }
+  for step in range(3):
+    grads = make_grads(K, seed=60 + step, shapes=WIDE_SHAPES)
+    out, state = update(grads, state)
+    server = []  # the buckets' chunks end to end, last leaves' bucket first
+    for names in BUCKETS:
+      sub_out, sub_states[names] = sub[names][1]({n: grads[n] for n in names}, sub_states[names])
+      for n in names:
+        np.testing.assert_array_equal(np.asarray(out[n]), np.asarray(sub_out[n]), err_msg=n)
+    leaf_names = sorted(WIDE_SHAPES)
+    for names in BUCKETS:
+      for j, n in enumerate(names):
+        np.testing.assert_array_equal(
+            np.asarray(state.worker_residual[leaf_names.index(n)]),
+            np.asarray(sub_states[names].worker_residual[j]),
+        )
+      server.append(np.asarray(sub_states[names].server_residual))
+    np.testing.assert_array_equal(np.asarray(state.server_residual), np.concatenate(server, axis=1))
+
+
+def test_each_bucket_has_its_own_packed_collectives():
+  tx = sign_compression(AXIS, scale="l1", bucket_bytes=2000)
+  params = replicated_zeros(K, WIDE_SHAPES)
+  devices = jax.devices()[:K]
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
+  compiled = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(params, state).compile()
+  ops = collective_ops(compiled)
+  packed = sorted(op.operand_bytes for op in ops if op.kind == "all-to-all" and op.dtypes == ("u8",))
+  sizes = [sum(int(np.prod(WIDE_SHAPES[n])) for n in names) for names in BUCKETS]
+  n_pad = [-(-n // (8 * K)) * 8 * K for n in sizes]
+  assert packed == sorted(p // 8 for p in n_pad)
+  assert not any(op.kind == "all-reduce" for op in ops)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4MB"])
+def test_bad_bucket_bytes_is_a_value_error(bad):
+  with pytest.raises(ValueError, match=f"bucket_bytes must be a positive int or None, got {bad!r}"):
+    sign_compression(AXIS, bucket_bytes=bad)
+
+
+def test_state_of_another_bucketing_is_refused():
+  # Four buckets whose padded chunks add up to more than the single buffer's.
+  init, _ = _pmapped(scale="l1")
+  _, update = _pmapped(scale="l1", bucket_bytes=1000)
+  params = replicated_zeros(K, WIDE_SHAPES)
+  with pytest.raises(ValueError, match="buckets"):
+    update(params, init(params))
