@@ -162,8 +162,9 @@ class SignCompressionState(NamedTuple):
       quantization error on this replica, flattened in the leaf's own
       row-major order (zeros without error feedback).
     server_residual: float32 ``(N_pad // K,)``, the error of re-quantizing
-      the chunk this replica owns (zeros without server error feedback;
-      ``(0,)`` when ``axis_name`` is ``None``).
+      the chunk this replica owns (with ``bucket_bytes``, its chunk of every
+      bucket, end to end; zeros without server error feedback; ``(0,)`` when
+      ``axis_name`` is ``None``).
   """
 
   count: jax.Array
@@ -284,8 +285,9 @@ def _compress(leaves, state: SignCompressionState, buckets, cfg: _Config):
       out[i], r[i] = o[j], r_b[j]
     e_parts.append(e_b)
     start += size
-  e = e_parts[0] if len(e_parts) == 1 else jnp.concatenate(e_parts or [state.server_residual])
-  return out, tuple(r), e
+  if not e_parts:  # no leaves
+    return out, tuple(r), state.server_residual
+  return out, tuple(r), e_parts[0] if len(e_parts) == 1 else jnp.concatenate(e_parts)
 
 
 def _exact(leaves, state: SignCompressionState, cfg: _Config):
@@ -378,15 +380,15 @@ def sign_compression(
       otherwise.
     bucket_bytes: ``None``: one exchange for the whole tree. An int: the
       leaves are cut into buckets of about this many float32 bytes, last
-      leaves first (as ``make_train_step``'s ``bucket_bytes``; a leaf is never
-      split),
-      and each bucket is compressed and exchanged on its own, so the
-      exchange of the last layers' gradients depends on those gradients
-      only and may start while the backward pass still computes earlier
-      layers' (PyTorch DDP's buckets; Seide et al.'s double buffering). Each
-      bucket is a flat buffer of its own (its own padding and chunks); the
-      server residual is the buckets' chunks end to end, so ``init`` and
-      ``update`` (and a restored state) need the same ``bucket_bytes``.
+      leaves first (as ``make_train_step``'s ``bucket_bytes``; a leaf is
+      never split), and each bucket is compressed and exchanged on its own,
+      so the exchange of the last layers' gradients depends on those
+      gradients only and may start while the backward pass still computes
+      earlier layers' (PyTorch DDP's buckets; Seide et al.'s double
+      buffering). Each bucket is a flat buffer of its own (its own padding
+      and chunks); the server residual is the buckets' chunks end to end,
+      so ``init`` and ``update`` (and a restored state) need the same
+      ``bucket_bytes``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
