@@ -54,6 +54,7 @@ def one_bit_adam(
     exchange: str = "momentum",
     variance_refresh: int = 0,
     num_replicas: int | None = None,
+    bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   r"""1-bit Adam (AdamW): Adam whose momentum crosses devices as 1 bit per element.
 
@@ -88,13 +89,18 @@ def one_bit_adam(
       sparse variance updates; see the module docstring).
     num_replicas: size of ``axis_name``, for ``init`` outside a mapped
       context.
+    bucket_bytes: ``None``: one 1-bit exchange for the whole tree; an int:
+      one per bucket of about this many float32 bytes, last leaves first
+      (:func:`jmp_train.sign_compression`'s ``bucket_bytes``). A state
+      restores only with the same value.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`OneBitAdamState`.
 
   Raises:
     ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale``,
-      ``exchange`` or ``variance_refresh``; at trace time for a state made for another replica count.
+      ``exchange``, ``variance_refresh`` or ``bucket_bytes``; at trace time
+      for a state made for another replica count or other buckets.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -127,7 +133,9 @@ def one_bit_adam(
     raise ValueError(
         f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}."
     )
-  compression = sign_compression(axis_name, scale=scale, num_replicas=num_replicas)
+  compression = sign_compression(
+      axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
+  )
   k = int(variance_refresh)
 
   def covered(t):

@@ -47,6 +47,7 @@ def one_bit_momentum(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     num_replicas: int | None = None,
+    bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Momentum SGD whose momentum crosses devices as 1 bit per element.
 
@@ -79,13 +80,18 @@ def one_bit_momentum(
       ``torch.optim.SGD``); needs ``params``.
     num_replicas: size of ``axis_name``, for ``init`` outside a mapped
       context.
+    bucket_bytes: ``None``: one 1-bit exchange for the whole tree; an int:
+      one per bucket of about this many float32 bytes, last leaves first
+      (:func:`jmp_train.sign_compression`'s ``bucket_bytes``). A state
+      restores only with the same value.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`OneBitMomentumState`.
 
   Raises:
-    ValueError: for a bad ``axis_name``, ``warmup_steps`` or ``scale``; at
-      trace time for a state made for another replica count.
+    ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale`` or
+      ``bucket_bytes``; at trace time for a state made for another replica
+      count or other buckets.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -106,7 +112,9 @@ def one_bit_momentum(
     Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
   """
   check_common(axis_name, warmup_steps, 0)
-  compression = sign_compression(axis_name, scale=scale, num_replicas=num_replicas)
+  compression = sign_compression(
+      axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
+  )
 
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
