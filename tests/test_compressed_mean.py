@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_train import collective_bytes, sign_compression_specs
+from jmp_train import collective_bytes, collective_ops, sign_compression_specs
 from jmp_train import CompressedMeanState, compressed_mean
 
 AXIS = "i"
@@ -123,9 +123,26 @@ def test_moves_the_promised_bytes(wire, ratio, mode):
   got = collective_bytes(compiled, wire=True)
   f32 = collective_bytes(base, wire=True)["total"]
   assert got["all-reduce"] == 0
-  # Wire elements only; the float32 scales are a few bytes per chunk.
-  assert got.get("all-to-all:f32", 0) + got.get("all-gather:f32", 0) <= 8 * k
+  # Wire elements only, in one unsigned message per phase (float8: with each
+  # chunk's 4-byte scale appended).
+  assert not any(key.endswith(":f32") for key in got)
+  assert (got["all-to-all"] > 0) and (got["all-gather"] > 0)
   assert abs(got["total"] - f32 / ratio) <= 8 * k + 0.01 * f32 / ratio, (got, f32)
+
+
+@pytest.mark.parametrize("wire, dtype", [("bfloat16", "u16"), ("float8_e4m3", "u8"), ("float8_e5m2", "u8")])
+def test_one_collective_per_phase_and_bucket(wire, dtype):
+  # Two buckets: per bucket one all-to-all to the owners and one all-gather
+  # back, each a single unsigned message (float8 chunks carry their scale).
+  k = 4
+  tx = compressed_mean(AXIS, wire=wire, bucket_bytes=64)
+  grads = {n: jnp.zeros((k,) + s) for n, s in SHAPES.items()}
+  devices = jax.devices()[:k]
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(grads)
+  compiled = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(grads, state).compile()
+  ops = collective_ops(compiled)
+  assert sorted(op.kind for op in ops) == ["all-gather"] * 2 + ["all-to-all"] * 2
+  assert all(op.dtypes == (dtype,) for op in ops)
 
 
 def test_buckets_give_the_same_bfloat16_mean():

@@ -15,11 +15,13 @@ spells the exchange out in two phases that carry the promised bytes:
    ``r <- v - dequantize(q)``.
 2. **all-to-all**: chunk ``k`` (``S`` wire elements, bitcast to unsigned
    integers so that no converter can widen it) and its scale go to
-   replica ``k``.
+   replica ``k`` (for float8, the scale's 4 bytes follow the chunk's in
+   one ``uint8`` message: one collective per phase).
 3. **owner side** (replica ``k``): ``u = (1/K) Σ_j dequantize(q_j) + e`` in
    float32 (``e`` the server residual), re-quantized to the wire format,
    ``e <- u - dequantize(u)``.
-4. **all-gather** of the owners' quantized chunks and scales; every replica
+4. **all-gather** of the owners' quantized chunks and scales (again one
+   message each); every replica
    dequantizes the same bytes, so the output is identical everywhere.
 
 Bytes each replica sends: ``2·(K-1)/K·b·N`` for ``b`` bytes per wire element
@@ -147,8 +149,10 @@ def _keep_if_finite(new: jax.Array, old: jax.Array, v: jax.Array) -> jax.Array:
 
 def _exchange(q, scale, e, axis_name: str, k: int, wire: str):
   """Phases 2-4 for one bucket's quantized ``(K, S)`` chunks: mean and new ``e``."""
-  recv_q = lax.all_to_all(q, axis_name, 0, 0)
-  recv_s = lax.all_to_all(scale, axis_name, 0, 0)
+  if wire == "bfloat16":  # no scales: each phase moves the values alone
+    recv_q, recv_s = lax.all_to_all(q, axis_name, 0, 0), scale
+  else:  # one message per chunk: its bytes, then its scale's 4 bytes
+    recv_q, recv_s = _split(lax.all_to_all(_join(q, scale), axis_name, 0, 0))
   # Owner: exact float32 sum of the K dequantized chunks, in sender order.
   u = _dequantize(recv_q[0], recv_s[0], wire)
   for j in range(1, k):
@@ -159,9 +163,27 @@ def _exchange(q, scale, e, axis_name: str, k: int, wire: str):
   o_q, o_s = _quantize(u, wire)
   if e is not None:
     e = _keep_if_finite(u - _dequantize(o_q, o_s, wire), e, u)
-  all_q = lax.all_gather(o_q, axis_name, to="invarying")
-  all_s = lax.all_gather(o_s, axis_name, to="invarying")
+  if wire == "bfloat16":
+    all_q, all_s = lax.all_gather(o_q, axis_name, to="invarying"), o_s
+  else:
+    all_q, all_s = _split(lax.all_gather(_join(o_q, o_s), axis_name, to="invarying"))
   return _dequantize(all_q, all_s, wire).reshape(-1), e
+
+
+def _join(q: jax.Array, scale: jax.Array) -> jax.Array:
+  """``(..., S)`` uint8 codes and ``(..., 1)`` float32 scales as ``(..., S + 4)`` uint8.
+
+  One collective per phase instead of two: on a slow link each collective
+  pays its own latency.
+  """
+  as_bytes = lax.bitcast_convert_type(scale, jnp.uint8).reshape(scale.shape[:-1] + (4,))
+  return jnp.concatenate([q, as_bytes], axis=-1)
+
+
+def _split(payload: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Inverse of :func:`_join`: ``(codes, scales)``."""
+  scale = lax.bitcast_convert_type(payload[..., -4:], jnp.float32)[..., None]
+  return payload[..., :-4], scale
 
 
 @dataclasses.dataclass(frozen=True)

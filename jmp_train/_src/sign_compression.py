@@ -14,11 +14,12 @@ average the quantized gradients with two collectives that move packed bits:
    replica ``k``.
 2. **all-to-all**: replica ``j`` sends chunk ``k`` (``S/8`` bytes) to replica
    ``k``, with the ``(hi, lo)`` pairs of the segments that overlap chunk ``k``
-   (a few floats).
+   (a few floats, appended to the chunk's bytes: one ``uint8`` message).
 3. **owner side** (replica ``k``): decode the ``K`` received chunks, average
    them, add the server residual ``e``: ``u = mean_j decode_j + e``;
    re-quantize ``u`` to bits and pairs, ``e <- u - decode(u)``.
-4. **all-gather** of the owners' packed chunks and pairs; every replica
+4. **all-gather** of the owners' packed chunks with their pairs (again one
+   ``uint8`` message each); every replica
    decodes the whole buffer, the same bits and floats everywhere, so the
    output is identical on every replica.
 
@@ -47,8 +48,10 @@ Element ``x`` decodes to ``hi`` when ``x >= 0`` (so ``0`` maps to ``hi``;
 
 A segment may straddle chunk boundaries. The worker sends owner ``k`` the
 pairs of the ``M`` segments overlapping chunk ``k`` (``M`` is the most any
-chunk overlaps, about ``#segments / K + 2``; unused rows are padding): an
-all-to-all of ``K·M·2`` float32, small next to the bits. The owner uses
+chunk overlaps, about ``#segments / K + 2``; unused rows are padding):
+``K·M·2`` float32, small next to the bits, carried as bytes after each
+chunk's bits so that each phase is a single collective (on a slow link
+every collective pays its own latency). The owner uses
 the same kind of scale **restricted to its chunk**: with ``"column"`` the
 part of each column that lies in its chunk gets its own ``(hi, lo)``, with
 ``"l1"``/``"l2"`` the part of each leaf in its chunk gets its own norm.
@@ -256,19 +259,34 @@ def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
   if local:
     return decoded, r, e
   axis, k, s = cfg.axis_name, layout.k, layout.chunk
-  # Phase 1: packed chunks (and their pieces' pairs) to their owners.
-  recv_bits = lax.all_to_all(bits.reshape(k, s // 8), axis, 0, 0)
-  recv_pairs = lax.all_to_all(pairs[layout.send_index], axis, 0, 0)
+  # Phase 1: packed chunks, each with its pieces' pairs, to their owners.
+  recv = lax.all_to_all(_join(bits.reshape(k, s // 8), pairs[layout.send_index]), axis, 0, 0)
   o_bits, o_pairs, new_e = sign_codec.owner_step(
-      recv_bits, recv_pairs, e if cfg.server_error_feedback else None,
+      *_split(recv, s // 8), e if cfg.server_error_feedback else None,
       lax.axis_index(axis), layout, cfg.scale,
   )
   e = e if new_e is None else new_e
   # Phase 2: everyone gathers the owners' packed chunks and pairs.
-  all_bits = lax.all_gather(o_bits, axis, to="invarying")
-  all_pairs = lax.all_gather(o_pairs, axis, to="invarying")
+  all_bits, all_pairs = _split(lax.all_gather(_join(o_bits, o_pairs), axis, to="invarying"), s // 8)
   out = sign_codec.final_decode(all_bits, all_pairs, layout, [jnp.float32] * len(leaves))
   return out, r, e
+
+
+def _join(bits: jax.Array, pairs: jax.Array) -> jax.Array:
+  """``(..., B)`` packed bits and ``(..., M, 2)`` float32 pairs as one ``(..., B + 8M)`` uint8.
+
+  One collective per phase instead of two: on a slow link each collective
+  pays its own latency, and the pairs are a few bytes.
+  """
+  as_bytes = lax.bitcast_convert_type(pairs.astype(jnp.float32), jnp.uint8)
+  return jnp.concatenate([bits, as_bytes.reshape(bits.shape[:-1] + (-1,))], axis=-1)
+
+
+def _split(payload: jax.Array, nbytes: int) -> tuple[jax.Array, jax.Array]:
+  """Inverse of :func:`_join`: ``(bits, pairs)`` from the first ``nbytes`` and the rest."""
+  rest = payload[..., nbytes:]
+  pairs = lax.bitcast_convert_type(rest.reshape(rest.shape[:-1] + (-1, 2, 4)), jnp.float32)
+  return payload[..., :nbytes], pairs
 
 
 def _compress(leaves, state: SignCompressionState, buckets, cfg: _Config):
