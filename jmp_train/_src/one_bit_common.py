@@ -47,8 +47,8 @@ def exchange(compression, local: Any, cstate: SignCompressionState, name: str):
       raise ValueError(
           f"{name} state's {field} has shapes {got}, but these parameters on this "
           f"replica count need {want}: the state was made (or checkpointed) for "
-          "another replica count or other parameters or bucket_bytes; init a new "
-          "state (1-bit residuals cannot be moved between replica counts)."
+          "another replica count, other parameters or another bucket_bytes; init a "
+          "new state (1-bit residuals cannot be moved between replica counts)."
       )
   return compression.update(local, cstate)
 
