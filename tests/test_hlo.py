@@ -102,19 +102,16 @@ def test_wire_carries_packed_bits_only(k, scale):
   segments = D + 1 if scale == "column" else 2
   max_local = -(-segments // k) + 2
   ops = collective_ops(_compiled_pmap(k, scale=scale))
-  assert {op.kind for op in ops} == {"all-to-all", "all-gather"}
-  packed = [op for op in ops if op.dtypes == ("u8",)]
-  floats = [op for op in ops if op.dtypes != ("u8",)]
-  # The bits: the whole packed buffer to the owners, each owner's chunk back.
-  assert sorted((op.kind, op.operand_bytes) for op in packed) == [
-      ("all-gather", n_pad // 8 // k),
-      ("all-to-all", n_pad // 8),
-  ]
-  # Every other collective is small float32 scales: no f32 / pred of gradient size.
-  for op in floats:
-    assert op.dtypes == ("f32",), op
-    assert op.operand_bytes <= k * max_local * 2 * 4, op
-  assert not any("pred" in op.dtypes for op in ops)
+  # One all-to-all and one all-gather, both uint8: no f32 or pred collective.
+  assert sorted(op.kind for op in ops) == ["all-gather", "all-to-all"]
+  assert all(op.dtypes == ("u8",) for op in ops), ops
+  size = {op.kind: op.operand_bytes for op in ops}
+  # The bits (the whole packed buffer to the owners, each owner's chunk
+  # back), each chunk followed by the (hi, lo) pairs of its pieces: 8 bytes
+  # per pair, at most max_local pairs per chunk.
+  pair_bytes = size["all-gather"] - n_pad // 8 // k
+  assert 0 < pair_bytes <= max_local * 8
+  assert size["all-to-all"] == n_pad // 8 + k * pair_bytes
   if scale == "l1" and k == 8:
     # Against a float32 ring all-reduce of the same gradient: < 1/28 of its bytes.
     ours = sum(op.wire_bytes for op in ops)
@@ -163,11 +160,11 @@ def test_shard_map_program_wire_format():
   )
   counts = collective_bytes(step.lower(grads, state).compile())
   n_pad = -(-N // (8 * k)) * 8 * k
-  assert counts["all-to-all:u8"] == n_pad // 8
-  assert counts["all-gather:u8"] == n_pad // 8 // k
   assert counts["all-reduce"] == 0
-  # Floats: only the (hi, lo) pairs of the segments overlapping each chunk.
+  # The packed bits, each chunk followed by the (hi, lo) pairs of the
+  # segments overlapping it (8 bytes each); nothing else crosses.
   max_local = -(-(D + 1) // k) + 2
-  float_bytes = sum(v for key, v in counts.items() if key.endswith(":f32"))
-  assert 0 < float_bytes <= (k + 1) * max_local * 2 * 4
-  assert float_bytes + counts["all-to-all:u8"] + counts["all-gather:u8"] == counts["total"]
+  pair_bytes = counts["all-gather:u8"] - n_pad // 8 // k
+  assert 0 < pair_bytes <= max_local * 8
+  assert counts["all-to-all:u8"] == n_pad // 8 + k * pair_bytes
+  assert counts["all-to-all:u8"] + counts["all-gather:u8"] == counts["total"]
