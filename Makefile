@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -m "" --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist worksteal -m "" --durations=15 $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/jmp-train $(DEMO_ARGS)

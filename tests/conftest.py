@@ -40,6 +40,17 @@ def pytest_configure(config):
   )
 
 
+# The longest tests (notebooks, the demo, the benchmarks' quick runs) go
+# first: with ``--dist worksteal`` the two workers then share out the short
+# ones and finish together, instead of one waiting on a notebook queued last.
+_LONG_FIRST = ("test_notebooks.py", "test_demo.py", "test_benchmarks.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in _LONG_FIRST)
+
+
 @pytest.fixture
 def num_devices():
   return NUM_DEVICES

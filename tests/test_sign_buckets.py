@@ -23,8 +23,9 @@ def _pmapped(**kwargs):
   )
 
 
-@pytest.mark.parametrize("scale", ["column", "l1"])
-def test_buckets_equal_separate_exchanges_bit_for_bit(scale):
+# Column scales: the layout with the most cases (word-packed and transposed
+# leaves, columns cut by chunk boundaries); bucketing itself is scale-blind.
+def test_buckets_equal_separate_exchanges_bit_for_bit(scale="column"):
   init, update = _pmapped(scale=scale, bucket_bytes=2000)
   state = init(replicated_zeros(K, WIDE_SHAPES))
   sub = {names: _pmapped(scale=scale) for names in BUCKETS}
@@ -84,41 +85,48 @@ def test_state_of_another_bucketing_is_refused():
     update(params, init(params))
 
 
-@pytest.mark.parametrize(
-    "make, rtol",
-    [
-        (lambda **kw: one_bit_momentum(0.1, 0.9, axis_name=AXIS, **kw), 0.0),
-        (lambda **kw: one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, **kw), 1e-6),
-    ],
-    ids=["one_bit_momentum", "one_bit_adam"],
-)
-def test_one_bit_optimizers_with_buckets_equal_one_optimizer_per_bucket(make, rtol):
-  # The optimizers are elementwise around the exchange, so bucketing their
+# A smaller tree for the optimizers: 2,000 bytes give buckets {i} and {a, b}.
+OPT_SHAPES = {n: WIDE_SHAPES[n] for n in ("a", "b", "i")}
+OPT_BUCKETS = (("i",), ("a", "b"))
+
+
+def test_one_bit_momentum_with_buckets_equals_one_optimizer_per_bucket():
+  # Momentum SGD is elementwise around the exchange, so bucketing its
   # exchange must equal running one optimizer on each bucket's leaves.
   devices = jax.devices()[:K]
   pmap = lambda f: jax.pmap(f, axis_name=AXIS, devices=devices)
+  make = lambda **kw: one_bit_momentum(0.1, 0.9, axis_name=AXIS, **kw)
   tx = make(bucket_bytes=2000)
-  params = replicated_zeros(K, WIDE_SHAPES)
+  params = replicated_zeros(K, OPT_SHAPES)
   state = pmap(tx.init)(params)
-  sub = {names: make() for names in BUCKETS}
-  sub_params = {names: {n: params[n] for n in names} for names in BUCKETS}
-  sub_states = {names: pmap(sub[names].init)(sub_params[names]) for names in BUCKETS}
+  sub = {names: make() for names in OPT_BUCKETS}
+  sub_states = {names: pmap(sub[names].init)({n: params[n] for n in names}) for names in OPT_BUCKETS}
   update = pmap(tx.update)
-  sub_updates = {names: pmap(sub[names].update) for names in BUCKETS}
-  for step in range(3):  # one_bit_adam: one exact step, then compressed ones
-    grads = make_grads(K, seed=70 + step, shapes=WIDE_SHAPES)
-    out, state = update(grads, state, params)
-    for names in BUCKETS:
-      sub_out, sub_states[names] = sub_updates[names](
-          {n: grads[n] for n in names}, sub_states[names], sub_params[names]
-      )
+  sub_updates = {names: pmap(sub[names].update) for names in OPT_BUCKETS}
+  for step in range(2):
+    grads = make_grads(K, seed=70 + step, shapes=OPT_SHAPES)
+    out, state = update(grads, state)
+    for names in OPT_BUCKETS:
+      sub_out, sub_states[names] = sub_updates[names]({n: grads[n] for n in names}, sub_states[names])
       for n in names:
-        # XLA:CPU may round Adam's division differently (by an ulp) in
-        # programs of other shapes; momentum SGD's arithmetic is exact here.
-        np.testing.assert_allclose(
-            np.asarray(out[n]), np.asarray(sub_out[n]), rtol=rtol, atol=0, err_msg=n
-        )
-  assert int(state.count[0]) == 3
+        np.testing.assert_array_equal(np.asarray(out[n]), np.asarray(sub_out[n]), err_msg=n)
+  assert int(state.count[0]) == 2
+
+
+def test_one_bit_adam_with_buckets_exchanges_each_bucket_on_its_own():
+  tx = one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, bucket_bytes=2000)
+  params = replicated_zeros(K, OPT_SHAPES)
+  devices = jax.devices()[:K]
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
+  update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+  ops = collective_ops(update.lower(params, state, params).compile())
+  # After warm-up: one uint8 all-to-all and all-gather per bucket.
+  packed = [op.kind for op in ops if op.dtypes == ("u8",)]
+  assert sorted(packed) == ["all-gather"] * len(OPT_BUCKETS) + ["all-to-all"] * len(OPT_BUCKETS)
+  # The server residual holds every bucket's chunk, as sign_compression's.
+  alone = jax.pmap(sign_compression(AXIS, scale="l2", bucket_bytes=2000).init,
+                   axis_name=AXIS, devices=devices)(params)
+  assert state.compression.server_residual.shape == alone.server_residual.shape
 
 
 def test_one_bit_optimizer_state_of_other_buckets_is_refused():
