@@ -136,5 +136,5 @@ def test_one_bit_optimizer_state_of_other_buckets_is_refused():
       params
   )
   tx = one_bit_momentum(0.1, axis_name=AXIS, bucket_bytes=1000)
-  with pytest.raises(ValueError, match="other parameters or another bucket_bytes"):
+  with pytest.raises(ValueError, match="other parameters or other buckets"):
     jax.pmap(tx.update, axis_name=AXIS, devices=devices)(params, state)

@@ -61,6 +61,7 @@ from jax import lax
 from jmp_train._src import buckets as buckets_lib
 from jmp_train._src.loss_scale import all_finite
 from jmp_train._src.sign_layout import axis_size, check_leaves
+from jmp_train._src.wire_messages import append_floats, split_floats
 
 __all__ = ["CompressedMeanState", "compressed_mean", "WIRE_FORMATS"]
 
@@ -152,7 +153,8 @@ def _exchange(q, scale, e, axis_name: str, k: int, wire: str):
   if wire == "bfloat16":  # no scales: each phase moves the values alone
     recv_q, recv_s = lax.all_to_all(q, axis_name, 0, 0), scale
   else:  # one message per chunk: its bytes, then its scale's 4 bytes
-    recv_q, recv_s = _split(lax.all_to_all(_join(q, scale), axis_name, 0, 0))
+    recv = lax.all_to_all(append_floats(q, scale), axis_name, 0, 0)
+    recv_q, recv_s = split_floats(recv, q.shape[-1], scale.shape[-1:])
   # Owner: exact float32 sum of the K dequantized chunks, in sender order.
   u = _dequantize(recv_q[0], recv_s[0], wire)
   for j in range(1, k):
@@ -166,24 +168,9 @@ def _exchange(q, scale, e, axis_name: str, k: int, wire: str):
   if wire == "bfloat16":
     all_q, all_s = lax.all_gather(o_q, axis_name, to="invarying"), o_s
   else:
-    all_q, all_s = _split(lax.all_gather(_join(o_q, o_s), axis_name, to="invarying"))
+    gathered = lax.all_gather(append_floats(o_q, o_s), axis_name, to="invarying")
+    all_q, all_s = split_floats(gathered, o_q.shape[-1], o_s.shape[-1:])
   return _dequantize(all_q, all_s, wire).reshape(-1), e
-
-
-def _join(q: jax.Array, scale: jax.Array) -> jax.Array:
-  """``(..., S)`` uint8 codes and ``(..., 1)`` float32 scales as ``(..., S + 4)`` uint8.
-
-  One collective per phase instead of two: on a slow link each collective
-  pays its own latency.
-  """
-  as_bytes = lax.bitcast_convert_type(scale, jnp.uint8).reshape(scale.shape[:-1] + (4,))
-  return jnp.concatenate([q, as_bytes], axis=-1)
-
-
-def _split(payload: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Inverse of :func:`_join`: ``(codes, scales)``."""
-  scale = lax.bitcast_convert_type(payload[..., -4:], jnp.float32)[..., None]
-  return payload[..., :-4], scale
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ import optax
 from jax import lax
 
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
-from jmp_train._src.one_bit_common import exchange as exchange_checked
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
 
@@ -183,13 +182,13 @@ def one_bit_adam(
     mask = lambda tree: jax.tree.map(lambda x, ok: jnp.where(ok, x, 0.0), tree, live)
     local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, f32(grads))
     if exchange == "momentum":
-      mu, cstate = exchange_checked(compression, mask(local), state.compression, "one_bit_adam")
+      mu, cstate = compression.update(mask(local), state.compression)
       return mask(mu), state.nu, cstate
     # The frozen preconditioner d is the same on every replica: exchange m/d.
     frozen = c2(state.count)
     d = jax.tree.map(lambda v: jnp.sqrt(v / frozen) + eps, state.nu)
     local = mask(jax.tree.map(jnp.divide, local, d))
-    avg, cstate = exchange_checked(compression, local, state.compression, "one_bit_adam")
+    avg, cstate = compression.update(local, state.compression)
     return mask(jax.tree.map(jnp.multiply, avg, d)), state.nu, cstate
 
   def update_fn(updates, state, params=None):

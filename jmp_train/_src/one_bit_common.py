@@ -1,7 +1,6 @@
 """Pieces shared by :mod:`one_bit_adam` and :mod:`one_bit_momentum`.
 
-Argument checks, float32 casts, the learning rate at a step, and the 1-bit
-exchange with a clear error for a state made for another replica count.
+Argument checks, float32 casts and the learning rate at a step.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train._src.sign_compression import SignCompressionState
 
 ScalarOrSchedule = float | Callable[[jax.Array], Any]
 
@@ -35,22 +33,6 @@ def f32(tree):
 
 def lr_at(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Array:
   return jnp.asarray(learning_rate(count) if callable(learning_rate) else learning_rate, jnp.float32)
-
-
-def exchange(compression, local: Any, cstate: SignCompressionState, name: str):
-  """``compression.update`` with a clear error for another replica count."""
-  expected = jax.eval_shape(compression.init, local)
-  shapes = lambda tree: [np.shape(x) for x in jax.tree.leaves(tree)]
-  for field in ("worker_residual", "server_residual"):
-    want, got = shapes(getattr(expected, field)), shapes(getattr(cstate, field))
-    if want != got:
-      raise ValueError(
-          f"{name} state's {field} has shapes {got}, but these parameters on this "
-          f"replica count need {want}: the state was made (or checkpointed) for "
-          "another replica count, other parameters or another bucket_bytes; init a "
-          "new state (1-bit residuals cannot be moved between replica counts)."
-      )
-  return compression.update(local, cstate)
 
 
 def cast_like(tree, like):

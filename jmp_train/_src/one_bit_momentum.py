@@ -15,7 +15,6 @@ import optax
 from jax import lax
 
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
-from jmp_train._src.one_bit_common import exchange as exchange_checked
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
 
@@ -134,7 +133,7 @@ def one_bit_momentum(
 
   def compressed(g, state):
     local = jax.tree.map(lambda m, x: momentum * m + x, state.trace, g)
-    return exchange_checked(compression, local, state.compression, "one_bit_momentum")
+    return compression.update(local, state.compression)
 
   def update_fn(updates, state, params=None):
     if weight_decay and params is None:

@@ -143,6 +143,7 @@ from jmp_train._src import sign_codec
 from jmp_train._src.buckets import bucket_sizes
 from jmp_train._src.compressed_mean import CompressedMeanState
 from jmp_train._src.sign_layout import Layout, axis_size, check_leaves, make_layout
+from jmp_train._src.wire_messages import append_floats, split_floats
 
 __all__ = [
     "SignCompressionState",
@@ -245,7 +246,9 @@ def _check_state(state: SignCompressionState, leaves, buckets, cfg: _Config) -> 
     raise ValueError(
         f"SignCompressionState residual shapes {got} do not match the gradients "
         f"and {buckets[0][1].k if buckets else 1} replica(s), which need {expected}: "
-        "init the state with the same parameters, replica count and buckets."
+        "the state was made (or checkpointed) for another replica count, other "
+        "parameters or other buckets (bucket_bytes); init a new state (1-bit "
+        "residuals cannot be moved between replica counts)."
     )
 
 
@@ -260,33 +263,18 @@ def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
     return decoded, r, e
   axis, k, s = cfg.axis_name, layout.k, layout.chunk
   # Phase 1: packed chunks, each with its pieces' pairs, to their owners.
-  recv = lax.all_to_all(_join(bits.reshape(k, s // 8), pairs[layout.send_index]), axis, 0, 0)
+  sent_pairs = pairs[layout.send_index]
+  recv = lax.all_to_all(append_floats(bits.reshape(k, s // 8), sent_pairs), axis, 0, 0)
   o_bits, o_pairs, new_e = sign_codec.owner_step(
-      *_split(recv, s // 8), e if cfg.server_error_feedback else None,
+      *split_floats(recv, s // 8, sent_pairs.shape[1:]), e if cfg.server_error_feedback else None,
       lax.axis_index(axis), layout, cfg.scale,
   )
   e = e if new_e is None else new_e
   # Phase 2: everyone gathers the owners' packed chunks and pairs.
-  all_bits, all_pairs = _split(lax.all_gather(_join(o_bits, o_pairs), axis, to="invarying"), s // 8)
+  gathered = lax.all_gather(append_floats(o_bits, o_pairs), axis, to="invarying")
+  all_bits, all_pairs = split_floats(gathered, s // 8, o_pairs.shape)
   out = sign_codec.final_decode(all_bits, all_pairs, layout, [jnp.float32] * len(leaves))
   return out, r, e
-
-
-def _join(bits: jax.Array, pairs: jax.Array) -> jax.Array:
-  """``(..., B)`` packed bits and ``(..., M, 2)`` float32 pairs as one ``(..., B + 8M)`` uint8.
-
-  One collective per phase instead of two: on a slow link each collective
-  pays its own latency, and the pairs are a few bytes.
-  """
-  as_bytes = lax.bitcast_convert_type(pairs.astype(jnp.float32), jnp.uint8)
-  return jnp.concatenate([bits, as_bytes.reshape(bits.shape[:-1] + (-1,))], axis=-1)
-
-
-def _split(payload: jax.Array, nbytes: int) -> tuple[jax.Array, jax.Array]:
-  """Inverse of :func:`_join`: ``(bits, pairs)`` from the first ``nbytes`` and the rest."""
-  rest = payload[..., nbytes:]
-  pairs = lax.bitcast_convert_type(rest.reshape(rest.shape[:-1] + (-1, 2, 4)), jnp.float32)
-  return payload[..., :nbytes], pairs
 
 
 def _compress(leaves, state: SignCompressionState, buckets, cfg: _Config):
