@@ -33,9 +33,7 @@ floor), for a 2048 x 2048 float32 gradient, and (rows ending in ``_mlp``)
 for the gradients of the MLP of part 1, six leaves. GB/s counts the
 buffer's float32 bytes once (for the owner: the K chunks it decodes);
 ``vs_copy`` is the copy's time over the codec's, in the same run. The
-column worker pays a float32 transpose of the gradient (its residual, like
-the wire, stores a kernel column by column); the column decode transposes
-packed 32-bit words only.
+column decode transposes packed 32-bit words only.
 
 ``--quick`` (a smoke test, figures meaningless): a 64-128-10 MLP, K = 2,
 a 64 x 64 gradient, everything compiled without LLVM optimizations.
@@ -128,7 +126,7 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
   calls = {f"elementwise_x_plus_1{suffix}": (jax.jit(lambda x: x + 1.0), (flat,))}
   for scale in ("column", "l1", "l2"):
     layout = sign_layout.make_layout(shapes, scale, k)
-    r = tuple(jnp.zeros((size,), jnp.float32) for size in layout.sizes)
+    r = tuple(jnp.zeros(s or (1,), jnp.float32) for s in shapes)
 
     def worker(g, r, layout=layout, scale=scale):
       return sign_codec.worker_step(g, r, layout, scale, decode=False)[:3]

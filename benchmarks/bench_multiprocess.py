@@ -13,8 +13,8 @@ own batch shard; local gradients, then one exchange) with:
 * ``bfloat16`` / ``float8_e4m3``: :func:`jmp_train.compressed_mean`
   (``bfloat16_b4MB``: the same in 4 MB buckets, last layers first);
 * ``1bit_column`` / ``1bit_l1``: :func:`jmp_train.sign_compression`
-  (``1bit_l1_b4MB``: in 4 MB buckets, last layers first, each exchanged on
-  its own).
+  (``1bit_column_b4MB`` / ``1bit_l1_b4MB``: in 4 MB buckets, last layers
+  first, each exchanged on its own).
 
 Per scheme: ``step_ms`` (the whole step), ``compute_ms`` (forward and
 backward alone), ``exchange_ms`` (the exchange alone, on given gradients:
@@ -69,7 +69,7 @@ SIZES = {  # MLP layer widths (input 784, output 10)
     "32M": (784, 4096, 4096, 2048, 10),
 }
 SCHEMES = ("float32", "float32_buckets", "bfloat16", "bfloat16_b4MB", "float8_e4m3",
-           "1bit_column", "1bit_l1", "1bit_l1_b4MB")
+           "1bit_column", "1bit_column_b4MB", "1bit_l1", "1bit_l1_b4MB")
 PER_PROCESS_BATCH = 32
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -59,7 +59,7 @@ def ref_unflatten(flat, like, scale):
 
 
 def buffer_residual(residual, shapes, scale, k):
-  """Per-leaf worker residuals (arrays ``(..., size)``) in buffer order, ``(..., N_pad)``.
+  """Per-leaf worker residuals (arrays ``(..., *leaf shape)``) in buffer order, ``(..., N_pad)``.
 
   ``shapes``: the leaves' shapes (a dict in tree order or a list).
   """
@@ -67,7 +67,8 @@ def buffer_residual(residual, shapes, scale, k):
   parts = []
   for r, shape in zip(residual, shapes, strict=True):
     r = np.asarray(r, np.float32)
-    lead = r.shape[:-1]
+    lead = r.shape[: r.ndim - max(len(shape), 1)]
+    r = r.reshape(lead + (-1,))
     if scale == "column" and len(shape) >= 2:
       r = np.moveaxis(r.reshape(lead + tuple(shape)), -1, len(lead)).reshape(lead + (-1,))
     parts.append(r)

@@ -150,6 +150,26 @@ def test_unpack_columns_inverts_packing_the_transpose(rows, cols, word):
   )
 
 
+@pytest.mark.parametrize("rows, cols", [(1, 5), (7, 3), (64, 24)])
+def test_column_sums_by_row_equal_the_transposed_reduction(rows, cols):
+  # On CPU the column sums run as a scan over the rows; other backends
+  # reduce the transposed view. Both must add each column's rows in order.
+  x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+  x[0, 0], x[-1, -1] = 0.0, -0.0
+  got = jax.jit(sign_codec._sums_by_column)(jnp.asarray(x))
+  want = jax.jit(lambda x: sign_codec._column_sums(x.T))(jnp.asarray(x))
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  np.testing.assert_array_equal(np.asarray(got[2]), (x >= 0).sum(0))
+
+
+def test_worker_residuals_have_the_leaf_shapes():
+  state = sign_compression(scale="column").init(
+      {"w": jnp.ones((3, 2, 4)), "b": jnp.ones(4), "s": jnp.ones(())}
+  )
+  assert [r.shape for r in state.worker_residual] == [(4,), (1,), (3, 2, 4)]
+
+
 def test_final_decode_transposes_no_float_buffer():
   # The decode writes a word-packed leaf in its own order: the only
   # transposes in its compiled program are of packed words (uint32).

@@ -28,6 +28,7 @@ from jax import lax
 from jmp_train._src.buckets import assemble
 from jmp_train._src.loss_scale import all_finite
 from jmp_train._src.sign_layout import Layout, Run, from_flat_leaf
+from jmp_train._src.varying_axes import pvary, varying_axes
 
 __all__ = [
     "pack", "unpack", "pack_columns", "unpack_columns", "quantize_rows",
@@ -97,6 +98,31 @@ def _column_sums(x: jax.Array):
       add3,
       (x.ndim - 1,),
   )
+
+
+def _sums_by_column(x: jax.Array):
+  """``_column_sums(x.T)``: per column of ``(rows, cols)`` ``x``, rows added in order.
+
+  On CPU, a scan over the rows adds each row to three ``(cols,)``
+  accumulators: the additions of each column happen in the same order as in
+  the reduction of the transposed view, so the sums are bit for bit the
+  same, and the row vectors are read once, in memory order (XLA:CPU runs the
+  reduction of a transposed view several times below memory speed). Other
+  backends reduce the transposed view, where a loop over rows would cost a
+  kernel launch per row.
+  """
+  def scan(x):
+    zero = jnp.zeros((), jnp.float32)
+
+    def add_row(acc, row):
+      pos, neg, cnt = acc
+      return (pos + jnp.maximum(row, zero), neg + jnp.minimum(row, zero),
+              cnt + (row >= 0).astype(jnp.float32)), None
+
+    init = (pvary(jnp.zeros(x.shape[1:], jnp.float32), varying_axes(x)),) * 3
+    return lax.scan(add_row, init, x)[0]
+
+  return lax.platform_dependent(x, cpu=scan, default=lambda x: _column_sums(x.T))
 
 
 def _lane_sum(y: jax.Array) -> jax.Array:
@@ -171,22 +197,30 @@ def _leaf_pairs(v: jax.Array, scale: str) -> jax.Array:
 
 
 def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
-  """Leaf ``i``: ``(v, bits in buffer order, pairs, decoded)``, ``v`` and decoded flat in the leaf's order."""
-  v = x.astype(jnp.float32).reshape(-1)
-  if r is not None:
-    v = v + r
+  """Leaf ``i``: ``(v, bits in buffer order, pairs, decoded)``.
+
+  ``v`` and ``decoded`` are float32, in the leaf's shape, or ``(rows,
+  columns)`` for a column-scale leaf: a residual update
+  ``v - decoded`` that broadcasts each column's pair along the rows then
+  runs at memory speed (XLA:CPU indexes a broadcast along the minor axis of
+  a flattened output element by element).
+  """
   if not layout.transpose[i]:
-    bits = v >= 0
-    pairs = _leaf_pairs(v, scale)
-    return v, bits, pairs, jnp.where(bits, pairs[0, 0], pairs[0, 1])
-  # Column scales: the sums run over the columns as rows (the same sums, in
-  # the same order, as the reference); the residual update and, where the
-  # rows allow packed words, the bits stay in the leaf's own order.
+    v = x.astype(jnp.float32)
+    if r is not None:
+      v = v + r.reshape(v.shape)
+    pairs = _leaf_pairs(v.reshape(-1), scale)
+    return v, (v >= 0).reshape(-1), pairs, jnp.where(v >= 0, pairs[0, 0], pairs[0, 1])
+  # Column scales: the sums run over each column's rows in order (the same
+  # sums, in the same order, as the reference); the residual update and,
+  # where the rows allow packed words, the bits stay in the leaf's own order.
   rows, cols = layout.rows(i), layout.shapes[i][-1]
-  v2 = v.reshape(rows, cols)
-  nonneg = v2 >= 0
-  pairs = _column_pairs(*_column_sums(v2.T), rows)
-  decoded = jnp.where(nonneg, pairs[:, 0], pairs[:, 1]).reshape(-1)
+  v = x.astype(jnp.float32).reshape(rows, cols)
+  if r is not None:
+    v = v + r.reshape(rows, cols)
+  nonneg = v >= 0
+  pairs = _column_pairs(*_sums_by_column(v), rows)
+  decoded = jnp.where(nonneg, pairs[:, 0], pairs[:, 1])
   word = layout.word_bits(i)
   bits = pack_columns(nonneg, word) if word else nonneg.T.reshape(-1)
   return v, bits, pairs, decoded
@@ -225,8 +259,9 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
 
   Args:
     leaves: the gradient leaves (any floating dtype).
-    residual: the worker residuals, one float32 ``(size,)`` per leaf in the
-      leaf's own (row-major) order, or ``None`` without error feedback.
+    residual: the worker residuals, one float32 array per leaf in the
+      leaf's shape (``(1,)`` for a scalar), or ``None`` without error
+      feedback.
     layout: the static layout.
     scale: ``"column"``, ``"l1"`` or ``"l2"``.
     decode: also return the decoded leaves (float32, leaf shapes).
@@ -255,7 +290,7 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
     # Non-finite v makes its segment's pairs non-finite: keep the residual.
     finite = all_finite(pairs)
     residual = tuple(
-        jnp.where(finite, done[i][0] - done[i][1], r) if i in done else r
+        jnp.where(finite, (done[i][0] - done[i][1]).reshape(r.shape), r) if i in done else r
         for i, r in enumerate(residual)
     )
   dec = None

@@ -161,10 +161,10 @@ class SignCompressionState(NamedTuple):
   Attributes:
     count: int32 scalar, the number of updates so far (the same on every
       replica).
-    worker_residual: a tuple of float32 ``(size,)`` vectors, one per
-      gradient leaf (in ``jax.tree.leaves`` order), each the leaf's
-      quantization error on this replica, flattened in the leaf's own
-      row-major order (zeros without error feedback).
+    worker_residual: a tuple of float32 arrays, one per gradient leaf (in
+      ``jax.tree.leaves`` order) and in the leaf's shape (``(1,)`` for a
+      scalar leaf), each the leaf's quantization error on this replica
+      (zeros without error feedback).
     server_residual: float32 ``(N_pad // K,)``, the error of re-quantizing
       the chunk this replica owns (with ``bucket_bytes``, its chunk of every
       bucket, end to end; zeros without server error feedback; ``(0,)`` when
@@ -229,7 +229,7 @@ def _buckets(cfg: _Config, leaves, where: str) -> tuple[_Bucket, ...]:
 
 
 def _residual_shapes(leaves, buckets: tuple[_Bucket, ...], cfg: _Config):
-  worker = tuple((int(np.size(x)),) for x in leaves)
+  worker = tuple(tuple(np.shape(x)) or (1,) for x in leaves)
   server = 0 if cfg.axis_name is None else sum(layout.chunk for _, layout in buckets)
   return worker, (server,)
 
