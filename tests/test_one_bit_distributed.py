@@ -204,7 +204,8 @@ def test_checkpoint_after_warmup_resumes_bit_for_bit(tmp_path, factory):
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
   with ocp.StandardCheckpointer() as ckpt:
     restored = ckpt.restore(path, target)
-  assert all(tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in restored["opt_state"].compression.worker_residual)
+  residuals = restored["opt_state"].compression.worker_residual
+  assert all(tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in residuals)
   p_b, s_b = restored["params"], restored["opt_state"]
   for t in range(3, 6):
     p_b, s_b = jax.block_until_ready(step(p_b, s_b, grads[t]))

@@ -50,7 +50,9 @@ def test_shard_map_equals_pmap():
   )
   p_init, p_update = pmapped(k, scale="column")
   state, p_state = init(params), p_init(replicated_zeros(k))
-  assert all(tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in state.worker_residual)
+  assert all(
+      tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in state.worker_residual
+  )
   for step in range(3):
     grads = make_grads(k, seed=10 + step)
     out, state = update(jax.device_put(grads, NamedSharding(mesh, P(AXIS))), state)
@@ -145,7 +147,9 @@ def test_checkpoint_restore_continues_bit_for_bit(tmp_path):
   restored = checkpointer.restore(path, target)
   sc_state = restored["opt_state"][0]
   assert isinstance(sc_state, SignCompressionState)
-  assert all(tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in sc_state.worker_residual)
+  assert all(
+      tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in sc_state.worker_residual
+  )
   assert max(np.abs(np.asarray(r)).max() for r in sc_state.worker_residual) > 0
   for r, want in zip(sc_state.worker_residual, opt_state[0].worker_residual, strict=True):
     np.testing.assert_array_equal(np.asarray(r), np.asarray(want))

@@ -290,7 +290,8 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
     # Non-finite v makes its segment's pairs non-finite: keep the residual.
     finite = all_finite(pairs)
     residual = tuple(
-        jnp.where(finite, (done[i][0] - done[i][1]).reshape(r.shape), r) if i in done else r
+        jnp.where(finite, (done[i][0] - done[i][1]).reshape(r.shape), r)
+        if i in done else r
         for i, r in enumerate(residual)
     )
   dec = None

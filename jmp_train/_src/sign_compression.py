@@ -444,8 +444,8 @@ def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
   """``PartitionSpec`` s for an optimizer state holding compression states.
 
   Under ``shard_map``, every replica keeps its own residuals: their global
-  arrays are the replicas' buffers concatenated along ``axis_name``
-  (``P(axis_name)``); every other leaf (the counter, an optimizer's moments
+  arrays are the replicas' residuals concatenated along their first axis
+  over ``axis_name`` (``P(axis_name)``); every other leaf (the counter, an optimizer's moments
   of replicated parameters) is replicated (``P()``).
 
   Args:
