@@ -134,7 +134,10 @@ def _quantize(v: jax.Array, wire: str):
     fmax = float(jnp.finfo(dtype).max)
     amax = _lane_max(jnp.abs(v))[..., None]
     # amax == 0: any scale; inf/NaN: the scale is 0 or NaN and v·s is NaN.
-    scale = jnp.where(amax == 0, 1.0, fmax / amax)
+    # At most 2**126, whose reciprocal is still a normal float32: a larger
+    # one (a chunk below about 1e-35) would decode to zeros where XLA
+    # multiplies by a flushed reciprocal, or be inf and turn zeros into NaN.
+    scale = jnp.where(amax == 0, 1.0, jnp.minimum(fmax / amax, 2.0**126))
     q = jnp.clip(v * scale, -fmax, fmax).astype(dtype)
   return lax.bitcast_convert_type(q, uint), scale
 
@@ -144,8 +147,15 @@ def _dequantize(q: jax.Array, scale: jax.Array, wire: str) -> jax.Array:
   return x if wire == "bfloat16" else x / scale
 
 
-def _keep_if_finite(new: jax.Array, old: jax.Array, v: jax.Array) -> jax.Array:
-  return jnp.where(all_finite(v), new, old)
+def _keep_if_finite(new: jax.Array, old: jax.Array, v: jax.Array, scale, wire: str) -> jax.Array:
+  """``new`` where ``v`` is finite, else ``old``.
+
+  For float8, ``v`` is finite exactly where every chunk's scale is positive
+  (``amax`` inf gives a scale of 0, NaN a NaN scale), which spares a pass
+  over ``v``.
+  """
+  finite = all_finite(v) if wire == "bfloat16" else jnp.all(scale > 0)
+  return jnp.where(finite, new, old)
 
 
 def _exchange(q, scale, e, axis_name: str, k: int, wire: str):
@@ -164,7 +174,7 @@ def _exchange(q, scale, e, axis_name: str, k: int, wire: str):
     u = u + e
   o_q, o_s = _quantize(u, wire)
   if e is not None:
-    e = _keep_if_finite(u - _dequantize(o_q, o_s, wire), e, u)
+    e = _keep_if_finite(u - _dequantize(o_q, o_s, wire), e, u, o_s, wire)
   if wire == "bfloat16":
     all_q, all_s = lax.all_gather(o_q, axis_name, to="invarying"), o_s
   else:
@@ -222,7 +232,9 @@ def _bucket_step(cfg: _Config, leaves, bucket: _Bucket, k: int, r, e):
   else:
     out, e = _exchange(q, scale, e, cfg.axis_name, k, cfg.wire)
   if r is not None:
-    r = _keep_if_finite((v - _dequantize(q, scale, cfg.wire)).reshape(-1), r, v)
+    r = _keep_if_finite(
+        (v - _dequantize(q, scale, cfg.wire)).reshape(-1), r, v, scale, cfg.wire
+    )
   return out, r, e
 
 
