@@ -10,8 +10,9 @@ spells the exchange out in two phases that carry the promised bytes:
    a multiple of ``K``) and cut into ``K`` chunks of ``S = N_pad / K``;
    ``v = g + r`` (worker residual ``r`` with error feedback) is quantized to
    the wire format: ``q = cast(v)`` for bfloat16, ``q = cast(v·s)`` with one
-   float32 scale ``s = max / amax`` per chunk for float8 (``max`` the
-   format's largest finite value, ``amax`` the chunk's largest magnitude);
+   float32 scale ``s = min(max / amax, 2**126)`` per chunk for float8
+   (``max`` the format's largest finite value, ``amax`` the chunk's largest
+   magnitude);
    ``r <- v - dequantize(q)``.
 2. **all-to-all**: chunk ``k`` (``S`` wire elements, bitcast to unsigned
    integers so that no converter can widen it) and its scale go to
@@ -297,7 +298,8 @@ def compressed_mean(
     u = \tfrac1K \textstyle\sum_j D(q_j) + e,\quad e \leftarrow u - D(Q(u)),
 
   and every replica outputs :math:`D(Q(u))`. :math:`Q` rounds to bfloat16,
-  or scales by :math:`s = \max/\operatorname{amax}` and rounds to float8;
+  or scales by :math:`s = \min(\max/\operatorname{amax}, 2^{126})` and
+  rounds to float8;
   :math:`D` is its inverse up to rounding.
 
   Args:
