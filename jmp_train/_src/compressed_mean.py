@@ -136,8 +136,9 @@ def _quantize(v: jax.Array, wire: str):
     amax = _lane_max(jnp.abs(v))[..., None]
     # amax == 0: any scale; inf/NaN: the scale is 0 or NaN and v·s is NaN.
     # At most 2**126, whose reciprocal is still a normal float32: a larger
-    # one (a chunk below about 1e-35) would decode to zeros where XLA
-    # multiplies by a flushed reciprocal, or be inf and turn zeros into NaN.
+    # one (amax below fmax / 2**126, about 5e-36 for E4M3) would decode to
+    # zeros where XLA multiplies by a flushed reciprocal, or be inf and turn
+    # zeros into NaN.
     scale = jnp.where(amax == 0, 1.0, jnp.minimum(fmax / amax, 2.0**126))
     q = jnp.clip(v * scale, -fmax, fmax).astype(dtype)
   return lax.bitcast_convert_type(q, uint), scale
