@@ -445,8 +445,8 @@ def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
 
   Under ``shard_map``, every replica keeps its own residuals: their global
   arrays are the replicas' residuals concatenated along their first axis
-  over ``axis_name`` (``P(axis_name)``); every other leaf (the counter, an optimizer's moments
-  of replicated parameters) is replicated (``P()``).
+  over ``axis_name`` (``P(axis_name)``); every other leaf (the counter, an
+  optimizer's moments of replicated parameters) is replicated (``P()``).
 
   Args:
     opt_state: an optimizer state (or its ``jax.eval_shape``) that may
