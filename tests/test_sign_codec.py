@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_train
 from jmp_train import SignCompressionState, sign_compression, sign_compression_specs
-from jmp_train._src import sign_codec
+from jmp_train._src import sign_codec, sign_layout
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
     AXIS, SHAPES, buffer_residual, make_grads, pmapped, ref_step, ref_unflatten,
@@ -151,16 +151,29 @@ def test_unpack_columns_inverts_packing_the_transpose(rows, cols, word):
 
 
 @pytest.mark.parametrize("rows, cols", [(1, 5), (7, 3), (64, 24)])
-def test_column_sums_by_row_equal_the_transposed_reduction(rows, cols):
-  # On CPU the column sums run as a scan over the rows; other backends
-  # reduce the transposed view. Both must add each column's rows in order.
+def test_signed_column_sums_match_float64_and_one_signed_columns_are_exact(rows, cols):
   x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
-  x[0, 0], x[-1, -1] = 0.0, -0.0
-  got = jax.jit(sign_codec._sums_by_column)(jnp.asarray(x))
-  want = jax.jit(lambda x: sign_codec._column_sums(x.T))(jnp.asarray(x))
-  for g, w in zip(got, want, strict=True):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  np.testing.assert_array_equal(np.asarray(got[2]), (x >= 0).sum(0))
+  x[:, 0] = np.abs(x[:, 0])  # non-negative only
+  x[:, 1] = -np.abs(x[:, 1]) - np.float32(1e-3)  # negative only
+  x[0, -1], x[-1, -1] = 0.0, -0.0
+  pos, neg = jax.jit(sign_codec._signed_sums_over_rows)(jnp.asarray(x))
+  np.testing.assert_allclose(np.asarray(pos), np.maximum(x, 0).sum(0, dtype=np.float64), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(neg), np.minimum(x, 0).sum(0, dtype=np.float64), rtol=1e-6)
+  assert neg[0] == 0.0 and pos[1] == 0.0
+
+
+@pytest.mark.parametrize("rows", [64, 48, 24, 7])  # uint32, uint16, uint8 words; one per byte
+def test_column_worker_pairs_are_the_column_means(rows):
+  # The counts come from the packed words where the rows allow them.
+  x = np.random.default_rng(rows).standard_normal((rows, 6)).astype(np.float32)
+  x[:, 0] = np.abs(x[:, 0])
+  layout = sign_layout.make_layout([x.shape], "column", 2)
+  _, pairs, _, _ = sign_codec.worker_step([jnp.asarray(x)], None, layout, "column", decode=False)
+  nonneg = x >= 0
+  hi = np.where(nonneg, x, 0).sum(0) / np.maximum(nonneg.sum(0), 1)
+  lo = np.where(nonneg, 0, x).sum(0) / np.maximum((~nonneg).sum(0), 1)
+  np.testing.assert_allclose(np.asarray(pairs[:6]), np.stack([hi, lo], -1), rtol=1e-6)
+  assert pairs[0, 1] == 0.0
 
 
 def test_worker_residuals_have_the_leaf_shapes():

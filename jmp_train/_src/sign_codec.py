@@ -28,7 +28,6 @@ from jax import lax
 from jmp_train._src.buckets import assemble
 from jmp_train._src.loss_scale import all_finite
 from jmp_train._src.sign_layout import Layout, Run, from_flat_leaf
-from jmp_train._src.varying_axes import pvary, varying_axes
 
 __all__ = [
     "pack", "unpack", "pack_columns", "unpack_columns", "quantize_rows",
@@ -55,6 +54,21 @@ def unpack(packed: jax.Array) -> jax.Array:
 _WORDS = {32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8}
 
 
+def _column_words(bits: jax.Array, word: int) -> jax.Array:
+  """``(rows, columns)`` bool to ``(rows / word, columns)`` words: row ``word q + j`` in bit ``j``."""
+  r, c = bits.shape
+  dtype = _WORDS[word]
+  shifts = jnp.arange(word, dtype=dtype)[None, :, None]
+  return jnp.sum(bits.reshape(r // word, word, c).astype(dtype) << shifts, axis=1, dtype=dtype)
+
+
+def _words_to_bytes(words: jax.Array) -> jax.Array:
+  """The transposed words of :func:`_column_words` as little-endian bytes."""
+  if words.dtype == jnp.uint8:
+    return words.T.reshape(-1)
+  return lax.bitcast_convert_type(words.T, jnp.uint8).reshape(-1)
+
+
 def pack_columns(bits: jax.Array, word: int = 32) -> jax.Array:
   """Packs a boolean ``(rows, columns)`` matrix in column-by-column order.
 
@@ -63,13 +77,7 @@ def pack_columns(bits: jax.Array, word: int = 32) -> jax.Array:
   into one unsigned word per column, the ``(rows / word, columns)`` words
   are transposed and read as little-endian bytes.
   """
-  r, c = bits.shape
-  dtype = _WORDS[word]
-  shifts = jnp.arange(word, dtype=dtype)[None, :, None]
-  words = jnp.sum(bits.reshape(r // word, word, c).astype(dtype) << shifts, axis=1, dtype=dtype)
-  if word == 8:
-    return words.T.reshape(-1)
-  return lax.bitcast_convert_type(words.T, jnp.uint8).reshape(-1)
+  return _words_to_bytes(_column_words(bits, word))
 
 
 def unpack_columns(packed: jax.Array, rows: int, cols: int, word: int = 32) -> jax.Array:
@@ -100,29 +108,19 @@ def _column_sums(x: jax.Array):
   )
 
 
-def _sums_by_column(x: jax.Array):
-  """``_column_sums(x.T)``: per column of ``(rows, cols)`` ``x``, rows added in order.
+def _signed_sums_over_rows(v: jax.Array):
+  """Per column of ``(rows, columns)`` ``v``: the sums of its non-negative and of its negative entries.
 
-  On CPU, a scan over the rows adds each row to three ``(cols,)``
-  accumulators: the additions of each column happen in the same order as in
-  the reduction of the transposed view, so the sums are bit for bit the
-  same, and the row vectors are read once, in memory order (XLA:CPU runs the
-  reduction of a transposed view several times below memory speed). Other
-  backends reduce the transposed view, where a loop over rows would cost a
-  kernel launch per row.
+  Two plain reductions over the rows, each term exact: ``max(v, -0)`` and
+  ``(v - |v|) / 2`` (the halving on the sum). XLA:CPU runs a single-output
+  reduction like these on all cores at memory speed; a variadic one, or a
+  scan over the rows, runs on one core several times slower. The ``-0``
+  keeps the zero apart from the one of ``v >= 0``: a zero shared by both
+  would be materialized as a full ``(rows, columns)`` buffer.
   """
-  def scan(x):
-    zero = jnp.zeros((), jnp.float32)
-
-    def add_row(acc, row):
-      pos, neg, cnt = acc
-      return (pos + jnp.maximum(row, zero), neg + jnp.minimum(row, zero),
-              cnt + (row >= 0).astype(jnp.float32)), None
-
-    init = (pvary(jnp.zeros(x.shape[1:], jnp.float32), varying_axes(x)),) * 3
-    return lax.scan(add_row, init, x)[0]
-
-  return lax.platform_dependent(x, cpu=scan, default=lambda x: _column_sums(x.T))
+  pos = jnp.sum(jnp.maximum(v, jnp.float32(-0.0)), axis=0)
+  neg = jnp.sum(v - jnp.abs(v), axis=0) * 0.5
+  return pos, neg
 
 
 def _lane_sum(y: jax.Array) -> jax.Array:
@@ -211,18 +209,24 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
       v = v + r.reshape(v.shape)
     pairs = _leaf_pairs(v.reshape(-1), scale)
     return v, (v >= 0).reshape(-1), pairs, jnp.where(v >= 0, pairs[0, 0], pairs[0, 1])
-  # Column scales: the sums run over each column's rows in order (the same
-  # sums, in the same order, as the reference); the residual update and,
-  # where the rows allow packed words, the bits stay in the leaf's own order.
+  # Column scales: the sums are reductions over the rows; the residual
+  # update and, where the rows allow packed words, the bits stay in the
+  # leaf's own order.
   rows, cols = layout.rows(i), layout.shapes[i][-1]
   v = x.astype(jnp.float32).reshape(rows, cols)
   if r is not None:
     v = v + r.reshape(rows, cols)
   nonneg = v >= 0
-  pairs = _column_pairs(*_sums_by_column(v), rows)
-  decoded = jnp.where(nonneg, pairs[:, 0], pairs[:, 1])
   word = layout.word_bits(i)
-  bits = pack_columns(nonneg, word) if word else nonneg.T.reshape(-1)
+  if word:  # the counts from the packed words: no pass over the floats
+    words = _column_words(nonneg, word)
+    bits = _words_to_bytes(words)
+    count = jnp.sum(lax.population_count(words), axis=0, dtype=jnp.int32)
+  else:
+    bits = nonneg.T.reshape(-1)
+    count = jnp.sum(nonneg, axis=0, dtype=jnp.int32)
+  pairs = _column_pairs(*_signed_sums_over_rows(v), count.astype(jnp.float32), rows)
+  decoded = jnp.where(nonneg, pairs[:, 0], pairs[:, 1])
   return v, bits, pairs, decoded
 
 
