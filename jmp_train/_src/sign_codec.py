@@ -55,7 +55,7 @@ _WORDS = {32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8}
 
 
 def _column_words(bits: jax.Array, word: int) -> jax.Array:
-  """``(rows, columns)`` bool to ``(rows / word, columns)`` words: row ``word q + j`` in bit ``j``."""
+  """``(rows, cols)`` bools as ``(rows / word, cols)`` words: row ``word q + j`` in bit ``j``."""
   r, c = bits.shape
   dtype = _WORDS[word]
   shifts = jnp.arange(word, dtype=dtype)[None, :, None]
@@ -109,7 +109,7 @@ def _column_sums(x: jax.Array):
 
 
 def _signed_sums_over_rows(v: jax.Array):
-  """Per column of ``(rows, columns)`` ``v``: the sums of its non-negative and of its negative entries.
+  """Per column of ``(rows, columns)`` ``v``: sums of the non-negative and of the negative entries.
 
   Two plain reductions over the rows, each term exact: ``max(v, -0)`` and
   ``(v - |v|) / 2`` (the halving on the sum). XLA:CPU runs a single-output
