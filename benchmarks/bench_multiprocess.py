@@ -34,6 +34,13 @@ ever touched. Every record names its link (``cap``) or why no cap was set
 (``cap_note``). Other processes on the machine share the cores and, while a
 cap is set, the loopback: the figures are noisy.
 
+``BENCH_MULTIPROCESS_DONATE=1`` makes the step donate its parameters and
+optimizer state (and the exchange and the codec their state), as
+:func:`jmp_train.make_train_step` does; ``=both`` times the donated steps
+and, in the same rounds, the steps without donation
+(``step_ms_undonated``, ``vs_float32_undonated``). Each record says whether
+its step donated (``donated``).
+
 ``BENCH_MULTIPROCESS_SIZES`` (comma-separated of ``1M,8M,32M``),
 ``BENCH_MULTIPROCESS_PROCESSES`` (e.g. ``2,4``) and
 ``BENCH_MULTIPROCESS_LINKS`` (of ``none,10gbit,1gbit``) and
@@ -59,7 +66,7 @@ import time
 NAME = "multiprocess"
 COLUMNS = (
     "link", "processes", "params", "scheme", "step_ms", "vs_float32", "compute_ms",
-    "exchange_ms", "codec_ms", "comm_ms", "wire_bytes", "wire_vs_float32",
+    "exchange_ms", "codec_ms", "comm_ms", "wire_bytes", "wire_vs_float32", "vs_float32_undonated",
 )
 AXIS = "data"
 SIZES = {  # MLP layer widths (input 784, output 10)
@@ -132,8 +139,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: float = 1800) -> list[dict]:
-  """Runs the step in ``processes`` processes; returns process 0's records."""
+def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: float = 1800,
+           donate: bool | str = False) -> list[dict]:
+  """Runs the step in ``processes`` processes; returns process 0's records.
+
+  ``donate``: ``True``, ``False``, or ``"both"`` (donated steps, and the
+  same steps without donation timed beside them).
+  """
   port = _free_port()
   env = dict(os.environ)
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=900"
@@ -144,6 +156,7 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
     cmd = [sys.executable, "-m", "benchmarks.bench_multiprocess", "--port", str(port),
            "--processes", str(processes), "--size", size, "--rounds", str(rounds),
            "--schemes", ",".join(schemes), "--out", str(out)]
+    cmd += {"both": ["--donate", "--also-undonated"], True: ["--donate"]}.get(donate, [])
     procs = [
         subprocess.Popen(cmd + ["--process-id", str(i)], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -171,6 +184,7 @@ def run(quick: bool) -> list[dict]:
   schemes = SCHEMES
   if quick:  # a smoke test of the code: float32, a compressed_mean and a 1-bit scheme
     plan, links, rounds, schemes = [(2, "tiny")], (None,), 1, ("float32", "bfloat16", "1bit_l1")
+    donate = "both"
   else:
     sizes = os.environ.get("BENCH_MULTIPROCESS_SIZES", "1M,8M,32M").split(",")
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
@@ -178,11 +192,13 @@ def run(quick: bool) -> list[dict]:
     links = tuple(None if link == "none" else link for link in links)
     schemes = tuple(os.environ.get("BENCH_MULTIPROCESS_SCHEMES", ",".join(SCHEMES)).split(","))
     plan, rounds = [(p, s) for p in procs for s in sizes], 5
+    donate = os.environ.get("BENCH_MULTIPROCESS_DONATE", "0")
+    donate = {"1": True, "both": "both"}.get(donate, False)
   records = []
   for rate in links:
     with loopback_cap(rate) as link:
       for processes, size in plan:
-        for r in launch(processes, size, rounds, schemes):
+        for r in launch(processes, size, rounds, schemes, donate=donate):
           records.append({**link, **r})
           print(json.dumps(records[-1]), flush=True)  # progress, if a later run fails
   return records
@@ -239,8 +255,13 @@ def _transform(scheme: str, axis_name):
   return compressed_mean(axis_name, wire=wire, bucket_bytes=bucket_bytes)
 
 
-def _programs(scheme, mesh, params, batch, grads_local):
-  """(step, exchange, state, wire bytes) for one scheme."""
+def _programs(scheme, mesh, params, batch, grads_local, donate: bool):
+  """(step, exchange, state, wire bytes) for one scheme.
+
+  With ``donate``, the step donates its parameters and optimizer state and
+  the exchange its state, as :func:`jmp_train.make_train_step` does: the
+  new ones are written in place of the old.
+  """
   import jax
   import optax
   from jax.sharding import PartitionSpec as P
@@ -259,12 +280,15 @@ def _programs(scheme, mesh, params, batch, grads_local):
     return optax.apply_updates(p, u), s
 
   def exchange(g, s, p):
-    return tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+    # The state first: jit aliases a donated input to the first output of
+    # its shape, and the updates have the residuals' shapes.
+    u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+    return s, u
 
   step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                               out_specs=(P(), specs)))
+                               out_specs=(P(), specs)), donate_argnums=(0, 1) if donate else ())
   exch = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P(AXIS), specs, P()),
-                               out_specs=(P(), specs)))
+                               out_specs=(specs, P())), donate_argnums=(1,) if donate else ())
   # The compiled step is the one timed: compiling it a second time on the
   # first call would only cost time.
   step = step.lower(params, state, *batch).compile()
@@ -299,18 +323,42 @@ def _worker(args) -> int:
   local_grads = jax.tree.map(lambda g: jnp.asarray(g.addressable_data(0)[0]), grads)
 
   schemes = args.schemes.split(",")
-  progs = {s: _programs(s, mesh, params, batch, local_grads) for s in schemes}
+  donate = args.donate
+  progs = {s: _programs(s, mesh, params, batch, local_grads, donate) for s in schemes}
+  # The same steps without donation, timed in the same rounds.
+  undonated = {s: _programs(s, mesh, params, batch, local_grads, False)[0]
+               for s in schemes if args.also_undonated}
   codecs = {}
   for s in schemes:
     if not s.startswith("float32"):
       tx = _transform(s, None)
-      codecs[s] = (jax.jit(tx.update), tx.init(local_grads))
+      codec = lambda g, st, tx=tx: tx.update(g, st)[::-1]  # the state first, as in `exchange`
+      codecs[s] = (jax.jit(codec, donate_argnums=(1,) if donate else ()), tx.init(local_grads))
+  # The arguments each call uses next: with donation, copies at first, then
+  # what the last call returned (a donated input is deleted).
+  copy = (lambda tree: jax.tree.map(jnp.copy, tree)) if donate else (lambda tree: tree)
+  live = {}
+  for s, (_, _, state, _) in progs.items():
+    live[f"step:{s}"] = (copy(params), copy(state))
+    live[f"exchange:{s}"] = copy(state)
+  for s, (_, st) in codecs.items():
+    live[f"codec:{s}"] = st
+
+  def call(key, fn):
+    out = fn(live[key])
+    if donate:
+      live[key] = out if key.startswith("step:") else out[0]
+    return out
+
   calls = {"compute": lambda: compute(params, *batch)}
-  for s, (step, exch, state, _) in progs.items():
-    calls[f"step:{s}"] = lambda step=step, state=state: step(params, state, *batch)
-    calls[f"exchange:{s}"] = lambda exch=exch, state=state: exch(grads, state, params)
-  for s, (fn, st) in codecs.items():
-    calls[f"codec:{s}"] = lambda fn=fn, st=st: fn(local_grads, st)
+  for s, (step, exch, _, _) in progs.items():
+    calls[f"step:{s}"] = lambda s=s, step=step: call(f"step:{s}", lambda a: step(*a, *batch))
+    calls[f"exchange:{s}"] = lambda s=s, exch=exch: call(
+        f"exchange:{s}", lambda st: exch(grads, st, params))
+  for s, step in undonated.items():
+    calls[f"undonated:{s}"] = lambda step=step, state=progs[s][2]: step(params, state, *batch)
+  for s, (fn, _) in codecs.items():
+    calls[f"codec:{s}"] = lambda s=s, fn=fn: call(f"codec:{s}", lambda st: fn(local_grads, st))
   times = {k: [] for k in calls}
   for _ in range(2):  # warm-up
     for k, fn in calls.items():
@@ -325,12 +373,15 @@ def _worker(args) -> int:
   for s in schemes:
     codec = ms.get(f"codec:{s}", 0.0)
     records.append({
-        "processes": args.processes, "params": n_params, "scheme": s,
+        "processes": args.processes, "params": n_params, "scheme": s, "donated": donate,
         "step_ms": ms[f"step:{s}"], "vs_float32": ms[f"step:{s}"] / ms["step:float32"],
         "compute_ms": ms["compute"], "exchange_ms": ms[f"exchange:{s}"], "codec_ms": codec,
         "comm_ms": max(ms[f"exchange:{s}"] - codec, 0.0), "wire_bytes": progs[s][3],
         "wire_vs_float32": progs[s][3] / progs["float32"][3],
     })
+    if undonated:
+      records[-1]["step_ms_undonated"] = ms[f"undonated:{s}"]
+      records[-1]["vs_float32_undonated"] = ms[f"undonated:{s}"] / ms["undonated:float32"]
   if args.process_id == 0:
     pathlib.Path(args.out).write_text(json.dumps(records))
   jax.distributed.shutdown()
@@ -345,6 +396,8 @@ def main(argv=None) -> int:
   parser.add_argument("--size", choices=tuple(SIZES), required=True)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--schemes", default=",".join(SCHEMES))
+  parser.add_argument("--donate", action="store_true")
+  parser.add_argument("--also-undonated", action="store_true")
   parser.add_argument("--out", required=True)
   return _worker(parser.parse_args(argv))
 
