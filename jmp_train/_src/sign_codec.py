@@ -81,14 +81,21 @@ def pack_columns(bits: jax.Array, word: int = 32) -> jax.Array:
 
 
 def unpack_columns(packed: jax.Array, rows: int, cols: int, word: int = 32) -> jax.Array:
-  """Inverse of :func:`pack_columns`: ``rows * cols / 8`` bytes to ``(rows, cols)`` bool."""
+  """Inverse of :func:`pack_columns`: ``rows * cols / 8`` bytes to ``(rows, columns)`` bool.
+
+  The bytes are transposed before they are read as words, so the words come
+  out as ``(rows / word, columns)`` and each row of bits reads a contiguous
+  row of words (XLA:CPU fuses a transpose of the words into their reader,
+  which then reads one word per column several times slower).
+  """
   dtype = _WORDS[word]
   if word == 8:
-    words = packed.reshape(cols, rows // 8)
+    words = packed.reshape(cols, rows // 8).T
   else:
-    words = lax.bitcast_convert_type(packed.reshape(cols, rows // word, word // 8), dtype)
+    by_row = packed.reshape(cols, rows // word, word // 8).transpose(1, 0, 2)
+    words = lax.bitcast_convert_type(by_row, dtype)
   shifts = jnp.arange(word, dtype=dtype)[None, :, None]
-  b = (words.T[:, None, :] >> shifts) & jnp.asarray(1, dtype)
+  b = (words[:, None, :] >> shifts) & jnp.asarray(1, dtype)
   return b.astype(jnp.bool_).reshape(rows, cols)
 
 
