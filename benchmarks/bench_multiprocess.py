@@ -66,7 +66,7 @@ import time
 NAME = "multiprocess"
 COLUMNS = (
     "link", "processes", "params", "scheme", "step_ms", "vs_float32", "compute_ms",
-    "exchange_ms", "codec_ms", "comm_ms", "wire_bytes", "wire_vs_float32", "vs_float32_undonated",
+    "exchange_ms", "codec_ms", "comm_ms", "wire_bytes", "wire_vs_float32",
 )
 AXIS = "data"
 SIZES = {  # MLP layer widths (input 784, output 10)
@@ -184,7 +184,7 @@ def run(quick: bool) -> list[dict]:
   schemes = SCHEMES
   if quick:  # a smoke test of the code: float32, a compressed_mean and a 1-bit scheme
     plan, links, rounds, schemes = [(2, "tiny")], (None,), 1, ("float32", "bfloat16", "1bit_l1")
-    donate = "both"
+    donate = True
   else:
     sizes = os.environ.get("BENCH_MULTIPROCESS_SIZES", "1M,8M,32M").split(",")
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
