@@ -12,6 +12,7 @@ import pytest
 
 import _processes
 from jmp_train.examples import cli
+from jmp_train.examples import demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -280,3 +281,35 @@ def test_readme_quick_start_runs_as_written(capsys):
   # Each skipped (overflowing) step halved the scale from its 2**15 start.
   assert metrics["loss_scale"] * 2 ** metrics["skipped_steps"] == 2.0**15
   assert np.isfinite(metrics["loss"]) and metrics["skipped_steps"] < 3
+
+
+def test_a_failed_worker_process_reports_its_error_line(tmp_path, capsys, monkeypatch):
+  # A process that aborts prints a native stack after its error: the
+  # message names the error, not the last stack frame.
+  script = ("print('starting'); print('F1124 00:00:00.1 x.cc:1] Check failed: peer lost'); "
+            "print('*** Check failure stack trace: ***'); "
+            "print('    @     0x7f893cf58ba3  PyObject_Vectorcall'); raise SystemExit(1)")
+  popen = subprocess.Popen
+  monkeypatch.setattr(
+      subprocess, "Popen", lambda cmd, **kw: popen([sys.executable, "-c", script], **kw)
+  )
+  status = cli.main(["--quick", "--task", "digits", "--no-progress", "--no-plot",
+                     "--steps", "2", "--configs", "8dev-1bit", "--num-processes", "2",
+                     "--out", str(tmp_path)])
+  err = capsys.readouterr().err
+  assert status != 0
+  assert "process 0 of 2 failed: F1124 00:00:00.1 x.cc:1] Check failed: peer lost" in err, err
+  assert "PyObject_Vectorcall" not in err
+
+
+@pytest.mark.parametrize("log, line", [
+    ("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad size\n",
+     "ValueError: bad size"),
+    ("terminate called after throwing an instance of 'gloo::IoException'\n"
+     "  what():  Connection closed by peer\n*** SIGABRT received ***\n",
+     "what():  Connection closed by peer"),
+    ("step 1\nstep 2\n", "step 2"),
+    ("", "(no output)"),
+])
+def test_failure_line_prefers_the_last_error_line(log, line):
+  assert demo._failure_line(log) == line

@@ -45,6 +45,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -80,6 +81,22 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
+# Lines that say why a process failed: a Python exception, an absl fatal
+# log line (XLA's failed checks), a C++ exception's message.
+_ERROR_LINE = re.compile(r"Error\b|error:|Check failed|terminate called|what\(\):|^F\d{4} ")
+
+
+def _failure_line(log: str) -> str:
+  """The line of a failed worker's output that says why: its last error line, else its last line.
+
+  A process that aborts prints a native stack after the error; its last
+  line is a stack frame.
+  """
+  lines = [line.strip() for line in log.splitlines() if line.strip()]
+  errors = [line for line in lines if _ERROR_LINE.search(line)]
+  return (errors or lines or ["(no output)"])[-1]
+
+
 def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) -> tuple[list[dict], dict]:
   """Runs ``names`` in ``s.num_processes`` local processes (jax.distributed)."""
   port = _free_port()
@@ -99,8 +116,7 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
     logs = [p.communicate()[0] for p in procs]
     for pid, (p, log) in enumerate(zip(procs, logs)):
       if p.returncode != 0:
-        last = [l for l in log.strip().splitlines() if l.strip()][-1:] or ["(no output)"]
-        raise DemoError(f"process {pid} of {s.num_processes} failed: {last[0]}")
+        raise DemoError(f"process {pid} of {s.num_processes} failed: {_failure_line(log)}")
     payload = json.loads((pathlib.Path(tmp) / "worker.json").read_text())
   return payload["rows"], payload["curves"]
 
