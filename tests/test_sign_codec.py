@@ -186,8 +186,6 @@ def test_worker_residuals_have_the_leaf_shapes():
 def test_final_decode_transposes_no_float_buffer():
   # The decode writes a word-packed leaf in its own order: the only
   # transposes in its compiled program are of packed bits (bytes or words).
-  from jmp_train._src import sign_layout
-
   k, rows, cols = 4, 64, 32
   layout = sign_layout.make_layout([(rows, cols)], "column", k)
   assert layout.word_bits(0) == 32
