@@ -56,6 +56,33 @@ def test_parses_handwritten_module():
   assert collective_bytes(HANDWRITTEN, wire=True)["all-reduce"] == 4096
 
 
+# As newer XLA prints it (jax 0.11 on a GPU machine, 4 simulated CPU devices).
+MESH_AXES = """
+ENTRY %main.0_spmd (param.1: f32[1024]) -> f32[1024] {
+  %param.1 = f32[1024]{0} parameter(0)
+  ROOT %psum.7 = f32[1024]{0} all-reduce(%param.1), channel_id=1, replica_groups=mesh['b'=4] {'b'}, use_global_device_ids=true, to_apply=%region_0.0, metadata={op_name="jit(<lambda>)/shard_map/psum" stack_frame_id=7}
+  %all_gather.7 = f32[4,1024]{1,0} all-gather(%param.1), channel_id=2, replica_groups=mesh['b'=4,'m'=2] {'m'}, dimensions={0}
+  %a2a = f32[1024]{0} all-to-all(%param.1), channel_id=3, replica_groups=mesh['b'=4,'m'=2] {'b','m'}
+  %sub = f32[1024]{0} all-reduce(%param.1), channel_id=4, replica_groups=mesh['b'=4] {'b':(1)2}, to_apply=%region_0.0
+}
+"""
+
+
+def test_parses_replica_groups_named_by_mesh_axes():
+  ops = {op.name: op for op in collective_ops(MESH_AXES)}
+  assert {name: op.group_size for name, op in ops.items()} == {
+      "psum.7": 4, "all_gather.7": 2, "a2a": 8, "sub": 2}
+  assert ops["psum.7"].wire_bytes == 2 * 3 / 4 * 4096
+  assert collective_bytes(MESH_AXES, wire=True)["all-gather"] == 4096
+
+
+@pytest.mark.parametrize("groups", ["mesh['b'=4] {'x'}", "<unknown>"])
+def test_unreadable_replica_groups_raise_instead_of_counting_nothing(groups):
+  text = f"  %ar = f32[8]{{0}} all-reduce(f32[8]{{0}} %p), replica_groups={groups}, to_apply=%add"
+  with pytest.raises(ValueError, match="cannot read the replica groups"):
+    collective_ops(text)
+
+
 def test_rejects_non_hlo():
   with pytest.raises(ValueError, match="as_text"):
     collective_bytes(42)

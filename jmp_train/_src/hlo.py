@@ -55,6 +55,11 @@ _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMP_RE = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _GROUPS_RE = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
 _IOTA_GROUPS_RE = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+# Newer XLA names the mesh and the axes a collective spans:
+# replica_groups=mesh['data'=4,'model'=2] {'data'}; a sub-axis reads 'data':(1)2.
+_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS_RE = re.compile(r"'([^']+)'\s*=\s*(\d+)")
+_GROUP_AXIS_RE = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +161,16 @@ def _operand_names(args: str) -> list[str]:
   return [n.strip() for n in names if n.strip()]
 
 
+def _mesh_group_size(mesh_text: str, axes_text: str, line: str) -> int:
+  sizes = {name: int(n) for name, n in _MESH_AXIS_RE.findall(mesh_text)}
+  k = 1
+  for name, _, sub_size in _GROUP_AXIS_RE.findall(axes_text):
+    if name not in sizes:
+      raise ValueError(f"collective_bytes cannot read the replica groups of: {line.strip()}")
+    k *= int(sub_size) if sub_size else sizes[name]
+  return k
+
+
 def _group_size(line: str) -> int:
   m = _IOTA_GROUPS_RE.search(line)
   if m:
@@ -164,6 +179,12 @@ def _group_size(line: str) -> int:
   if m:
     first = m.group(1).split("}")[0].strip("{")
     return max(1, len([x for x in first.split(",") if x]))
+  m = _MESH_GROUPS_RE.search(line)
+  if m:
+    return _mesh_group_size(m.group(1), m.group(2), line)
+  if re.search(r"replica_groups=(?!\{\})", line):
+    # A spelling this parser does not know: a silent group of 1 would count no bytes.
+    raise ValueError(f"collective_bytes cannot read the replica groups of: {line.strip()}")
   m = re.search(r"source_target_pairs=\{", line)
   return 2 if m else 1
 
@@ -191,7 +212,9 @@ def collective_ops(compiled_or_hlo_text: Any) -> list[CollectiveOp]:
     One :class:`CollectiveOp` per collective instruction, in program order.
 
   Raises:
-    ValueError: if the argument is neither text nor has ``.as_text()``.
+    ValueError: if the argument is neither text nor has ``.as_text()``, or
+      a collective's ``replica_groups`` are in a spelling it cannot read
+      (lists of ids, ``[g,k]<=[n]`` and ``mesh[...] {axes}`` are read).
   """
   text = _hlo_text(compiled_or_hlo_text)
   types: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
@@ -259,7 +282,9 @@ def collective_bytes(compiled_or_hlo_text: Any, *, wire: bool = False) -> dict[s
     bytes are rounded to the nearest integer.
 
   Raises:
-    ValueError: if the argument is neither text nor has ``.as_text()``.
+    ValueError: if the argument is neither text nor has ``.as_text()``, or
+      a collective's ``replica_groups`` are in a spelling it cannot read
+      (lists of ids, ``[g,k]<=[n]`` and ``mesh[...] {axes}`` are read).
   """
   out: dict[str, float] = {kind: 0 for kind in COLLECTIVE_KINDS}
   for op in collective_ops(compiled_or_hlo_text):
