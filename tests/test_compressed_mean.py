@@ -62,7 +62,8 @@ def test_bfloat16_is_rounded_float32_mean_of_rounded_gradients(k):
   expected = (mean / np.float32(k)).astype(ml_dtypes.bfloat16).astype(np.float32)
   for j in range(k):
     np.testing.assert_array_equal(flat(out, j), expected[:n])
-  assert state.worker_residual.shape == (k, 0)
+  # No zero-size residual arrays (XLA:CPU in jax 0.11 crashes on them beside collectives).
+  assert state.worker_residual == optax.EmptyState() == state.server_residual
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3", "float8_e5m2"])

@@ -82,15 +82,16 @@ class CompressedMeanState(NamedTuple):
   Attributes:
     count: int32 scalar, the number of updates so far.
     worker_residual: float32 ``(N_pad,)``, this replica's quantization error
-      over the flattened gradients (``(0,)`` without error feedback).
+      over the flattened gradients (``optax.EmptyState()`` without error
+      feedback).
     server_residual: float32 ``(N_pad // K,)``, the error of re-quantizing
-      the chunks this replica owns (``(0,)`` without error feedback or when
-      ``axis_name`` is ``None``).
+      the chunks this replica owns (``optax.EmptyState()`` without error
+      feedback or when ``axis_name`` is ``None``).
   """
 
   count: jax.Array
-  worker_residual: jax.Array
-  server_residual: jax.Array
+  worker_residual: jax.Array | optax.EmptyState
+  server_residual: jax.Array | optax.EmptyState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +201,15 @@ def _plan(cfg: _Config, leaves, where: str):
   return k, _buckets(sizes, k, cfg.bucket_bytes)
 
 
+def _residual(n: int) -> jax.Array | optax.EmptyState:
+  # No zero-size array: XLA:CPU (jax 0.11) crashes compiling one beside a collective.
+  return jnp.zeros((n,), jnp.float32) if n else optax.EmptyState()
+
+
+def _length(residual: jax.Array | optax.EmptyState) -> tuple[int, ...]:
+  return tuple(residual.shape) if hasattr(residual, "shape") else (0,)
+
+
 def _init(cfg: _Config, params) -> CompressedMeanState:
   leaves, _ = check_leaves(params, "parameters", _NAME)
   k, buckets = _plan(cfg, leaves, "init")
@@ -208,8 +218,8 @@ def _init(cfg: _Config, params) -> CompressedMeanState:
   server = n_pad // k if ef and cfg.axis_name is not None else 0
   return CompressedMeanState(
       count=jnp.zeros((), jnp.int32),
-      worker_residual=jnp.zeros((n_pad if ef else 0,), jnp.float32),
-      server_residual=jnp.zeros((server,), jnp.float32),
+      worker_residual=_residual(n_pad if ef else 0),
+      server_residual=_residual(server),
   )
 
 
@@ -219,7 +229,7 @@ def _bucket_step(cfg: _Config, leaves, bucket: _Bucket, k: int, r, e):
   pad = jnp.zeros((bucket.n_pad - bucket.n,), jnp.float32)
   if cfg.wire == "bfloat16":
     # Elementwise from here on: XLA fuses the concatenation into the rounding.
-    v = jnp.concatenate(parts + [pad])
+    v = jnp.concatenate(parts + [pad] if pad.size else parts)
   else:
     # The per-chunk amax reads the buffer before it is rounded: build it once
     # by in-place copies (a materialized concatenation is slow on XLA:CPU).
@@ -247,7 +257,7 @@ def _update(cfg: _Config, updates, state: CompressedMeanState, params=None):
   n_pad = sum(b.n_pad for b in buckets)
   ef = cfg.error_feedback
   expected = ((n_pad if ef else 0,), (n_pad // k if ef and cfg.axis_name is not None else 0,))
-  got = (tuple(state.worker_residual.shape), tuple(state.server_residual.shape))
+  got = (_length(state.worker_residual), _length(state.server_residual))
   if got != expected:
     raise ValueError(
         f"CompressedMeanState residual shapes {got} do not match the gradients and "

@@ -466,9 +466,13 @@ def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
   P = jax.sharding.PartitionSpec
   is_state = lambda x: isinstance(x, (SignCompressionState, CompressedMeanState))
 
+  def residual(r):
+    # An absent residual (optax.EmptyState) has no arrays to place.
+    return r if isinstance(r, optax.EmptyState) else P(axis_name)
+
   def spec(x):
     if is_state(x):
-      return type(x)(P(), P(axis_name), P(axis_name))
+      return type(x)(P(), residual(x.worker_residual), residual(x.server_residual))
     return P()
 
   return jax.tree.map(spec, opt_state, is_leaf=is_state)
