@@ -67,6 +67,22 @@ def test_custom_vjp_rule_is_kept():
   assert g.dtype == F32
 
 
+def test_scan_counts_read_both_jax_spellings():
+  # JAX <= 0.10 counts constants and carries; newer JAX passes a flat tree
+  # of (constants, carries, xs) instead, and open jaxprs (no .consts).
+  from jmp_train._src import autocast_calls
+
+  class FlatTree:  # what jax 0.11's scan equation holds in ``ft_in``
+    def unpack(self):
+      return iter([None, None]), iter([None]), iter([None, None, None])
+
+  assert autocast_calls._scan_counts({"num_consts": 2, "num_carry": 1}) == (2, 1)
+  assert autocast_calls._scan_counts({"ft_in": FlatTree()}) == (2, 1)
+  jaxpr = jax.make_jaxpr(lambda x: x * 2)(1.0)
+  assert autocast_calls._open(jaxpr) == (jaxpr.jaxpr, list(jaxpr.consts))
+  assert autocast_calls._open(jaxpr.jaxpr) == (jaxpr.jaxpr, [])
+
+
 def test_control_flow_and_nested_jit():
   @jax.jit
   def layer(w, h):

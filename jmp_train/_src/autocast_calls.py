@@ -30,10 +30,17 @@ from jmp_train._src.autocast_interpreter import _is_float
 from jmp_train._src.autocast_interpreter import _opaque
 
 
+def _open(closed: Any) -> tuple[Any, list[Any]]:
+  """A body's jaxpr and constants: newer JAX passes open jaxprs (constants as operands)."""
+  if hasattr(closed, "consts"):
+    return closed.jaxpr, list(closed.consts)
+  return closed, []
+
+
 def _closed(rules: _Rules, closed: Any, vals: Sequence[Any], tags: Sequence[int],
             scope: tuple[str, ...]):
-  consts = list(closed.consts)
-  return _eval(rules, closed.jaxpr, consts, [_PARAM] * len(consts), vals, tags, scope)
+  jaxpr, consts = _open(closed)
+  return _eval(rules, jaxpr, consts, [_PARAM] * len(consts), vals, tags, scope)
 
 
 def _pjit(rules, eqn, vals, tags, scope):
@@ -48,7 +55,7 @@ def _closed_call(rules, eqn, vals, tags, scope):
 
 
 def _func_name(closed: Any, default: str) -> str:
-  info = getattr(closed.jaxpr, "debug_info", None)
+  info = getattr(_open(closed)[0], "debug_info", None)
   return str(getattr(info, "func_name", None) or default)
 
 
@@ -117,9 +124,17 @@ def _cast_like(vals: Sequence[Any], dtypes: Sequence[np.dtype | None]) -> list[A
   return [x if d is None else _cast(x, d) for x, d in zip(vals, dtypes)]
 
 
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+  """Constants and carries of a scan: counts, or newer JAX's (consts, carry, xs) flat tree."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(list(consts)), len(list(carry))
+
+
 def _scan(rules, eqn, vals, tags, scope):
   p = eqn.params
-  nc, ncarry = p["num_consts"], p["num_carry"]
+  nc, ncarry = _scan_counts(p)
   consts, init, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
   c_tags, i_tags, x_tags = tags[:nc], tags[nc:nc + ncarry], tags[nc + ncarry:]
   carry_dtypes = _carry_dtypes(init)
