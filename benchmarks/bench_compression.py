@@ -3,7 +3,7 @@
 Part 1, bytes: for a 1,068,810-parameter MLP (784-1024-256-10), the
 per-device bytes of every collective in the compiled program of one
 gradient exchange (:func:`jmp_train.collective_bytes`), for K = 2..8
-replicas under ``pmap``:
+replicas under ``pmap`` (on a one-GPU machine, over simulated CPU devices):
 
 * ``pmean_f32``: ``lax.pmean`` of float32 gradients (an all-reduce);
 * ``pmean_bf16``: gradients cast to bfloat16, then ``pmean`` (XLA:CPU
@@ -30,7 +30,9 @@ bfloat16/float8 quantize + dequantize (``compressed_mean()`` without an
 axis), and bit packing + unpacking alone, against an elementwise pass over
 the same float32 buffer (``x + 1``, a read and a write: the memory-bound
 floor), for a 2048 x 2048 float32 gradient, and (rows ending in ``_mlp``)
-for the gradients of the MLP of part 1, six leaves. GB/s counts the
+for the gradients of the MLP of part 1, six leaves. On a GPU the buffers
+are larger, so that they dwarf its L2 cache and a call its launch cost: a
+16384 x 16384 gradient and a 4096-16384-4096-1000 MLP's. GB/s counts the
 buffer's float32 bytes once (for the owner: the K chunks it decodes);
 ``vs_copy`` is the copy's time over the codec's, in the same run. The
 column decode transposes packed 32-bit words only.
@@ -57,8 +59,7 @@ AXIS = "i"
 _INSPECT_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _mlp_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
-  sizes = (64, 128, 10) if quick else (784, 1024, 256, 10)
+def _mlp_shapes(sizes: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
   shapes = {}
   for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:])):
     shapes[f"w{i}"] = (m, n)
@@ -66,14 +67,28 @@ def _mlp_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def _bytes_records(shapes, ks) -> list[dict]:
+def _exchange_devices() -> list:
+  """The bytes programs' devices: the default backend's, else the simulated CPUs."""
+  devices = jax.devices()
+  return devices if len(devices) >= 2 else jax.devices("cpu")
+
+
+def _throughput_shapes(mlp) -> dict[str, list[tuple[int, ...]]]:
+  """The gradients timed: larger on a GPU, to be well past its L2 and launch costs."""
+  if jax.default_backend() != "gpu":
+    return {"": [(2048, 2048)], "_mlp": list(mlp.values())}
+  big = _mlp_shapes((4096, 16384, 4096, 1000))
+  return {"": [(16384, 16384)], "_mlp": list(big.values())}
+
+
+def _bytes_records(shapes, ks, all_devices) -> list[dict]:
   from jmp_train import collective_bytes, sign_compression
   from jmp_train._src.compressed_mean import compressed_mean
 
   n = sum(int(np.prod(s)) for s in shapes.values())
   records = []
   for k in ks:
-    devices = jax.devices()[:k]
+    devices = all_devices[:k]
     grads = {name: jax.ShapeDtypeStruct((k,) + s, jnp.float32) for name, s in shapes.items()}
     programs = {
         "pmean_f32": (jax.pmap(lambda g: jax.lax.pmean(g, AXIS), axis_name=AXIS, devices=devices), None),
@@ -188,17 +203,17 @@ def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None)
 
 
 def run(quick: bool) -> list[dict]:
-  if jax.device_count() < 2:
+  devices = _exchange_devices()
+  if len(devices) < 2:
     raise ValueError(
         "bench_compression needs several devices: run it through `python -m "
         "benchmarks` (8 simulated CPU devices) or set "
         "XLA_FLAGS=--xla_force_host_platform_device_count=8."
     )
-  ks = (2,) if quick else tuple(range(2, min(8, jax.device_count()) + 1))
-  mlp = _mlp_shapes(quick)
-  records = _bytes_records(mlp, ks)
+  ks = (2,) if quick else tuple(range(2, min(8, len(devices)) + 1))
+  mlp = _mlp_shapes((64, 128, 10) if quick else (784, 1024, 256, 10))
+  records = _bytes_records(mlp, ks, devices)
   if quick:
     # A smoke test: its figures mean nothing, so skip LLVM's optimizations too.
     return records + _throughput_records({"": [(64, 64)]}, repeats=3, k=2, compiler_options=_INSPECT_ONLY)
-  shape_sets = {"": [(2048, 2048)], "_mlp": list(mlp.values())}
-  return records + _throughput_records(shape_sets, repeats=15, k=8)
+  return records + _throughput_records(_throughput_shapes(mlp), repeats=15, k=8)
