@@ -161,12 +161,17 @@ def _operand_names(args: str) -> list[str]:
   return [n.strip() for n in names if n.strip()]
 
 
+def _unreadable(line: str) -> ValueError:
+  # A spelling this parser does not know: a silent group of 1 would count no bytes.
+  return ValueError(f"collective_bytes cannot read the replica groups of: {line.strip()}")
+
+
 def _mesh_group_size(mesh_text: str, axes_text: str, line: str) -> int:
   sizes = {name: int(n) for name, n in _MESH_AXIS_RE.findall(mesh_text)}
   k = 1
   for name, _, sub_size in _GROUP_AXIS_RE.findall(axes_text):
     if name not in sizes:
-      raise ValueError(f"collective_bytes cannot read the replica groups of: {line.strip()}")
+      raise _unreadable(line)
     k *= int(sub_size) if sub_size else sizes[name]
   return k
 
@@ -183,8 +188,7 @@ def _group_size(line: str) -> int:
   if m:
     return _mesh_group_size(m.group(1), m.group(2), line)
   if re.search(r"replica_groups=(?!\{\})", line):
-    # A spelling this parser does not know: a silent group of 1 would count no bytes.
-    raise ValueError(f"collective_bytes cannot read the replica groups of: {line.strip()}")
+    raise _unreadable(line)
   m = re.search(r"source_target_pairs=\{", line)
   return 2 if m else 1
 
