@@ -121,6 +121,31 @@ def is_skipped(records: Sequence[dict[str, Any]]) -> bool:
   return len(records) == 1 and records[0].get("skipped") is True
 
 
+def selected_rows(rows: Sequence[tuple], variable: str) -> list[tuple]:
+  """The rows ``(group, mode, ...)`` whose mode the environment ``variable`` names.
+
+  ``variable`` holds comma-separated modes; unset or empty keeps every row.
+  Each group kept must keep its ``*_float32`` row, the reference of the
+  benchmark's relative columns.
+
+  Raises:
+    ValueError: for a mode that is not a row, or a group without its
+      ``*_float32`` row.
+  """
+  value = os.environ.get(variable, "")
+  if not value:
+    return list(rows)
+  modes, known = value.split(","), [row[1] for row in rows]
+  unknown = sorted(set(modes) - set(known))
+  if unknown:
+    raise ValueError(f"{variable}: unknown rows {unknown}; valid: {sorted(set(known))}.")
+  kept = [row for row in rows if row[1] in modes]
+  missing = sorted({r[0] for r in kept} - {r[0] for r in kept if r[1].endswith("float32")})
+  if missing:
+    raise ValueError(f"{variable}: keep the float32 row of {missing} too.")
+  return kept
+
+
 tree_bytes = train_state.tree_bytes  # the library's one copy
 
 

@@ -33,10 +33,16 @@ every 50th step sends a float all-reduce instead) over a float32 ring
 all-reduce of the gradients, for the digits MLP (4,810 parameters: the
 (hi, lo) pairs and padding weigh) and ``wire_ratio_2m`` for a
 784-2048-1024-10 MLP (2.7M parameters; not with ``--quick``).
+
+Environment (full runs): ``BENCH_ONE_BIT_OPTIMIZERS_STEPS`` (default 400;
+the schedules, the 1-bit warm-up and the refresh interval scale with it)
+and ``BENCH_ONE_BIT_OPTIMIZERS_MODES`` (comma-separated rows; default all;
+keep each optimizer's ``*_float32`` row).
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -44,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks import _harness
 from benchmarks import bench_one_bit_convergence as digits
 
 NAME = "one_bit_optimizers"
@@ -161,7 +168,7 @@ def run(quick: bool) -> list[dict]:
   # --quick (a smoke test, run by the test suite): a linear classifier (one
   # tensor: compiling the 1-bit exchange dominates), 10 steps, 1 seed, one
   # learning rate, three rows.
-  steps = 10 if quick else 400
+  steps = 10 if quick else int(os.environ.get("BENCH_ONE_BIT_OPTIMIZERS_STEPS", "400"))
   hidden = None if quick else 64
   seeds = (0,) if quick else (0, 1, 2)
   lr_momentum = (0.1,) if quick else (0.1, 0.3)
@@ -169,7 +176,10 @@ def run(quick: bool) -> list[dict]:
   params = digits._init_model(jax.random.key(0), hidden)  # pylint: disable=protected-access
   large = digits._init_mlp(jax.random.key(0), (784, 2048, 1024, 10))  # pylint: disable=protected-access
   records, wire = [], {}
-  for optimizer, mode, lr, sched, make in _optimizers(lr_momentum, adam, steps):
+  rows = _optimizers(lr_momentum, adam, steps)
+  if not quick:
+    rows = _harness.selected_rows(rows, "BENCH_ONE_BIT_OPTIMIZERS_MODES")
+  for optimizer, mode, lr, sched, make in rows:
     if quick and mode not in QUICK_MODES:
       continue
     runs = [digits.train_digits(make(), steps=steps, seed=s, hidden=hidden) for s in seeds]

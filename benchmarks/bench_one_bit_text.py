@@ -10,9 +10,11 @@ seed: linear warm-up over 10% of the steps, then cosine decay to 1% (the
 demo's ``optax.warmup_cosine_decay_schedule``); 3 seeds. Rows (``mode``):
 
 * Adam (peak learning rate ``LR_ADAM``): ``adam_float32`` (``optax.adam``
-  on the exact ``pmean``), ``one_bit_adam`` (exact for the first 20% of the
-  steps, DeepSpeed's ``freeze_step``, then ``v`` frozen and the momentum
-  exchanged in 1 bit), ``one_bit_adam_refresh`` (the same with
+  on the exact ``pmean``), ``adam_frozen_v`` (the exact ``pmean``, ``v``
+  frozen after the same warm-up: 1-bit Adam's rule with a lossless
+  exchange), ``one_bit_adam`` (exact for the first 20% of the steps,
+  DeepSpeed's ``freeze_step``, then ``v`` frozen and the momentum exchanged
+  in 1 bit), ``one_bit_adam_refresh`` (the same with
   ``variance_refresh`` every 1/8 of the steps: an exact step that updates
   ``v``, as in 0/1 Adam) and ``adam_grad_1bit`` (gradient compression,
   :func:`jmp_train.sign_compression`, before ``optax.adam``: for contrast);
@@ -30,12 +32,18 @@ warm-up over a float32 ring all-reduce (compiled HLO, see
 ``bench_one_bit_optimizers``). ``--quick``: a smaller model, 4 steps, one
 seed, ``adam_float32`` only (a smoke test of the code; the compressed
 optimizers' quick rows are in ``bench_one_bit_optimizers``).
+
+Environment (full runs): ``BENCH_ONE_BIT_TEXT_STEPS`` (default 200; the
+schedule, the 1-bit warm-up and the refresh interval scale with it) and
+``BENCH_ONE_BIT_TEXT_MODES`` (comma-separated rows; default all; each
+optimizer's ``*_float32`` row is needed for ``rel_to_float32``).
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -152,12 +160,14 @@ def _optimizers(steps: int, quick: bool):
   from jmp_train import one_bit_adam, one_bit_momentum, sign_compression
 
   from benchmarks.bench_one_bit_convergence import _exact_mean
+  from benchmarks.bench_one_bit_optimizers import _frozen_v_adam
 
   adam, sgdm = schedule(LR_ADAM, steps), schedule(LR_SGDM, steps)
   warmup = max(1, int(ONE_BIT_WARMUP * steps))
   refresh = max(1, steps // 8)
   rows = [
       ("adam", "adam_float32", LR_ADAM, lambda: optax.chain(_exact_mean(AXIS), optax.adam(adam))),
+      ("adam", "adam_frozen_v", LR_ADAM, lambda: _frozen_v_adam(adam, warmup)),
       ("adam", "one_bit_adam", LR_ADAM,
        lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup)),
       ("adam", "one_bit_adam_refresh", LR_ADAM,
@@ -176,14 +186,18 @@ def _optimizers(steps: int, quick: bool):
 
 
 def run(quick: bool) -> list[dict]:
+  from benchmarks import _harness
   from benchmarks.bench_one_bit_optimizers import wire_ratio
 
-  steps = 4 if quick else 200
+  steps = 4 if quick else int(os.environ.get("BENCH_ONE_BIT_TEXT_STEPS", "200"))
   seeds = (0,) if quick else (0, 1, 2)
   size = dict(d_model=16, seq_len=16, eval_batches=2) if quick else {}
   params = None if quick else _task(0, 1, 64, 64, 32, 1)[1]
+  rows = _optimizers(steps, quick)
+  if not quick:
+    rows = _harness.selected_rows(rows, "BENCH_ONE_BIT_TEXT_MODES")
   records = []
-  for optimizer, mode, lr, make in _optimizers(steps, quick):
+  for optimizer, mode, lr, make in rows:
     runs = [train_text(make(), steps=steps, seed=s, **size) for s in seeds]
     val = np.asarray([r["val_loss"] for r in runs])
     records.append({

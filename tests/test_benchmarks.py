@@ -271,6 +271,22 @@ def test_skipped_records():
   assert not _harness.is_skipped([{"a": 1}])
 
 
+def test_selected_rows_follow_the_environment(monkeypatch):
+  rows = [("adam", "adam_float32", 1), ("adam", "one_bit_adam", 2),
+          ("sgdm", "sgdm_float32", 3), ("sgdm", "one_bit_momentum", 4)]
+  monkeypatch.delenv("BENCH_ROWS", raising=False)
+  assert _harness.selected_rows(rows, "BENCH_ROWS") == rows
+  monkeypatch.setenv("BENCH_ROWS", "adam_float32,one_bit_adam")
+  assert _harness.selected_rows(rows, "BENCH_ROWS") == rows[:2]
+  monkeypatch.setenv("BENCH_ROWS", "adam_float32,one_bit_adma")
+  with pytest.raises(ValueError, match=r"unknown rows \['one_bit_adma'\]; valid: .*one_bit_adam"):
+    _harness.selected_rows(rows, "BENCH_ROWS")
+  # A row without its reference would have no relative column.
+  monkeypatch.setenv("BENCH_ROWS", "adam_float32,one_bit_momentum")
+  with pytest.raises(ValueError, match=r"float32 row of \['sgdm'\]"):
+    _harness.selected_rows(rows, "BENCH_ROWS")
+
+
 # --------------------------------------------------------------------------
 # Activation memory: residual classification (its quick records are checked
 # above, in test_benchmark_runs_quick).
