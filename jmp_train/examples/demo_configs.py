@@ -156,15 +156,6 @@ def single_device_optimizer(cfg: RunConfig, s: DemoSettings) -> optax.GradientTr
   )
 
 
-def _one_bit_momentum():
-  # Public as jmp_train.one_bit_momentum once exported; the module until then.
-  if hasattr(jmp_train, "one_bit_momentum"):
-    return jmp_train.one_bit_momentum
-  from jmp_train._src.one_bit_optimizers import one_bit_momentum  # pylint: disable=g-import-not-at-top
-
-  return one_bit_momentum
-
-
 def data_parallel_optimizer(
     cfg: RunConfig, s: DemoSettings, axis_name: str = "batch"
 ) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
@@ -198,7 +189,7 @@ def data_parallel_optimizer(
     return compression, optax.sgd(lr, momentum=m)
   if cfg.compression == "1bit":
     # It averages across replicas and applies the learning rate itself.
-    tx = _one_bit_momentum()(
+    tx = jmp_train.one_bit_momentum(
         lr, m, axis_name=axis_name, warmup_steps=s.one_bit_warmup_steps,
         scale=s.one_bit_scale)
     return tx, optax.identity()

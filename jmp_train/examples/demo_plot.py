@@ -55,7 +55,7 @@ def _comparison_panel(ax, title: str, names: Sequence[str], rows: dict, curves: 
   if not drawn:
     ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
     return
-  ax.set_ylabel(f"train loss (mean of {window} steps)")
+  ax.set_ylabel("train loss" if window == 1 else f"train loss (mean of {window} steps)")
   # Zoom on the second half, where the curves separate; keep the start visible.
   tail = np.concatenate([y[len(y) // 3:] for y in drawn])
   lo, hi = float(tail.min()), float(np.concatenate(drawn).max())
