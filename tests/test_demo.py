@@ -313,3 +313,14 @@ def test_a_failed_worker_process_reports_its_error_line(tmp_path, capsys, monkey
 ])
 def test_failure_line_prefers_the_last_error_line(log, line):
   assert demo._failure_line(log) == line
+
+
+def test_worker_processes_keep_every_xla_flag_but_the_device_count():
+  # Each worker sets its own device count; a GPU flag or a collective
+  # timeout set by the user must reach it.
+  flags = ("--xla_gpu_ftz=true --xla_force_host_platform_device_count=8 "
+           "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+  kept = demo._worker_xla_flags(flags)  # pylint: disable=protected-access
+  assert kept.split() == ["--xla_gpu_ftz=true",
+                          "--xla_cpu_collective_call_terminate_timeout_seconds=600"]
+  assert demo._worker_xla_flags("") == ""  # pylint: disable=protected-access

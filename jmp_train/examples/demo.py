@@ -97,6 +97,17 @@ def _failure_line(log: str) -> str:
   return (errors or lines or ["(no output)"])[-1]
 
 
+def _worker_xla_flags(flags: str) -> str:
+  """``XLA_FLAGS`` for a worker process: the caller's, without a CPU device count.
+
+  Each worker sets its own device count (8 / N); every other flag (a GPU
+  flag, a collective timeout) reaches the workers as the user set it.
+  """
+  return " ".join(
+      f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+  )
+
+
 def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) -> tuple[list[dict], dict]:
   """Runs ``names`` in ``s.num_processes`` local processes (jax.distributed)."""
   port = _free_port()
@@ -110,7 +121,7 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
           "--_process", f"{pid},{s.num_processes},{port}",
       ]
       env = dict(os.environ)
-      env.pop("XLA_FLAGS", None)
+      env["XLA_FLAGS"] = _worker_xla_flags(env.get("XLA_FLAGS", ""))
       procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate()[0] for p in procs]
