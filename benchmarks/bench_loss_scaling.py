@@ -11,7 +11,8 @@ One model, five ways to write the same jitted AdamW train step:
   over new and old inner state instead of ``lax.cond``);
 * ``jmp``: ``jmp.DynamicLossScale`` by hand (scale the loss, unscale,
   ``jmp.all_finite``, ``adjust``, ``jmp.select_tree`` over the new and old
-  parameters and optimizer state), as in jmp's README;
+  parameters and optimizer state), as in jmp's README (left out where
+  ``jmp``, the ``bench`` extra, is not installed);
 * ``flax``: ``flax.training.dynamic_scale.DynamicScale.value_and_grad`` and
   a ``jnp.where`` over the new and old parameters and optimizer state, as in
   Flax's examples;
@@ -75,6 +76,7 @@ steps compiled for the counts are reused).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -101,6 +103,13 @@ COLUMNS = (
 _QUEUED_STEPS = 10  # calls queued before one wait, on a GPU
 VARIANTS = ("adamw", "jmp_train", "jmp_train_select", "jmp", "flax", "optax",
             "skip_floor")
+
+
+def _variants() -> tuple[str, ...]:
+  """:data:`VARIANTS`, without ``jmp`` where it is not installed."""
+  if importlib.util.find_spec("jmp") is None:
+    return tuple(v for v in VARIANTS if v != "jmp")
+  return VARIANTS
 _STATIC_SCALE = 2.0**15
 
 
@@ -154,7 +163,8 @@ def _steps(lr: float = 1e-3) -> dict[str, tuple[Callable[..., Any], Any]]:
   steps["jmp_train"] = ours("cond")
   steps["jmp_train_select"] = ours("select")
 
-  steps["jmp"] = _jmp_step(adamw)
+  if "jmp" in _variants():
+    steps["jmp"] = _jmp_step(adamw)
   steps["flax"] = _flax_step(adamw)
 
   guarded = optax.apply_if_finite(adamw, max_consecutive_errors=10**9)
@@ -396,7 +406,7 @@ def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
     else:
       grads = jax.tree.map(lambda g: g * _STATIC_SCALE,
                            jax.grad(_loss)(params, x, y))
-      for name in VARIANTS:
+      for name in _variants():
         upd, init = _update_only(name)
         candidates[name] = _runner(upd, init(copy()), grads)
     load_before = _load_average()
@@ -408,7 +418,7 @@ def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
     load_after = _load_average()
     medians = {k: statistics.median(v) for k, v in times.items()}
     mins = {k: min(v) for k, v in times.items()}
-    for name in VARIANTS:
+    for name in _variants():
       records.append({
           "part": part,
           "variant": name,

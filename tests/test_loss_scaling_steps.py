@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -96,3 +98,15 @@ def test_finite_step_profile_counts_passes():
   assert p1 == {"array_kernels": 1, "scalar_kernels": 0, "array_bytes": 2 * 64 * 64 * 4}
   assert p2["array_kernels"] == 1 and p2["scalar_kernels"] >= 1
   assert p3["array_kernels"] >= 2  # the reduction and the branch's add
+
+
+def test_benchmark_leaves_out_jmp_where_it_is_not_installed(monkeypatch):
+  from benchmarks import bench_loss_scaling
+
+  monkeypatch.setitem(sys.modules, "jmp", None)  # as if not installed
+  assert "jmp" not in bench_loss_scaling._variants()  # pylint: disable=protected-access
+  steps = bench_loss_scaling._steps()  # pylint: disable=protected-access
+  assert "jmp" not in steps and {"adamw", "jmp_train", "flax", "optax"} <= set(steps)
+  records = bench_loss_scaling.compiled_profiles(
+      sizes=(8, 16, 10), batch=4, variants=("adamw",), steps=steps)
+  assert {r["part"] for r in records} == {"hlo_step", "hlo_update"}
