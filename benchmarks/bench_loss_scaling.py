@@ -103,6 +103,7 @@ COLUMNS = (
 _QUEUED_STEPS = 10  # calls queued before one wait, on a GPU
 VARIANTS = ("adamw", "jmp_train", "jmp_train_select", "jmp", "flax", "optax",
             "skip_floor")
+_STATIC_SCALE = 2.0**15
 
 
 def _variants() -> tuple[str, ...]:
@@ -110,7 +111,6 @@ def _variants() -> tuple[str, ...]:
   if importlib.util.find_spec("jmp") is None:
     return tuple(v for v in VARIANTS if v != "jmp")
   return VARIANTS
-_STATIC_SCALE = 2.0**15
 
 
 def _init_mlp(sizes: tuple[int, ...], seed: int = 0) -> dict[str, jax.Array]:
