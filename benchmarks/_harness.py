@@ -121,6 +121,20 @@ def is_skipped(records: Sequence[dict[str, Any]]) -> bool:
   return len(records) == 1 and records[0].get("skipped") is True
 
 
+def env_int(variable: str, default: int) -> int:
+  """The positive integer in the environment ``variable``, else ``default``.
+
+  Raises:
+    ValueError: naming the variable, for a value that is not a positive integer.
+  """
+  value = os.environ.get(variable, "")
+  if not value:
+    return default
+  if not value.isdigit() or int(value) < 1:
+    raise ValueError(f"{variable} must be a positive integer, got {value!r}.")
+  return int(value)
+
+
 def selected_rows(rows: Sequence[tuple], variable: str) -> list[tuple]:
   """The rows ``(group, mode, ...)`` whose mode the environment ``variable`` names.
 

@@ -42,7 +42,6 @@ keep each optimizer's ``*_float32`` row).
 
 from __future__ import annotations
 
-import os
 import re
 
 import jax
@@ -168,7 +167,7 @@ def run(quick: bool) -> list[dict]:
   # --quick (a smoke test, run by the test suite): a linear classifier (one
   # tensor: compiling the 1-bit exchange dominates), 10 steps, 1 seed, one
   # learning rate, three rows.
-  steps = 10 if quick else int(os.environ.get("BENCH_ONE_BIT_OPTIMIZERS_STEPS", "400"))
+  steps = 10 if quick else _harness.env_int("BENCH_ONE_BIT_OPTIMIZERS_STEPS", 400)
   hidden = None if quick else 64
   seeds = (0,) if quick else (0, 1, 2)
   lr_momentum = (0.1,) if quick else (0.1, 0.3)

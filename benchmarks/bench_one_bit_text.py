@@ -41,8 +41,6 @@ optimizer's ``*_float32`` row is needed for ``rel_to_float32``).
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 import optax
@@ -189,7 +187,7 @@ def run(quick: bool) -> list[dict]:
   from benchmarks import _harness
   from benchmarks.bench_one_bit_optimizers import wire_ratio
 
-  steps = 4 if quick else int(os.environ.get("BENCH_ONE_BIT_TEXT_STEPS", "200"))
+  steps = 4 if quick else _harness.env_int("BENCH_ONE_BIT_TEXT_STEPS", 200)
   seeds = (0,) if quick else (0, 1, 2)
   size = dict(d_model=16, seq_len=16, eval_batches=2) if quick else {}
   params = None if quick else _task(0, 1, 64, 64, 32, 1)[1]

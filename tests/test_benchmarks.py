@@ -271,6 +271,17 @@ def test_skipped_records():
   assert not _harness.is_skipped([{"a": 1}])
 
 
+def test_env_int_reads_a_positive_integer(monkeypatch):
+  monkeypatch.delenv("BENCH_STEPS", raising=False)
+  assert _harness.env_int("BENCH_STEPS", 200) == 200
+  monkeypatch.setenv("BENCH_STEPS", "1000")
+  assert _harness.env_int("BENCH_STEPS", 200) == 1000
+  for bad in ("0", "-5", "1e3", "ten"):
+    monkeypatch.setenv("BENCH_STEPS", bad)
+    with pytest.raises(ValueError, match=rf"BENCH_STEPS must be a positive integer, got '{bad}'"):
+      _harness.env_int("BENCH_STEPS", 200)
+
+
 def test_selected_rows_follow_the_environment(monkeypatch):
   rows = [("adam", "adam_float32", 1), ("adam", "one_bit_adam", 2),
           ("sgdm", "sgdm_float32", 3), ("sgdm", "one_bit_momentum", 4)]
