@@ -32,6 +32,7 @@ with its data, model and initialization unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -102,6 +103,42 @@ def _loss(params, x, y, compute_dtype):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+@functools.lru_cache(maxsize=64)
+def _digits_run(optimizer: optax.GradientTransformation, compute_dtype: np.dtype, log_every: int):
+  """The jitted training run of one setup; the data are arguments, so seeds share it."""
+
+  @jax.jit
+  def run(params, idx, data):
+    x_train, y_train, x_test, y_test = data
+    opt_state = optimizer.init(params)
+
+    def step(carry, batch_idx):
+      params, opt_state, i = carry
+      grads = jax.grad(_loss)(params, x_train[batch_idx], y_train[batch_idx], compute_dtype)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      if log_every:
+        test_loss = jax.lax.cond(
+            (i + 1) % log_every == 0,
+            lambda: _loss(params, x_test, y_test, compute_dtype),
+            lambda: jnp.full((), jnp.nan, jnp.float32),
+        )
+      else:
+        test_loss = jnp.zeros((), jnp.float32)
+      return (params, opt_state, i + 1), test_loss
+
+    (params, _, _), curve = jax.lax.scan(
+        step, (params, opt_state, jnp.zeros([], jnp.int32)), idx
+    )
+    logits = _logits(params, x_test, compute_dtype)
+    test_loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
+    accuracy = (logits.argmax(-1) == y_test).mean()
+    train_loss = _loss(params, x_train, y_train, compute_dtype)
+    return test_loss, accuracy, train_loss, curve
+
+  return run
+
+
 def train_digits(
     optimizer: optax.GradientTransformation,
     param_dtype: Any,
@@ -132,46 +169,20 @@ def train_digits(
     recorded every ``log_every`` steps (empty when ``log_every`` is 0).
   """
   ds = dataset if dataset is not None else data_lib.load_digits()
-  x_train, y_train = jnp.asarray(ds.x_train), jnp.asarray(ds.y_train)
-  x_test, y_test = jnp.asarray(ds.x_test), jnp.asarray(ds.y_test)
+  data = tuple(jnp.asarray(a) for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
   rng = np.random.default_rng(seed)
   idx = np.stack([
       rng.choice(len(ds.x_train), batch_size, replace=False) for _ in range(steps)
   ])
   # Same starting point for every setup: drawn in float32, rounded to half.
-  init = init_mlp(jax.random.key(seed), (x_train.shape[1], hidden, 10))
+  init = init_mlp(jax.random.key(seed), (ds.x_train.shape[1], hidden, 10))
   init = jax.tree.map(lambda p: p.astype(compute_dtype).astype(param_dtype), init)
   log_every = int(log_every)
-
-  @jax.jit
-  def run(params, idx):
-    opt_state = optimizer.init(params)
-
-    def step(carry, batch_idx):
-      params, opt_state, i = carry
-      grads = jax.grad(_loss)(params, x_train[batch_idx], y_train[batch_idx], compute_dtype)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      if log_every:
-        test_loss = jax.lax.cond(
-            (i + 1) % log_every == 0,
-            lambda: _loss(params, x_test, y_test, compute_dtype),
-            lambda: jnp.full((), jnp.nan, jnp.float32),
-        )
-      else:
-        test_loss = jnp.zeros((), jnp.float32)
-      return (params, opt_state, i + 1), test_loss
-
-    (params, _, _), curve = jax.lax.scan(
-        step, (params, opt_state, jnp.zeros([], jnp.int32)), idx
-    )
-    logits = _logits(params, x_test, compute_dtype)
-    test_loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
-    accuracy = (logits.argmax(-1) == y_test).mean()
-    train_loss = _loss(params, x_train, y_train, compute_dtype)
-    return test_loss, accuracy, train_loss, curve
-
-  test_loss, accuracy, train_loss, curve = run(init, jnp.asarray(idx))
+  try:
+    run = _digits_run(optimizer, np.dtype(compute_dtype), log_every)
+  except TypeError:  # an optimizer that cannot be hashed: compiled for this call
+    run = _digits_run.__wrapped__(optimizer, np.dtype(compute_dtype), log_every)
+  test_loss, accuracy, train_loss, curve = run(init, jnp.asarray(idx), data)
   curve = np.asarray(curve)
   curve = curve[log_every - 1 :: log_every] if log_every else curve[:0]
   return DigitsResult(float(test_loss), float(accuracy), float(train_loss)), curve
