@@ -85,10 +85,14 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
     if exchange == "preconditioned":
       c2 = np.float32(1) - np.float32(B2) ** np.float32(ref_covered(count, warmup, refresh))
       d = [np.sqrt(v / c2) + EPS for v in nu]
+      # No element beyond Adam's largest step, (1 - B1) / sqrt(1 - B2) for m_hat.
+      limit = np.float32(max((1 - B1) / np.sqrt(1 - B2), 1.0)) * np.float32(1 - B1 ** (count + 1))
     else:
       d = [np.ones_like(v) for v in nu]
+      limit = np.inf
     local = [
-        [np.where(v > 0, (B1 * m + (1 - B1) * x) / dd, 0) for m, x, v, dd in zip(mu, grads[j], nu, d)]
+        [np.where(v > 0, np.clip((B1 * m + (1 - B1) * x) / dd, -limit, limit), 0)
+         for m, x, v, dd in zip(mu, grads[j], nu, d)]
         for j in range(k)
     ]
     avg, r, e = ref_exchange(local, r, e, scale)
@@ -163,6 +167,28 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh):
       assert (ref["nu"][0] != before["nu"][0]).any() == bool(exact)
 
 
+@pytest.mark.parametrize("exchange", ["momentum", "preconditioned"])
+def test_preconditioned_exchange_never_steps_beyond_adams_bound(exchange):
+  # After the freeze, gradients 1000x those of the warm-up: the frozen v no
+  # longer holds the steps back. Adam's own steps are bounded by
+  # lr * (1 - B1) / sqrt(1 - B2) (Kingma & Ba, Sec. 2.1); the preconditioned
+  # exchange clips each element there, the momentum exchange (as in the
+  # paper) does not.
+  k, lr, warmup = 4, 1e-2, 2
+  _, init, update = pmapped(k, adam, learning_rate=lr, warmup_steps=warmup, exchange=exchange)
+  params = jax.tree.map(jnp.zeros_like, make_tree(k, seed=0))
+  state = init(params)
+  for step in range(warmup + 3):
+    grads = make_tree(k, seed=30 + step, scale=1.0 if step < warmup else 1000.0)
+    updates, state = update(grads, state, params)
+  largest = max(float(np.abs(u).max()) for u in leaves_of(updates))
+  bound = lr * (1 - B1) / np.sqrt(1 - B2)
+  if exchange == "preconditioned":
+    assert largest <= bound * (1 + 1e-5), (largest, bound)
+  else:
+    assert largest > 10 * bound, (largest, bound)
+
+
 @pytest.mark.parametrize(
     "factory, exchange",
     [(adam, "momentum"), (adam, "preconditioned"), (momentum, None)],
@@ -181,12 +207,16 @@ def test_both_residuals_conserve_the_exchanged_momentum_each_step(factory, excha
   for step in range(4):
     grads = make_tree(k, seed=20 + step)
     trace = state.mu if factory is adam else state.trace
-    if exchange == "preconditioned":  # the exchange runs on m / (sqrt(v_hat) + eps)
+    limit = np.inf
+    if exchange == "preconditioned":  # the exchange runs on m / (sqrt(v_hat) + eps), clipped
       d = flat(np.sqrt(v / (np.float32(1) - np.float32(B2))) + EPS for v in leaves_of(state.nu, 0))
+      limit = max((1 - B1) / np.sqrt(1 - B2), 1.0) * (1 - B1 ** (step + 1))
     else:
       d = 1.0
     local = np.stack([
-        flat(coef[0] * m + coef[1] * g for m, g in zip(leaves_of(trace, j), leaves_of(grads, j))) / d
+        np.clip(flat(coef[0] * m + coef[1] * g
+                     for m, g in zip(leaves_of(trace, j), leaves_of(grads, j))) / d,
+                -limit, limit)
         for j in range(k)
     ])
     r0 = buffer_residual(state.compression.worker_residual, SHAPES, "l2", k)

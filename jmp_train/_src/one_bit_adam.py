@@ -80,8 +80,9 @@ def one_bit_adam(
     scale: reconstruction values of the exchange: ``"l2"`` (1-bit Adam's
       ``‖m‖₂/√d`` per tensor), ``"l1"`` or ``"column"``.
     exchange: what crosses devices: ``"momentum"`` (``m``, Tang et al.)
-      or ``"preconditioned"`` (``m / (sqrt(v_hat) + eps)``, multiplied
-      back after; see the module docstring).
+      or ``"preconditioned"`` (``m / (sqrt(v_hat) + eps)``, each element
+      clipped to the largest step Adam can take, multiplied back after; see
+      the module docstring).
     variance_refresh: ``0`` (default): ``v`` stays frozen after warm-up.
       ``k > 0``: every ``k``-th step after warm-up is an exact step (a float
       all-reduce of the gradients) that updates ``m`` and ``v`` (0/1 Adam's
@@ -136,6 +137,9 @@ def one_bit_adam(
       axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
   )
   k = int(variance_refresh)
+  # Adam's largest |m_hat / sqrt(v_hat)|: (1 - b1) / sqrt(1 - b2) where that
+  # exceeds 1, else about 1 (Kingma & Ba, Sec. 2.1).
+  step_bound = max((1 - b1) / float(np.sqrt(1 - b2)), 1.0)
 
   def covered(t):
     """Steps of gradient history ``v`` stands for after ``t`` steps."""
@@ -184,10 +188,14 @@ def one_bit_adam(
     if exchange == "momentum":
       mu, cstate = compression.update(mask(local), state.compression)
       return mask(mu), state.nu, cstate
-    # The frozen preconditioner d is the same on every replica: exchange m/d.
+    # The frozen preconditioner d is the same on every replica: exchange m/d,
+    # each element bounded by the largest step Adam can take (Kingma & Ba,
+    # Sec. 2.1): a stale v cannot make a larger one, nor a tail that sets
+    # the chunks' scales.
     frozen = c2(state.count)
     d = jax.tree.map(lambda v: jnp.sqrt(v / frozen) + eps, state.nu)
-    local = mask(jax.tree.map(jnp.divide, local, d))
+    limit = step_bound * (1 - b1 ** (state.count + 1).astype(jnp.float32))
+    local = mask(jax.tree.map(lambda m, dd: jnp.clip(m / dd, -limit, limit), local, d))
     avg, cstate = compression.update(local, state.compression)
     return mask(jax.tree.map(jnp.multiply, avg, d)), state.nu, cstate
 

@@ -64,7 +64,12 @@ but not zero, ``m/(sqrt(v)+eps)`` still amplifies the quantization error
 of ``m``; ``exchange="preconditioned"`` exchanges ``m / d`` instead, with
 the frozen preconditioner ``d = sqrt(v_hat) + eps`` (the same on every
 replica, so the average is unchanged), and multiplies back: the 1-bit
-scales and residuals are then those of the *update*. The default,
+scales and residuals are then those of the *update*. Each element of
+``m / d`` is first clipped to ``±(1-β1^t)·max((1-β1)/sqrt(1-β2), 1)``,
+the largest step Adam itself can take (Kingma & Ba, Sec. 2.1): a stale
+``v`` cannot make a larger step, and a few elements with a tiny ``v``
+cannot set the scales of the rest (without the clip, one digits run with
+refreshes 250 steps apart diverged). The default,
 ``exchange="momentum"``, exchanges ``m`` itself, as in the paper; on the
 digits benchmark it did at least as well.
 
@@ -95,10 +100,7 @@ steps are 1-bit; a step's bytes on the wire average
 ``(1/k)·float + (1-1/k)·1-bit``. Pair refreshes with
 ``exchange="preconditioned"``: a refreshed ``v`` is smaller, and with
 ``exchange="momentum"`` the per-tensor quantization error of ``m`` is divided
-by each element's own ``sqrt(v)``. Refresh often (tens of steps, not
-hundreds): a preconditioned run with refreshes 250 steps apart has been
-seen to diverge between two refreshes where the exact exchange with the
-same refreshes trained.
+by each element's own ``sqrt(v)``.
 
 1-bit momentum SGD does the same with the momentum (trace) of
 ``optax.sgd(learning_rate, momentum)``: ``m_j = μ m + g_j``, the update is
