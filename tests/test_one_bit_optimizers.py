@@ -85,7 +85,7 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
     if exchange == "preconditioned":
       c2 = np.float32(1) - np.float32(B2) ** np.float32(ref_covered(count, warmup, refresh))
       d = [np.sqrt(v / c2) + EPS for v in nu]
-      # No element beyond Adam's largest step, (1 - B1) / sqrt(1 - B2) for m_hat.
+      # No element beyond Kingma & Ba's step bound, (1 - B1) / sqrt(1 - B2) for m_hat.
       limit = np.float32(max((1 - B1) / np.sqrt(1 - B2), 1.0)) * np.float32(1 - B1 ** (count + 1))
     else:
       d = [np.ones_like(v) for v in nu]
@@ -170,8 +170,8 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh):
 @pytest.mark.parametrize("exchange", ["momentum", "preconditioned"])
 def test_preconditioned_exchange_never_steps_beyond_adams_bound(exchange):
   # After the freeze, gradients 1000x those of the warm-up: the frozen v no
-  # longer holds the steps back. Adam's own steps are bounded by
-  # lr * (1 - B1) / sqrt(1 - B2) (Kingma & Ba, Sec. 2.1); the preconditioned
+  # longer holds the steps back. Kingma & Ba bound Adam's steps by
+  # lr * (1 - B1) / sqrt(1 - B2) (Sec. 2.1); the preconditioned
   # exchange clips each element there, the momentum exchange (as in the
   # paper) does not.
   k, lr, warmup = 4, 1e-2, 2

@@ -81,7 +81,7 @@ def one_bit_adam(
       ``‖m‖₂/√d`` per tensor), ``"l1"`` or ``"column"``.
     exchange: what crosses devices: ``"momentum"`` (``m``, Tang et al.)
       or ``"preconditioned"`` (``m / (sqrt(v_hat) + eps)``, each element
-      clipped to the largest step Adam can take, multiplied back after; see
+      clipped to Kingma & Ba's bound on an Adam step, multiplied back; see
       the module docstring).
     variance_refresh: ``0`` (default): ``v`` stays frozen after warm-up.
       ``k > 0``: every ``k``-th step after warm-up is an exact step (a float
@@ -137,8 +137,9 @@ def one_bit_adam(
       axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
   )
   k = int(variance_refresh)
-  # Adam's largest |m_hat / sqrt(v_hat)|: (1 - b1) / sqrt(1 - b2) where that
-  # exceeds 1, else about 1 (Kingma & Ba, Sec. 2.1).
+  # Kingma & Ba's bound on |m_hat / sqrt(v_hat)| (Sec. 2.1): (1 - b1) /
+  # sqrt(1 - b2), the step after a lone gradient spike, where that exceeds
+  # 1, else about 1.
   step_bound = max((1 - b1) / float(np.sqrt(1 - b2)), 1.0)
 
   def covered(t):
@@ -189,9 +190,8 @@ def one_bit_adam(
       mu, cstate = compression.update(mask(local), state.compression)
       return mask(mu), state.nu, cstate
     # The frozen preconditioner d is the same on every replica: exchange m/d,
-    # each element bounded by the largest step Adam can take (Kingma & Ba,
-    # Sec. 2.1): a stale v cannot make a larger one, nor a tail that sets
-    # the chunks' scales.
+    # each element bounded by Kingma & Ba's bound on an Adam step: a stale v
+    # cannot make a larger one, nor a tail that sets the chunks' scales.
     frozen = c2(state.count)
     d = jax.tree.map(lambda v: jnp.sqrt(v / frozen) + eps, state.nu)
     limit = step_bound * (1 - b1 ** (state.count + 1).astype(jnp.float32))

@@ -66,10 +66,10 @@ the frozen preconditioner ``d = sqrt(v_hat) + eps`` (the same on every
 replica, so the average is unchanged), and multiplies back: the 1-bit
 scales and residuals are then those of the *update*. Each element of
 ``m / d`` is first clipped to ``±(1-β1^t)·max((1-β1)/sqrt(1-β2), 1)``,
-the largest step Adam itself can take (Kingma & Ba, Sec. 2.1): a stale
-``v`` cannot make a larger step, and a few elements with a tiny ``v``
-cannot set the scales of the rest (without the clip, one digits run with
-refreshes 250 steps apart diverged). The default,
+the bound Kingma & Ba give for an Adam step (Sec. 2.1: its size after a
+lone gradient spike): a stale ``v`` cannot make a larger step, and a few
+elements with a tiny ``v`` cannot set the scales of the rest (without the
+clip, one digits run with refreshes 250 steps apart diverged). The default,
 ``exchange="momentum"``, exchanges ``m`` itself, as in the paper; on the
 digits benchmark it did at least as well.
 

@@ -178,10 +178,7 @@ def train_digits(
   init = init_mlp(jax.random.key(seed), (ds.x_train.shape[1], hidden, 10))
   init = jax.tree.map(lambda p: p.astype(compute_dtype).astype(param_dtype), init)
   log_every = int(log_every)
-  try:
-    run = _digits_run(optimizer, np.dtype(compute_dtype), log_every)
-  except TypeError:  # an optimizer that cannot be hashed: compiled for this call
-    run = _digits_run.__wrapped__(optimizer, np.dtype(compute_dtype), log_every)
+  run = _digits_run(optimizer, np.dtype(compute_dtype), log_every)
   test_loss, accuracy, train_loss, curve = run(init, jnp.asarray(idx), data)
   curve = np.asarray(curve)
   curve = curve[log_every - 1 :: log_every] if log_every else curve[:0]
