@@ -14,6 +14,8 @@ gradients of the mixed float16 policy (``apply_policy(model,
   scale 1 (no scaling);
 * ``rel_err_f16_scaled``: the same with the loss multiplied by ``2**15`` and
   the gradients divided by it in float32 (static loss scaling);
+* ``rel_err_bf16``: the same for the mixed bfloat16 policy, loss scale 1
+  (float32's range, three fewer mantissa bits than float16);
 * ``worst_leaf`` / ``worst_leaf_rel_err``: the parameter whose unscaled
   float16 gradient is furthest from float32's, relative to its own norm
   (attention query and key biases are left out: their float32 gradient is
@@ -43,7 +45,7 @@ from jmp_train.examples import demo_tasks
 
 NAME = "gradient_underflow"
 COLUMNS = (
-    "weights", "tokens_per_step", "rel_err_f16", "rel_err_f16_scaled", "worst_leaf",
+    "weights", "tokens_per_step", "rel_err_f16", "rel_err_f16_scaled", "rel_err_bf16", "worst_leaf",
     "worst_leaf_rel_err", "underflow_f16_logits",
 )
 TRAIN_STEPS = 100
@@ -117,6 +119,7 @@ def run(quick: bool) -> list[dict]:
   weights = {"initial": initial, f"after {s.steps} float32 steps": _train(task, initial, s, s.steps)}
   half = jmp_train.flax.apply_policy(task.model, "mixed_float16")
   g32, g16 = _float32_gradients(task.model), _gradients(half)
+  gbf16 = _gradients(jmp_train.flax.apply_policy(task.model, "mixed_bfloat16"))
   tokens = (64,) if quick else (2048, 16384, 131072)
   records = []
   for label, params in weights.items():
@@ -130,6 +133,7 @@ def run(quick: bool) -> list[dict]:
           "tokens_per_step": n,
           "rel_err_f16": _rel(unscaled, ref),
           "rel_err_f16_scaled": _rel(jax.device_get(g16(params, batch, jnp.float32(SCALE))), ref),
+          "rel_err_bf16": _rel(jax.device_get(gbf16(params, batch, jnp.float32(1.0))), ref),
           "worst_leaf": leaf,
           "worst_leaf_rel_err": leaf_err,
           "underflow_f16_logits": float(underflow),

@@ -13,6 +13,8 @@ try it on live in :mod:`jmp_train.examples.models`.
   by default.
 * :func:`dot_product_attention`: the attention function it installs
   (half-precision matmuls, float32 softmax; cuDNN's fused kernel on GPUs).
+* :class:`Float32LookupEmbed`: the ``nnx.Embed`` it installs in NNX models
+  (lookups gathered in float32, their gradient summed in float32).
 
 Examples:
   >>> import flax.linen as nn
@@ -26,6 +28,7 @@ Examples:
 from __future__ import annotations
 
 from jmp_train._src.flax_policy import DEFAULT_FLOAT32_MODULES
+from jmp_train._src.flax_policy import Float32LookupEmbed
 from jmp_train._src.flax_policy import LinenPolicyWrapper
 from jmp_train._src.flax_policy import NNXPolicyWrapper
 from jmp_train._src.flax_policy import apply_policy
@@ -40,6 +43,7 @@ from jmp_train._src.fp8_flax import NNXFp8DotGeneral
 __all__ = (
     "DEFAULT_FLOAT32_MODULES",
     "FP8_COLLECTION",
+    "Float32LookupEmbed",
     "Fp8ConvGeneralDilated",
     "Fp8DotGeneral",
     "Fp8Meta",

@@ -29,6 +29,7 @@ __all__ = [
     "check_float32_modules",
     "check_float32_paths",
     "check_recompute",
+    "embedding_lookup_dtype",
     "layer_overrides",
     "linen_field_names",
     "path_matches",
@@ -114,6 +115,19 @@ def path_matches(path: Sequence[Any], patterns: tuple[str, ...]) -> bool:
     return False
   text = _path_str(path)
   return any(fnmatch.fnmatchcase(text, p) for p in patterns)
+
+
+def embedding_lookup_dtype(dtype: np.dtype) -> np.dtype | None:
+  """The dtype an embedding lookup gathers in under compute ``dtype``, or None to leave it.
+
+  The backward pass of a lookup is a scatter-add of one cotangent row per
+  token into the table: a reduction over every token of the batch. Run in
+  a half-precision dtype it swamps (a row summed over thousands of tokens
+  keeps few of their bits), so a half-precision layer gathers float32 rows
+  and casts them to ``dtype`` afterwards: the same forward values, and the
+  table's gradient accumulated in float32.
+  """
+  return F32 if np.dtype(dtype).itemsize < F32.itemsize else None
 
 
 # --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ whose parameters are cast to ``param_dtype`` is the whole job.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 import jax
@@ -18,7 +19,39 @@ from jmp_train._src import flax_layers
 from jmp_train._src import fp8_flax
 from jmp_train._src import policy as policy_lib
 
-__all__ = ["NNXPolicyWrapper", "apply_policy_nnx"]
+__all__ = ["Float32LookupEmbed", "NNXPolicyWrapper", "apply_policy_nnx"]
+
+
+class Float32LookupEmbed(nnx.Embed):
+  """An ``nnx.Embed`` whose lookup gathers float32 rows, then casts them to ``dtype``.
+
+  The same forward values as ``nnx.Embed``; the table's gradient (a
+  scatter-add of one row per token of the batch) is accumulated in float32
+  rather than in a half-precision ``dtype``, where a row shared by
+  thousands of tokens would keep few of their bits. ``attend`` is
+  ``nnx.Embed``'s: a matmul in ``dtype``. :func:`apply_policy` gives
+  this class to the ``nnx.Embed`` layers of its copy of the model (the same
+  variables, and every reference to a layer, such as a tied output head,
+  sees it).
+
+  Examples:
+    >>> import jmp_train
+    >>> from flax import nnx
+    >>> model = jmp_train.flax.apply_policy(
+    ...     nnx.Embed(16, 8, rngs=nnx.Rngs(0)), "p=f32,c=bf16,o=bf16")
+    >>> type(model.module).__name__, model.module.embedding.dtype
+    ('Float32LookupEmbed', dtype('float32'))
+    >>> model(jnp.arange(4)).dtype
+    dtype(bfloat16)
+  """
+
+  def __call__(self, inputs, *args, **kwargs):
+    lookup = flax_layers.embedding_lookup_dtype(self.dtype)
+    if lookup is None:
+      return super().__call__(inputs, *args, **kwargs)
+    # Flax's own lookup, reading a float32 `dtype`; the layer is not changed.
+    view = types.SimpleNamespace(**{**vars(self), "dtype": lookup})
+    return policy_lib.cast_floating(nnx.Embed.__call__(view, inputs, *args, **kwargs), self.dtype)
 
 
 class NNXPolicyWrapper(nnx.Module):
@@ -108,6 +141,8 @@ def apply_policy_nnx(
     if not in_f32:
       for name, value in fp8_flax.nnx_fp8_attributes(m, policy.fp8).items():
         setattr(m, name, value)
+      if type(m) is nnx.Embed:  # every reference to the layer (tied heads) sees it
+        object.__setattr__(m, "__class__", Float32LookupEmbed)
   params = nnx.state(model, nnx.Param)
   nnx.update(model, jax.tree.map(functools.partial(_cast_param, policy), params))
   return NNXPolicyWrapper(model, policy, cast_inputs, recompute)

@@ -12,6 +12,10 @@ and its fragile numerics stay in float32, using Flax's own mechanisms:
   float32, through cuDNN's fused kernel where it is available (see the
   function for why Flax's ``force_fp32_for_softmax`` is not enough on its
   own).
+* embedding lookups that gather float32 rows and cast them to the compute
+  dtype, so that the table's gradient, a sum over the batch's tokens, is
+  accumulated in float32 (``Embed.__call__`` runs with a float32 ``dtype``
+  and its output is cast; NNX: :class:`Float32LookupEmbed`).
 
 Modules kept in float32 (by class, :data:`DEFAULT_FLOAT32_MODULES`, or by
 path) run entirely in float32: their floating inputs are cast to float32 on
@@ -35,10 +39,12 @@ from jmp_train._src import flax_nnx
 from jmp_train._src import fp8_flax
 from jmp_train._src import policy as policy_lib
 from jmp_train._src.flax_layers import DEFAULT_FLOAT32_MODULES
+from jmp_train._src.flax_nnx import Float32LookupEmbed
 from jmp_train._src.flax_nnx import NNXPolicyWrapper
 
 __all__ = [
     "DEFAULT_FLOAT32_MODULES",
+    "Float32LookupEmbed",
     "apply_policy",
     "LinenPolicyWrapper",
     "NNXPolicyWrapper",
@@ -157,14 +163,21 @@ class LinenPolicyWrapper(nn.Module):
       # their statistics are promoted), so a half input would make them
       # mix dtypes (an error under strict promotion).
       args, kwargs = policy_lib.cast_floating((args, kwargs), flax_layers.F32)
+    lookup = (
+        flax_layers.embedding_lookup_dtype(dtype)
+        if isinstance(module, nn.Embed) and context.method_name == "__call__" else None
+    )
+    if lookup is not None:  # gathered in float32, then cast: float32 gradient sums
+      overrides["dtype"] = lookup
     saved = {name: getattr(module, name) for name in overrides}
     for name, value in overrides.items():
       object.__setattr__(module, name, value)
     try:
-      return next_fun(*args, **kwargs)
+      out = next_fun(*args, **kwargs)
     finally:
       for name, value in saved.items():
         object.__setattr__(module, name, value)
+    return out if lookup is None else policy_lib.cast_floating(out, dtype)
 
 
 # --------------------------------------------------------------------------
@@ -198,6 +211,12 @@ def apply_policy(
     float32, float32 outputs;
   * attention runs :func:`dot_product_attention` (softmax in float32) in
     place of Flax's default ``attention_fn``;
+  * ``Embed`` lookups gather float32 rows and cast them to
+    ``compute_dtype``: the same values as a lookup in ``compute_dtype``,
+    while the table's gradient (a scatter-add of one row per token) is
+    summed in float32, not in a half-precision dtype that would keep few
+    bits of a row shared by thousands of tokens; ``attend`` (a tied
+    output head) is a matmul in ``compute_dtype``;
   * with an FP8 policy (``policy.fp8``, e.g. ``"mixed_float8"``), the
     products of ``Dense``/``DenseGeneral``/``Conv`` (linen) and
     ``Linear``/``LinearGeneral``/``Conv`` (NNX) outside the float32 modules
@@ -236,8 +255,9 @@ def apply_policy(
 
   NNX: returns an :class:`NNXPolicyWrapper` around a copy (``nnx.clone``) of
   ``module`` whose layers have the policy's ``dtype``/``param_dtype`` and
-  attention function and whose ``nnx.Param`` values are cast to
-  ``param_dtype``; the caller's module is not changed (the copy shares
+  attention function, whose ``nnx.Embed`` layers are
+  :class:`Float32LookupEmbed` (the same variables) and whose ``nnx.Param``
+  values are cast to ``param_dtype``; the caller's module is not changed (the copy shares
   array buffers where no cast was needed, so do not donate both to ``jit``).
   NNX has no method interceptors: the layers of a float32 module cast their
   inputs themselves (Flax's ``promote_dtype``), but a custom module's own
