@@ -256,9 +256,11 @@ def apply_policy(
   NNX: returns an :class:`NNXPolicyWrapper` around a copy (``nnx.clone``) of
   ``module`` whose layers have the policy's ``dtype``/``param_dtype`` and
   attention function, whose ``nnx.Embed`` layers are
-  :class:`Float32LookupEmbed` (the same variables) and whose ``nnx.Param``
-  values are cast to ``param_dtype``; the caller's module is not changed (the copy shares
-  array buffers where no cast was needed, so do not donate both to ``jit``).
+  :class:`Float32LookupEmbed` (the same variables; a subclass of
+  ``nnx.Embed`` keeps its own lookup, in ``compute_dtype``) and whose
+  ``nnx.Param`` values are cast to ``param_dtype``; the caller's module is
+  not changed (the copy shares array buffers where no cast was needed, so
+  do not donate both to ``jit``).
   NNX has no method interceptors: the layers of a float32 module cast their
   inputs themselves (Flax's ``promote_dtype``), but a custom module's own
   code (outside its layers) sees its inputs as given. An abstract model
