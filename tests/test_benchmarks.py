@@ -15,6 +15,7 @@ import importlib
 import io
 import json
 import pathlib
+import re
 import sys
 import types
 
@@ -371,3 +372,24 @@ def test_gpu_benchmark_code_path_on_cpu(gpu_bench):
   assert all(r["device_kind"] == jax.devices()[0].device_kind for r in rows)
   with pytest.raises(ValueError, match="'resnet'"):
     gpu_bench.measure(True, models=("resnet",))
+
+
+# --------------------------------------------------------------------------
+# The demo's step-time study (run by hand on a GPU; here tiny, on CPU).
+# --------------------------------------------------------------------------
+
+
+def test_demo_step_time_isolated_and_profiled(tmp_path, capsys):
+  from benchmarks import demo_step_time
+
+  s = demo_step_time.settings(small=True, steps=4)
+  r = demo_step_time.isolated_times("f16", steps=4, repeats=2, s=s, profile_dir=tmp_path)
+  assert r["early_ms"] > 0 and r["late_ms"] > 0 and r["loss"] > 0
+  # Every kernel of both traces, the largest growth first, none negative.
+  growth = [late - early for _, early, late in r["kernels"]]
+  assert growth and growth == sorted(growth, reverse=True)
+  assert all(e >= 0 and t >= 0 for _, e, t in r["kernels"])
+  assert sum(demo_step_time.kernel_times(tmp_path / "late").values()) == sum(
+      t for _, _, t in r["kernels"])
+  demo_step_time.main(["bf16", "4", "2", "--small"])
+  assert re.match(r"bf16: ms/step per window: \d+ \d+; loss \d", capsys.readouterr().out)
