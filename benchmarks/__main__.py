@@ -56,6 +56,8 @@ def summary(results_dir: pathlib.Path | None = None) -> str:
       columns = getattr(importlib.import_module(f"benchmarks.bench_{name}"), "COLUMNS", None)
     except ImportError:
       columns = None
+    if columns is not None and any("run" in r for r in payload["records"]):
+      columns = (*columns, "run")  # records appended by later runs say which run
     parts.append(
         f"#### {name}\n\n{m['device_kind']} x{m['device_count']} ({m['backend']}, "
         f"{m.get('cpu_count')} CPU cores), jax {m['versions']['jax']}, {m['date']}\n\n"

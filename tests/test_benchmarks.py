@@ -180,6 +180,12 @@ def test_summary_renders_stored_results_and_skips_quick_ones(tmp_path, capsys):
   empty = tmp_path / "empty"
   empty.mkdir()
   assert "no results" in bench_main.summary(empty)
+  # Records labelled by the run that made them show the label.
+  _harness.save_results("weight_memory", [{"setup": "a", "total_per_param": 14.0},
+                                          {"setup": "a", "total_per_param": 15.0, "run": "old"}],
+                        empty)
+  table = bench_main.summary(empty)
+  assert "| run" in table.splitlines()[4] and "| old" in table
 
 
 def test_main_rejects_unknown_benchmark(capsys):
