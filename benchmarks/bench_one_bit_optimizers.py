@@ -35,9 +35,11 @@ all-reduce of the gradients, for the digits MLP (4,810 parameters: the
 784-2048-1024-10 MLP (2.7M parameters; not with ``--quick``).
 
 Environment (full runs): ``BENCH_ONE_BIT_OPTIMIZERS_STEPS`` (default 400;
-the schedules, the 1-bit warm-up and the refresh interval scale with it)
-and ``BENCH_ONE_BIT_OPTIMIZERS_MODES`` (comma-separated rows; default all;
-keep each optimizer's ``*_float32`` row).
+the schedules, the 1-bit warm-up and the refresh interval scale with it),
+``BENCH_ONE_BIT_OPTIMIZERS_WARMUP`` (the 1-bit warm-up in percent of the
+steps, default 20, less than 100) and ``BENCH_ONE_BIT_OPTIMIZERS_MODES``
+(comma-separated rows; default all; keep each optimizer's ``*_float32``
+row).
 """
 
 from __future__ import annotations
@@ -98,13 +100,13 @@ def schedule(name: str, peak: float, steps: int):
   return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 10), steps, peak * 0.01)
 
 
-def _optimizers(lr_momentum, adam_settings, steps: int):
+def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20):
   """(optimizer, mode, learning rate, schedule name, factory) per row."""
   from jmp_train import sign_compression
   from jmp_train._src.one_bit_optimizers import one_bit_adam, one_bit_momentum
 
   exact = digits._exact_mean(AXIS)  # pylint: disable=protected-access
-  warmup, refresh = steps // 5, max(1, steps // 8)
+  warmup, refresh = steps * warmup_percent // 100, max(1, steps // 8)
   rows = []
   for lr in lr_momentum:
     rows += [
@@ -175,7 +177,11 @@ def run(quick: bool) -> list[dict]:
   params = digits._init_model(jax.random.key(0), hidden)  # pylint: disable=protected-access
   large = digits._init_mlp(jax.random.key(0), (784, 2048, 1024, 10))  # pylint: disable=protected-access
   records, wire = [], {}
-  rows = _optimizers(lr_momentum, adam, steps)
+  warmup_percent = 20 if quick else _harness.env_int("BENCH_ONE_BIT_OPTIMIZERS_WARMUP", 20)
+  if warmup_percent >= 100:
+    raise ValueError(
+        f"BENCH_ONE_BIT_OPTIMIZERS_WARMUP must be below 100 (percent), got {warmup_percent}.")
+  rows = _optimizers(lr_momentum, adam, steps, warmup_percent)
   if not quick:
     rows = _harness.selected_rows(rows, "BENCH_ONE_BIT_OPTIMIZERS_MODES")
   for optimizer, mode, lr, sched, make in rows:
@@ -189,6 +195,7 @@ def run(quick: bool) -> list[dict]:
         "learning_rate": lr,
         "schedule": sched,
         "steps": steps,
+        "warmup_steps": steps * warmup_percent // 100,
         "seeds": len(seeds),
         "final_loss": float(losses.mean()),
         "final_loss_min": float(losses.min()),

@@ -305,6 +305,14 @@ def test_selected_rows_follow_the_environment(monkeypatch):
     _harness.selected_rows(rows, "BENCH_ROWS")
 
 
+def test_one_bit_optimizers_rejects_a_warmup_of_the_whole_run(monkeypatch):
+  from benchmarks import bench_one_bit_optimizers as bench
+
+  monkeypatch.setenv("BENCH_ONE_BIT_OPTIMIZERS_WARMUP", "100")
+  with pytest.raises(ValueError, match="BENCH_ONE_BIT_OPTIMIZERS_WARMUP must be below 100"):
+    bench.run(quick=False)
+
+
 # --------------------------------------------------------------------------
 # Activation memory: residual classification (its quick records are checked
 # above, in test_benchmark_runs_quick).
