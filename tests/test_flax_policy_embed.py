@@ -129,3 +129,8 @@ def test_nnx_layers_keep_their_state_and_references():
   # A clone (split and merge) keeps the float32 lookup.
   clone = nnx.clone(wrapped)
   assert type(clone.module.embed) is type(wrapped.module.embed)
+  # Traced, with and without the recompute checkpoint: the layer is not mutated.
+  plain = jflax.apply_policy(original, "p=f32,c=bf16,o=bf16", recompute=None)
+  for model in (wrapped, plain):
+    np.testing.assert_array_equal(jax.jit(lambda ids: model(ids))(IDS), out)
+    np.testing.assert_array_equal(nnx.jit(lambda m, ids: m(ids))(model, IDS), out)

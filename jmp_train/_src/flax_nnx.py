@@ -7,8 +7,8 @@ whose parameters are cast to ``param_dtype`` is the whole job.
 
 from __future__ import annotations
 
+import copy
 import functools
-import types
 from typing import Any
 
 import jax
@@ -49,8 +49,10 @@ class Float32LookupEmbed(nnx.Embed):
     lookup = flax_layers.embedding_lookup_dtype(self.dtype)
     if lookup is None:
       return super().__call__(inputs, *args, **kwargs)
-    # Flax's own lookup, reading a float32 `dtype`; the layer is not changed.
-    view = types.SimpleNamespace(**{**vars(self), "dtype": lookup})
+    # Flax's own lookup on a shallow copy with a float32 `dtype` (the same
+    # variables): the layer itself is not changed, which NNX forbids under a trace.
+    view = copy.copy(self)
+    object.__setattr__(view, "dtype", lookup)
     return policy_lib.cast_floating(nnx.Embed.__call__(view, inputs, *args, **kwargs), self.dtype)
 
 
