@@ -115,8 +115,11 @@ def make_train_step(
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     cast_params: cast parameters to the compute dtype before ``apply_fn``
       (the jmp way). Set ``False`` when the model applies the policy itself
-      (:func:`jmp_train.flax.apply_policy`), for example to keep batch-norm
-      parameters in float32.
+      (:func:`jmp_train.flax.apply_policy` or :func:`jmp_train.autocast`),
+      for example to keep batch-norm parameters in float32, or to sum an
+      embedding table's gradient in float32: a table cast up front is
+      gathered in the compute dtype, so its gradient (a sum over the batch's
+      tokens) is summed in that dtype too.
     rng_collections: the ``rngs`` names ``apply_fn`` receives.
     eval_apply_fn: the apply :meth:`TrainStep.evaluate` uses, called as
       ``eval_apply_fn(variables, inputs)`` (no ``rngs``, nothing mutable);
