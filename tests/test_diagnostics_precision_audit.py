@@ -81,6 +81,27 @@ def test_audit_backward_reduction_and_scan_counts():
   assert issue.op == "exp" and issue.count == 7 and "scan" in issue.where
 
 
+def test_audit_backward_scatter_add_of_a_half_table():
+  # A lookup in a bfloat16 table: its gradient adds one row per index into
+  # the table, in bfloat16. Gathering float32 rows and casting them after
+  # the lookup keeps that sum in float32.
+  ids = jnp.arange(4096) % 16
+
+  def half_table(table):
+    return jnp.take(table.astype(jnp.bfloat16), ids, axis=0).astype(jnp.float32).sum()
+
+  def float32_rows(table):
+    return jnp.take(table, ids, axis=0).astype(jnp.bfloat16).astype(jnp.float32).sum()
+
+  table = jnp.ones((16, 8))
+  assert diag.precision_audit(half_table, table).ok  # the forward pass only gathers
+  (issue,) = diag.precision_audit(half_table, table, backward=True).issues
+  assert (issue.kind, issue.phase, issue.op) == ("half_reduction", "backward", "scatter-add[4096]")
+  assert issue.dtype == BF16 and issue.shape == (16, 8)
+  assert diag.precision_audit(half_table, table, backward=True, reduction_threshold=4096).ok
+  assert diag.precision_audit(float32_rows, table, backward=True).ok
+
+
 def test_audit_float32_matmul_and_ignore():
   def f(w, x):
     return jnp.tanh(x @ w)

@@ -38,6 +38,9 @@ _FLOAT32_OPS = frozenset({
 # Accumulating reductions: a 16-bit sum stops growing once the total is
 # 2**8 (bfloat16) or 2**11 (float16) times the addends.
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+# Scatters that accumulate: the backward pass of a gather (an embedding
+# lookup) adds one row per index into the table.
+_SCATTER_SUMS = frozenset({"scatter-add", "scatter_add", "scatter-mul", "scatter_mul"})
 # The primitives of cuDNN's fused attention (jax._src.cudnn): half-precision
 # operands, softmax statistics (max and log-sum-exp) in float32.
 _FUSED_ATTENTION = frozenset({
@@ -162,7 +165,9 @@ def precision_audit(
   * ``half_reduction``: sums, products and cumulative sums in half
     precision over more than ``reduction_threshold`` elements (a float16
     sum stops growing once the total is 2**11 times the addends, a bfloat16
-    one at 2**8);
+    one at 2**8), and scatter-adds of more than ``reduction_threshold``
+    rows in half precision (the backward pass of a lookup in a
+    half-precision table, e.g. Flax's ``Embed(dtype=bfloat16)``);
   * ``half_output``: floating outputs of ``fn`` in half precision: the loss
     (a scalar) or a model output that the loss will consume;
   * ``float32_matmul``: ``dot_general`` and convolutions with a float32 (or
@@ -237,9 +242,9 @@ class _Audit:
     """Counts one equation and records what is wrong with it, if anything."""
     floats = [np.dtype(v.aval.dtype) for v in eqn.invars
               if hasattr(v.aval, "dtype") and _common.is_float_dtype(v.aval.dtype)]
-    if not floats or _common.has_subjaxpr(eqn):
-      return  # Calls (jit, scan, ...) are counted through their bodies.
     name = eqn.primitive.name
+    if not floats or (_common.has_subjaxpr(eqn) and name not in _SCATTER_SUMS):
+      return  # Calls (jit, scan, ...) are counted through their bodies.
     if name in _FUSED_ATTENTION:
       # Softmax statistics in float32 inside the kernel, whatever the
       # operands' dtype: neither an issue nor a half-precision op.
@@ -262,6 +267,13 @@ class _Audit:
         self.add("half_reduction", phase, f"{name}[{size}]", floats[0], shape, where,
                  "reduce in float32 (jnp.sum does; lax reductions and bias "
                  "gradients do not)", repeats)
+    elif in_half and name in _SCATTER_SUMS:
+      indices = tuple(int(x) for x in eqn.invars[1].aval.shape)
+      size = _common.prod(indices[:-1])  # the rows scattered (index vectors last)
+      if size > self.reduction_threshold:
+        self.add("half_reduction", phase, f"{name}[{size}]", floats[0], shape, where,
+                 "accumulate the scattered rows in float32 (gather float32 rows, then "
+                 "cast: an embedding under apply_policy or autocast does)", repeats)
     elif name in ("dot_general", "conv_general_dilated") and not in_half:
       widest = max(floats, key=lambda d: d.itemsize)
       self.add("float32_matmul", phase, name, widest, shape, where,
