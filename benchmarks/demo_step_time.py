@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--profile", metavar="DIR")
   parser.add_argument("--small", action="store_true")
   args = parser.parse_args(argv)
+  for name in ("steps", "window", "repeats"):
+    if getattr(args, name) < 1:
+      parser.error(f"{name} must be a positive integer, got {getattr(args, name)}")
   s = settings(args.small, args.steps)
   if not (args.isolated or args.profile):
     times, loss = window_times(args.config, args.steps, args.window, s)

@@ -407,3 +407,6 @@ def test_demo_step_time_isolated_and_profiled(tmp_path, capsys):
       t for _, _, t in r["kernels"])
   demo_step_time.main(["bf16", "4", "2", "--small"])
   assert re.match(r"bf16: ms/step per window: \d+ \d+; loss \d", capsys.readouterr().out)
+  with pytest.raises(SystemExit):
+    demo_step_time.main(["bf16", "0", "--small"])
+  assert "steps must be a positive integer, got 0" in capsys.readouterr().err
