@@ -138,6 +138,14 @@ def test_missing_sklearn_one_line_and_exit_1(capsys, monkeypatch):
   assert err.count("\n") == 1 and "pip install 'jmp_train[examples]'" in err, err
 
 
+def test_digits_batch_larger_than_the_held_out_images_one_line_and_exit_1(capsys):
+  pytest.importorskip("sklearn")
+  assert cli.main(["--task", "digits", "--batch", "1024", "--no-plot"]) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "--batch 1024 is more than the 359 held-out" in err, err
+  assert "use --batch 352 or less" in err and "Traceback" not in err
+
+
 def test_out_that_cannot_be_written_fails_before_training(tmp_path, capsys):
   a_file = tmp_path / "a_file"
   a_file.write_text("")

@@ -143,6 +143,9 @@ def _add_gaps(rows: list[dict]) -> None:
 def _run_all(s: DemoSettings, argv_base: Sequence[str]) -> tuple[list[dict], dict]:
   local = [n for n in s.configs if s.num_processes == 1 or CONFIGS[n].devices == 1]
   remote = [n for n in s.configs if n not in local]
+  # The task first: its errors (a missing package, a batch larger than the
+  # data) come before the progress bar and the worker processes.
+  task = TASKS[s.task](s)
   bar = None
   if s.progress:
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
@@ -150,7 +153,7 @@ def _run_all(s: DemoSettings, argv_base: Sequence[str]) -> tuple[list[dict], dic
     bar = tqdm(total=s.steps * len(local), desc="jmp-train", unit="step",
                dynamic_ncols=True, file=sys.stderr)
   try:
-    rows, curves = run_configs(s, local, bar)
+    rows, curves = run_configs(s, local, bar, task)
   finally:
     if bar is not None:
       bar.close()

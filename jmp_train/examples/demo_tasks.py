@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from jmp_train.examples import data as data_lib
+from jmp_train.examples.demo_configs import NUM_DEVICES
 from jmp_train.examples.demo_configs import DemoError
 from jmp_train.examples.demo_configs import DemoSettings
 
@@ -79,6 +80,12 @@ def _digits_task(s: DemoSettings) -> Task:
     ds = data_lib.load_digits(seed=s.seed)
   except ImportError as e:
     raise DemoError(f"{e} (or use --task text)") from None
+  if s.batch > len(ds.x_test):
+    # Validation runs over whole batches of the held-out images.
+    most = len(ds.x_test) // NUM_DEVICES * NUM_DEVICES
+    raise DemoError(
+        f"--batch {s.batch} is more than the {len(ds.x_test)} held-out digits "
+        f"images the validation loss is taken over; use --batch {most} or less")
 
   def train_batch(i):
     idx = np.random.default_rng((s.seed, i)).integers(0, len(ds.x_train), s.batch)

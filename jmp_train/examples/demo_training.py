@@ -186,9 +186,10 @@ def run_config(
   return row, curves
 
 
-def run_configs(s: DemoSettings, names: Sequence[str], bar=None) -> tuple[list[dict], dict]:
-  """Runs ``names`` in this process; returns rows and curves."""
-  task = TASKS[s.task](s)
+def run_configs(s: DemoSettings, names: Sequence[str], bar=None,
+                task: Task | None = None) -> tuple[list[dict], dict]:
+  """Runs ``names`` in this process (on ``task``, else ``s``'s); returns rows and curves."""
+  task = TASKS[s.task](s) if task is None else task
   params = init_task_params(task, s)
   probe = _make_probe(task)
   rows, curves = [], {}
