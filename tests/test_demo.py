@@ -146,6 +146,13 @@ def test_digits_batch_larger_than_the_held_out_images_one_line_and_exit_1(capsys
   assert "use --batch 352 or less" in err and "Traceback" not in err
 
 
+def test_text_sequence_longer_than_the_validation_text_one_line_and_exit_1(capsys):
+  assert cli.main(["--seq-len", "10000000", "--no-plot"]) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "--seq-len 10000000 does not fit in the" in err, err
+  assert "Traceback" not in err
+
+
 def test_out_that_cannot_be_written_fails_before_training(tmp_path, capsys):
   a_file = tmp_path / "a_file"
   a_file.write_text("")

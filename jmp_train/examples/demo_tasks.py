@@ -43,6 +43,10 @@ def _text_task(s: DemoSettings) -> Task:
   corpus = data_lib.load_text_corpus(1_000_000)
   split = int(len(corpus) * 0.9)
   train, val = corpus[:split], corpus[split:]
+  if s.seq_len + 1 >= len(val):
+    raise DemoError(
+        f"--seq-len {s.seq_len} does not fit in the {len(val):,}-byte validation "
+        f"text; use --seq-len {len(val) - 2} or less")
   offsets = np.arange(s.seq_len + 1)
 
   def windows(source, rng, n):
