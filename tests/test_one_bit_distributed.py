@@ -239,6 +239,40 @@ def test_bad_arguments():
     one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1, variance_refresh=-1)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"learning_rate": -1e-3}, r"learning_rate must be finite and > 0.*got -0.001"),
+    ({"learning_rate": "fast"}, "learning_rate must be a number > 0 or a schedule"),
+    ({"b1": 1.0}, r"b1 must be in \[0, 1\), got 1.0"),
+    ({"b2": 1.0}, r"b2 must be in \[0, 1\), got 1.0"),
+    ({"b2": np.float32(-0.5)}, r"b2 must be in \[0, 1\), got .*-0.5"),
+    ({"eps": -1e-8}, "eps must be finite and >= 0, got -1e-08"),
+    ({"weight_decay": float("nan")}, "weight_decay must be finite and >= 0, got nan"),
+])
+def test_bad_adam_hyperparameters_are_named(kwargs, message):
+  kwargs = {"learning_rate": 1e-3, **kwargs}
+  with pytest.raises(ValueError, match=message):
+    one_bit_adam(axis_name=AXIS, warmup_steps=1, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"learning_rate": 0.0}, r"learning_rate must be finite and > 0.*got 0.0"),
+    ({"momentum": 1.5}, r"momentum must be in \[0, 1\), got 1.5"),
+    ({"weight_decay": -0.1}, "weight_decay must be finite and >= 0, got -0.1"),
+    ({"nesterov": "yes"}, "nesterov must be True or False, got 'yes'"),
+])
+def test_bad_momentum_hyperparameters_are_named(kwargs, message):
+  kwargs = {"learning_rate": 0.1, **kwargs}
+  with pytest.raises(ValueError, match=message):
+    one_bit_momentum(axis_name=AXIS, **kwargs)
+
+
+def test_schedules_and_injected_hyperparameters_are_accepted():
+  one_bit_momentum(optax.cosine_decay_schedule(0.1, 10), axis_name=AXIS)
+  tx = optax.inject_hyperparams(one_bit_adam, static_args=("axis_name", "warmup_steps"))(
+      learning_rate=1e-3, axis_name=AXIS, warmup_steps=1)
+  assert tx.init is not None
+
+
 # ---------------------------------------------------------------------------
 # Integration points owned elsewhere (enabled at merge).
 # ---------------------------------------------------------------------------

@@ -353,7 +353,7 @@ def test_errors():
     scale_by_adam(nu_dtype="fp4")
   with pytest.raises(ValueError, match="mu_dtype .*got 'int32'"):
     scale_by_adam(mu_dtype="int32")
-  with pytest.raises(ValueError, match=r"b2 must be in \[0, 1\); got 1.5"):
+  with pytest.raises(ValueError, match=r"b2 must be in \[0, 1\), got 1.5"):
     adam_8bit(1e-3, b2=1.5)
   with pytest.raises(ValueError, match=r"rounding must be one of \('stochastic', 'nearest'\)"):
     adam_8bit(1e-3, rounding="up")
@@ -367,6 +367,16 @@ def test_errors():
     sgd_8bit(1e-2, momentum=1.0)
   with pytest.raises(ValueError, match="nesterov must be a bool"):
     sgd_8bit(1e-2, nesterov="yes")
+  with pytest.raises(ValueError, match=r"learning_rate must be finite and > 0.*got -0.001"):
+    adam_8bit(-1e-3)
+  with pytest.raises(ValueError, match=r"learning_rate must be finite and > 0.*got 0"):
+    sgd_8bit(0)
+  with pytest.raises(ValueError, match="eps must be finite and >= 0, got -1.0"):
+    adam_8bit(1e-3, eps=-1.0)
+  with pytest.raises(ValueError, match="eps_root must be finite and >= 0, got inf"):
+    scale_by_adam(eps_root=float("inf"))
+  with pytest.raises(ValueError, match="weight_decay must be finite and >= 0, got -0.01"):
+    adam_8bit(1e-3, weight_decay=-0.01)
   assert scale_by_adam(mu_dtype="int8", nu_dtype="8BIT") is not None  # aliases
 
 

@@ -10,8 +10,6 @@ part of each step that rounding dropped back into the buffer.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -24,6 +22,8 @@ from jmp_train._src.half_updates import check_params
 from jmp_train._src.half_updates import check_structure
 from jmp_train._src.half_updates import land
 from jmp_train._src.half_updates import unzip_pairs
+from jmp_train._src.hyperparams import check_learning_rate
+from jmp_train._src.hyperparams import check_unit
 from jmp_train._src.policy import is_floating_array
 
 __all__ = ["ModifiedMomentumState", "modified_momentum_sgd"]
@@ -46,37 +46,12 @@ class ModifiedMomentumState(NamedTuple):
 def _check_momentum_hyperparams(
     learning_rate: Any, momentum: Any, nesterov: Any, error_feedback: Any
 ) -> None:
-  """Raises a ValueError naming the first invalid hyperparameter.
-
-  Numbers are checked here; a schedule (a callable of the step count) and
-  arrays (e.g. from ``optax.inject_hyperparams``, possibly traced) are taken
-  as they are.
-  """
-  if not callable(learning_rate) and _is_number(learning_rate) and not (
-      math.isfinite(learning_rate) and learning_rate > 0):
-    raise ValueError(
-        f"learning_rate must be finite and > 0 (or a schedule, a callable of "
-        f"the step count), got {learning_rate!r}: a negative rate ascends the "
-        "loss and 0 never moves the weights."
-    )
-  if not (callable(learning_rate) or _is_number(learning_rate)
-          or isinstance(learning_rate, (jax.Array, np.ndarray))):
-    raise ValueError(
-        f"learning_rate must be a number > 0 or a schedule (a callable of "
-        f"the step count), got {learning_rate!r}."
-    )
-  if _is_number(momentum) and not 0.0 <= momentum < 1.0:
-    raise ValueError(
-        f"momentum must be in [0, 1), got {momentum!r} (0 disables momentum)."
-    )
+  """Raises a ValueError naming the first invalid hyperparameter."""
+  check_learning_rate(learning_rate)
+  check_unit(momentum, "momentum", " (0 disables momentum)")
   for name, value in (("nesterov", nesterov), ("error_feedback", error_feedback)):
     if not isinstance(value, (bool, np.bool_)):
       raise ValueError(f"{name} must be True or False, got {value!r}.")
-
-
-def _is_number(x: Any) -> bool:
-  """A Python or NumPy real number (not a bool, not an array)."""
-  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def _momentum_step(

@@ -21,7 +21,6 @@ __all__ = [
     "ROUNDINGS",
     "STATE_DTYPES",
     "check_options",
-    "check_unit",
     "map_leaves",
     "parse_state_dtype",
     "step_key",
@@ -44,11 +43,6 @@ def parse_state_dtype(value: Any, name: str) -> Any:
         f"{name} must be None (the parameters' dtype) or one of "
         f"{', '.join(map(repr, STATE_DTYPES))}; got {value!r}."
     ) from None
-
-
-def check_unit(value: Any, name: str) -> None:
-  if isinstance(value, (int, float)) and not 0.0 <= value < 1.0:
-    raise ValueError(f"{name} must be in [0, 1); got {value!r}.")
 
 
 ROUNDINGS = ("stochastic", "nearest")

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jmp_train._src.hyperparams import check_learning_rate, check_non_negative, check_unit
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -127,6 +128,11 @@ def one_bit_adam(
     https://arxiv.org/abs/2202.06009
   """
   check_common(axis_name, warmup_steps, 1)
+  check_learning_rate(learning_rate)
+  check_unit(b1, "b1")
+  check_unit(b2, "b2")
+  check_non_negative(eps, "eps")
+  check_non_negative(weight_decay, "weight_decay")
   if exchange not in EXCHANGES:
     raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
   if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:

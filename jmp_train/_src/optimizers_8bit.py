@@ -40,10 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_train._src.hyperparams import check_learning_rate
+from jmp_train._src.hyperparams import check_non_negative
+from jmp_train._src.hyperparams import check_unit
 from jmp_train._src.moment_storage import STATE_DTYPES
 from jmp_train._src.moment_storage import Moment
 from jmp_train._src.moment_storage import check_options
-from jmp_train._src.moment_storage import check_unit
 from jmp_train._src.moment_storage import map_leaves
 from jmp_train._src.moment_storage import parse_state_dtype
 from jmp_train._src.moment_storage import step_key
@@ -149,6 +151,8 @@ def scale_by_adam(
   nu_dtype = parse_state_dtype(nu_dtype, "nu_dtype")
   check_unit(b1, "b1")
   check_unit(b2, "b2")
+  check_non_negative(eps, "eps")
+  check_non_negative(eps_root, "eps_root")
   check_options(block_size, code, min_8bit_size, rounding)
   mu = Moment(mu_dtype, True, block_size, code, min_8bit_size, rounding)
   nu = Moment(nu_dtype, False, block_size, code, min_8bit_size, rounding)
@@ -249,6 +253,8 @@ def adam_8bit(
     >>> state[0][0].mu["w"].codes.dtype, state[0][0].mu["w"].absmax.shape
     (dtype('uint8'), (32,))
   """
+  check_learning_rate(learning_rate)
+  check_non_negative(weight_decay, "weight_decay")
   return optax.chain(
       scale_by_adam(
           b1, b2, eps, eps_root, mu_dtype="8bit", nu_dtype="8bit",
@@ -359,6 +365,7 @@ def sgd_8bit(
     >>> float(updates["w"][0, 0])
     -0.10000000149011612
   """
+  check_learning_rate(learning_rate)
   check_unit(momentum, "momentum")
   if not isinstance(nesterov, (bool, np.bool_)):
     raise ValueError(f"nesterov must be a bool; got {nesterov!r}.")

@@ -10,7 +10,6 @@ their arguments.
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import re
 from typing import Any, Callable, Iterable, Iterator

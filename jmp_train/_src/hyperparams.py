@@ -1,0 +1,51 @@
+"""Checks of optimizer hyperparameters, shared by the optimizers.
+
+Each check names the hyperparameter, the value it got and the valid range.
+Only plain numbers (Python or NumPy scalars) are checked: a schedule (a
+callable of the step count) and arrays (e.g. from
+``optax.inject_hyperparams``, possibly traced) are taken as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["check_learning_rate", "check_non_negative", "check_unit", "is_number"]
+
+
+def is_number(x: Any) -> bool:
+  """A Python or NumPy real number (not a bool, not an array)."""
+  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None:
+  """Raises ``ValueError`` unless the rate is finite and > 0, a schedule or an array."""
+  if is_number(learning_rate) and not (math.isfinite(learning_rate) and learning_rate > 0):
+    raise ValueError(
+        f"{name} must be finite and > 0 (or a schedule, a callable of the step "
+        f"count), got {learning_rate!r}: a negative rate ascends the loss and 0 "
+        "never moves the weights."
+    )
+  if not (callable(learning_rate) or is_number(learning_rate)
+          or isinstance(learning_rate, (jax.Array, np.ndarray))):
+    raise ValueError(
+        f"{name} must be a number > 0 or a schedule (a callable of the step "
+        f"count), got {learning_rate!r}."
+    )
+
+
+def check_unit(value: Any, name: str, note: str = "") -> None:
+  """Raises ``ValueError`` unless a decay rate lies in [0, 1)."""
+  if is_number(value) and not 0.0 <= value < 1.0:
+    raise ValueError(f"{name} must be in [0, 1), got {value!r}{note}.")
+
+
+def check_non_negative(value: Any, name: str) -> None:
+  """Raises ``ValueError`` unless ``value`` (eps, a weight decay) is finite and >= 0."""
+  if is_number(value) and not (math.isfinite(value) and value >= 0):
+    raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
