@@ -91,6 +91,19 @@ def test_what_rules_out_the_fused_path(kwargs, reason):
   assert "head sizes" in attention.fused_attention_unsupported(q, k, v[..., :8])
 
 
+@pytest.mark.parametrize("shapes, message", [
+    (((2, 8, 4, 16), (2, 8, 4, 15), (2, 8, 4, 16)), "query and key head_dim must match"),
+    (((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)), "num_heads must match"),
+    (((2, 8, 4, 16), (2, 8, 4, 16), (2, 9, 4, 16)), "key and value lengths must match"),
+    (((2, 8, 4, 16), (3, 8, 4, 16), (3, 8, 4, 16)), "batch dimensions must match"),
+    (((8, 16), (8, 16), (8, 16)), "same rank, at least 3"),
+])
+def test_shapes_that_do_not_fit_are_named(shapes, message):
+  q, k, v = (jnp.ones(s, BF16) for s in shapes)
+  with pytest.raises(ValueError, match=message):
+    attention.dot_product_attention(q, k, v)
+
+
 def test_fallbacks_still_compute_and_explicit_choices_raise():
   q, k, v = _qkv(BF16)
   key = jax.random.key(0)

@@ -216,6 +216,8 @@ def test_errors():
     compressed_mean(AXIS, wire="int8")
   with pytest.raises(ValueError, match="bucket_bytes"):
     compressed_mean(AXIS, bucket_bytes=0)
+  with pytest.raises(ValueError, match="error_feedback must be True, False or None.*'yes'"):
+    compressed_mean(AXIS, error_feedback="yes")
   with pytest.raises(ValueError, match=r"'data'.*pmap"):
     compressed_mean("data", num_replicas=2).update({"w": jnp.ones(3)}, None)
   tx = compressed_mean(AXIS, num_replicas=4, wire="float8_e4m3")

@@ -449,3 +449,33 @@ def test_initial_meta_structure_and_dtypes():
   assert all(t.scale.dtype == jnp.float32 and t.amax_history.shape == (5,) for t in meta)
   q = jmp_train.fp8_quantize(jnp.array([3.0]), jnp.float8_e4m3fn, jnp.float32(2.0))
   assert float(jmp_train.fp8_dequantize(q, jnp.float32(2.0), jnp.float32)[0]) == 3.0
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: jmp_train.fp8_quantize(jnp.ones(2), jnp.float16, jnp.float32(1.0)),
+     ValueError, r"Bad FP8 dtype .*float16.*'e4m3', 'e5m2'"),
+    (lambda: jmp_train.fp8_quantize(jnp.arange(2), "e4m3", jnp.float32(1.0)),
+     TypeError, "fp8_quantize needs a floating array, got int32"),
+    (lambda: jmp_train.fp8_scale(jnp.float32(1.0), jnp.float32(1.0), "e9m9"),
+     ValueError, "Bad FP8 dtype 'e9m9'"),
+    (lambda: jmp_train.fp8_scale(jnp.float32(1.0), jnp.float32(1.0), 5),
+     ValueError, "Bad FP8 dtype 5"),
+    (lambda: jmp_train.fp8_dequantize(jnp.ones(2, jnp.float8_e4m3fn), jnp.float32(1.0),
+                                      jnp.int32),
+     ValueError, "fp8_dequantize needs a floating result dtype"),
+])
+def test_bad_fp8_arguments_are_named(call, error, message):
+  with pytest.raises(error, match=message):
+    call()
+
+
+def test_fp8_formats_by_name_equal_the_dtypes():
+  x = jnp.array([0.3, -1000.0, 7.0])
+  for name, dtype in (("e4m3", jnp.float8_e4m3fn), ("e5m2", jnp.float8_e5m2)):
+    by_name = jmp_train.fp8_quantize(x, name, jnp.float32(2.0))
+    assert by_name.dtype == dtype
+    np.testing.assert_array_equal(
+        np.asarray(by_name, np.float32),
+        np.asarray(jmp_train.fp8_quantize(x, dtype, jnp.float32(2.0)), np.float32))
+    assert float(jmp_train.fp8_scale(jnp.float32(2.0), jnp.float32(1.0), name)) == float(
+        jnp.finfo(dtype).max) / 2.0

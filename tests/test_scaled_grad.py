@@ -75,6 +75,10 @@ def test_scaled_value_and_grad(dtype):
   np.testing.assert_array_equal(np.asarray(g3, np.float32), [2.0] * 3)
   with pytest.raises(ValueError, match="positive scalar"):
     scaled_value_and_grad(lambda w: jnp.sum(w))(-1.0, w)
+  with pytest.raises(TypeError, match="needs a callable fun, got int: 5"):
+    scaled_value_and_grad(5)
+  with pytest.raises(TypeError, match="needs a callable value_and_grad, got str"):
+    scaled_value_and_grad(jnp.sum, value_and_grad="grad")
 
 
 def test_float16_loss_overflow_is_caught_and_backed_off():

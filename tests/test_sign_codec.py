@@ -91,6 +91,10 @@ def test_bad_arguments():
     sign_compression("i", num_replicas=0)
   with pytest.raises(ValueError, match="axis_name"):
     sign_compression(("a", "b"))
+  with pytest.raises(ValueError, match="error_feedback must be True or False, got 'yes'"):
+    sign_compression("i", error_feedback="yes")
+  with pytest.raises(ValueError, match="server_error_feedback must be True or False, got 1"):
+    sign_compression("i", server_error_feedback=1)
 
 
 def test_axis_missing():

@@ -240,6 +240,8 @@ def test_bad_arguments_name_the_bad_value():
     _make("shard_map", mesh=mesh)
   with pytest.raises(ValueError, match="Unknown policy spec"):
     _make("single", policy="mixed_float17")
+  with pytest.raises(ValueError, match="bucket_bytes must be a positive int, got -1"):
+    _make("single", bucket_bytes=-1)
   step = _cached("shard_map", "float32")
   with pytest.raises(ValueError, match="12 examples.*8 local devices"):
     step.shard_batch(_batch(0, n=12))

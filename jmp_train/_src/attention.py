@@ -147,6 +147,21 @@ def _explicit(query, key, value, bias, mask, dtype, precision, module,
   return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
 
 
+def _check_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> None:
+  """Raises ``ValueError`` unless the shapes are ``[batch..., length, heads, dim]`` alike."""
+  shapes = f"query {q}, key {k}, value {v}"
+  if not len(q) == len(k) == len(v) >= 3:
+    raise ValueError(
+        f"query, key and value must have the same rank, at least 3 "
+        f"([batch..., length, num_heads, head_dim]); got {shapes}.")
+  for what, ok in (("batch dimensions", q[:-3] == k[:-3] == v[:-3]),
+                   ("num_heads", q[-2] == k[-2] == v[-2]),
+                   ("key and value lengths", k[-3] == v[-3]),
+                   ("query and key head_dim", q[-1] == k[-1])):
+    if not ok:
+      raise ValueError(f"The {what} must match; got {shapes}.")
+
+
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -224,8 +239,9 @@ def dot_product_attention(
     ``[batch..., q_length, num_heads, v_dim]`` in ``dtype``.
 
   Raises:
-    ValueError: for an unknown ``implementation``, or ``"cudnn"``/``"xla"``
-      for a call that ``jax.nn.dot_product_attention`` cannot compute.
+    ValueError: for shapes that do not fit together as above, an unknown
+      ``implementation``, or ``"cudnn"``/``"xla"`` for a call that
+      ``jax.nn.dot_product_attention`` cannot compute.
 
   Examples:
     >>> q = k = v = jnp.ones((2, 8, 4, 16), jnp.bfloat16)
@@ -244,6 +260,7 @@ def dot_product_attention(
     raise ValueError(
         f"implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}."
     )
+  _check_shapes(jnp.shape(query), jnp.shape(key), jnp.shape(value))
   dtype = np.dtype(jnp.result_type(query, key, value) if dtype is None else dtype)
   query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
   dropout = None

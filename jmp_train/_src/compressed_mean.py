@@ -355,6 +355,10 @@ def compressed_mean(
   for name, value in (("num_replicas", num_replicas), ("bucket_bytes", bucket_bytes)):
     if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
       raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+  if error_feedback is not None and not isinstance(error_feedback, (bool, np.bool_)):
+    raise ValueError(
+        f"error_feedback must be True, False or None (the wire's default), got "
+        f"{error_feedback!r}.")
   if error_feedback is None:
     error_feedback = wire != "bfloat16"
   cfg = _Config(axis_name, wire, bool(error_feedback), num_replicas, bucket_bytes)

@@ -26,6 +26,7 @@ __all__ = [
     "Fp8TensorMeta",
     "calibrate",
     "fp8_dequantize",
+    "fp8_dtype",
     "fp8_quantize",
     "fp8_scale",
     "init_fp8_meta",
@@ -35,6 +36,7 @@ __all__ = [
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
+_FP8_NAMES = {"e4m3": E4M3, "float8_e4m3fn": E4M3, "e5m2": E5M2, "float8_e5m2": E5M2}
 _SCALINGS = ("delayed", "current")
 # The name scope of the products on dequantized FP8 operands: the diagnostics
 # read it to apply FP8's shape rules to them.
@@ -123,8 +125,26 @@ def init_fp8_meta(recipe: Fp8Recipe = Fp8Recipe()) -> Fp8DotMeta:
   return Fp8DotMeta(one(), one(), one())
 
 
+def fp8_dtype(dtype: Any) -> np.dtype:
+  """The FP8 dtype ``dtype`` names: ``"e4m3"``, ``"e5m2"`` or the jnp dtypes.
+
+  Raises:
+    ValueError: naming the valid ones, for anything else.
+  """
+  try:
+    key = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+  except TypeError:
+    key = None
+  if key not in _FP8_NAMES:
+    raise ValueError(
+        f"Bad FP8 dtype {dtype!r}; valid: {', '.join(map(repr, sorted(_FP8_NAMES)))} "
+        "or jnp.float8_e4m3fn, jnp.float8_e5m2."
+    )
+  return _FP8_NAMES[key]
+
+
 def _fp8_max(dtype: Any) -> float:
-  return float(jnp.finfo(dtype).max)
+  return float(jnp.finfo(fp8_dtype(dtype)).max)
 
 
 def fp8_scale(amax: jax.Array, previous: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
@@ -132,6 +152,19 @@ def fp8_scale(amax: jax.Array, previous: jax.Array, dtype: Any, margin: int = 0)
 
   Keeps ``previous`` where ``amax`` is zero or not finite (nothing to
   calibrate on), as Transformer Engine does.
+
+  Args:
+    amax: the largest magnitude to represent.
+    previous: the scale to keep where ``amax`` cannot give one.
+    dtype: the FP8 format (``jnp.float8_e4m3fn`` / ``"e4m3"`` or
+      ``jnp.float8_e5m2`` / ``"e5m2"``).
+    margin: powers of two of headroom.
+
+  Returns:
+    The float32 scale.
+
+  Raises:
+    ValueError: if ``dtype`` is not an FP8 format.
 
   Examples:
     >>> float(fp8_scale(jnp.float32(4.0), jnp.float32(1.0), jnp.float8_e4m3fn))
@@ -162,22 +195,55 @@ def push_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
 def fp8_quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
   """``fp8(clip(x * scale))``: clipped, so large values saturate, not overflow.
 
+  Args:
+    x: a floating array.
+    dtype: the FP8 format (``jnp.float8_e4m3fn`` / ``"e4m3"`` or
+      ``jnp.float8_e5m2`` / ``"e5m2"``).
+    scale: the float32 scale (:func:`fp8_scale`).
+
+  Returns:
+    ``x * scale`` in ``dtype``, clipped to its largest finite value.
+
+  Raises:
+    TypeError: if ``x`` is not floating.
+    ValueError: if ``dtype`` is not an FP8 format.
+
   Examples:
     >>> fp8_quantize(jnp.array([1.0, 1000.0]), jnp.float8_e4m3fn, jnp.float32(1.0)).tolist()
     [1.0, 448.0]
   """
+  dtype = fp8_dtype(dtype)
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise TypeError(f"fp8_quantize needs a floating array, got {jnp.result_type(x)}.")
   limit = _fp8_max(dtype)
-  scaled = x.astype(jnp.float32) * scale
+  scaled = jnp.asarray(x).astype(jnp.float32) * scale
   return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 
 def fp8_dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   """``q / scale`` in ``dtype`` (written as a product with ``1/scale``).
 
+  Args:
+    q: FP8 codes (:func:`fp8_quantize`).
+    scale: the scale they were quantized with.
+    dtype: the floating dtype of the result.
+
+  Returns:
+    The values, in ``dtype``.
+
+  Raises:
+    ValueError: if ``dtype`` is not a floating dtype.
+
   Examples:
     >>> fp8_dequantize(jnp.array([2.0], jnp.float8_e4m3fn), jnp.float32(4.0), jnp.float32).tolist()
     [0.5]
   """
+  try:
+    floating = jnp.issubdtype(dtype, jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise ValueError(f"fp8_dequantize needs a floating result dtype, got {dtype!r}.")
   return q.astype(dtype) * (1.0 / scale).astype(dtype)
 
 

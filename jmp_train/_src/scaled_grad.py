@@ -67,12 +67,20 @@ def scaled_value_and_grad(
     ``static_argnames=...`` name the same arguments as for
     ``jax.value_and_grad(fun)``, with the numbers shifted by one.
 
+  Raises:
+    TypeError: if ``fun`` or ``value_and_grad`` is not callable.
+
   Examples:
     >>> g = scaled_value_and_grad(lambda w: jnp.sum(w ** 2))
     >>> loss, grads = g(StaticLossScale(8.0), jnp.ones(2))
     >>> float(loss), grads.tolist()
     (2.0, [16.0, 16.0])
   """
+  for name, value in (("fun", fun), ("value_and_grad", value_and_grad)):
+    if not callable(value):
+      raise TypeError(
+          f"scaled_value_and_grad needs a callable {name}, got "
+          f"{type(value).__name__}: {value!r}.")
 
   @functools.wraps(fun)
   def g(loss_scale, *args, **kwargs):

@@ -189,9 +189,12 @@ class _Config:
   bucket_bytes: int | None
 
 
-def _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes) -> None:
+def _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes, **flags) -> None:
   if scale not in SCALES:
     raise ValueError(f"Unknown scale {scale!r}; valid scales: {', '.join(SCALES)}.")
+  for name, value in flags.items():
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f"{name} must be True or False, got {value!r}.")
   if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
     raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
   if axis_name is not None and not isinstance(axis_name, str):
@@ -425,7 +428,8 @@ def sign_compression(
     Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes", ICML 2019. https://arxiv.org/abs/1901.09847
   """
-  _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes)
+  _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes,
+            error_feedback=error_feedback, server_error_feedback=server_error_feedback)
   cfg = _Config(
       axis_name=axis_name,
       scale=scale,

@@ -15,6 +15,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jmp_train._src import buckets
+
 __all__ = ["LossScalingFns", "check_arguments", "compose", "layout"]
 
 MODES = ("single", "pmap", "shard_map")
@@ -53,7 +55,8 @@ def _dtype_name(dtype: Any) -> str | None:
     return None
 
 
-def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype) -> None:
+def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype,
+                    bucket_bytes=buckets.DEFAULT_BUCKET_BYTES) -> None:
   """Validation in one place: TypeError/ValueError naming the bad value."""
   if not callable(loss_fn):
     raise TypeError(
@@ -74,6 +77,9 @@ def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype) ->
         f"grad_reduce_dtype {grad_reduce_dtype!r} is not supported; valid: None, "
         f"{', '.join(_REDUCE_DTYPES)}."
     )
+  if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
+      or bucket_bytes <= 0):
+    raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}.")
 
 
 def layout(mode: str, axis_name: str, mesh: Mesh | None) -> tuple[Mesh | None, int]:

@@ -175,7 +175,7 @@ def make_train_step(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
     https://arxiv.org/abs/1710.03740
   """
-  check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype)
+  check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype, bucket_bytes)
   policy = get_policy(policy)
   model = train_model.as_model(apply_fn, eval_apply_fn, rng_collections)
   mesh, num_replicas = layout(mode, axis_name, mesh)

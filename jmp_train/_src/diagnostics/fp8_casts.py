@@ -18,13 +18,9 @@ import numpy as np
 
 from jmp_train._src.diagnostics import _casts
 from jmp_train._src.diagnostics import _common
+from jmp_train._src.fp8_scaling import fp8_dtype
 
 __all__ = ["Fp8CastFractions", "fp8_cast_fractions"]
-
-_FP8 = {
-    "e4m3": np.dtype(jnp.float8_e4m3fn), "float8_e4m3fn": np.dtype(jnp.float8_e4m3fn),
-    "e5m2": np.dtype(jnp.float8_e5m2), "float8_e5m2": np.dtype(jnp.float8_e5m2),
-}
 
 
 class Fp8CastFractions(NamedTuple):
@@ -40,16 +36,6 @@ class Fp8CastFractions(NamedTuple):
   saturated: jax.Array
   underflow: jax.Array
   subnormal: jax.Array
-
-
-def _fp8_dtype(dtype: Any) -> np.dtype:
-  key = dtype if isinstance(dtype, str) else getattr(np.dtype(dtype), "name", None)
-  if key not in _FP8:
-    raise ValueError(
-        f"Bad FP8 dtype {dtype!r}; valid: {', '.join(sorted(_FP8))} or the jnp dtypes "
-        "float8_e4m3fn, float8_e5m2."
-    )
-  return _FP8[key]
 
 
 def _leaf_counts(x: jax.Array, dtype: np.dtype, scale: Any) -> jax.Array:
@@ -95,7 +81,7 @@ def fp8_cast_fractions(
     >>> [round(float(v), 2) for v in f]
     [0.25, 0.25, 0.25]
   """
-  fp8 = _fp8_dtype(dtype)
+  fp8 = fp8_dtype(dtype)
   _common.check_positive("scale", scale)
   leaves = [x for _, x in _common.floating_leaves(tree, "fp8_cast_fractions")]
   counts = sum(_leaf_counts(jnp.asarray(x), fp8, scale) for x in leaves)
