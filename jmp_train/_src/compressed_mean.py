@@ -330,7 +330,8 @@ def compressed_mean(
     An ``optax.GradientTransformation`` with :class:`CompressedMeanState`.
 
   Raises:
-    ValueError: at construction for an unknown ``wire`` or bad numbers; at
+    ValueError: at construction for an unknown ``wire``, bad numbers or an
+      ``error_feedback`` that is not a bool or ``None``; at
       trace time when ``axis_name`` is not bound, a leaf is not floating,
       or the state does not match the gradients.
 

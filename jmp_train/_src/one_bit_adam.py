@@ -100,7 +100,9 @@ def one_bit_adam(
 
   Raises:
     ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale``,
-      ``exchange``, ``variance_refresh`` or ``bucket_bytes``; at trace time
+      ``exchange``, ``variance_refresh`` or ``bucket_bytes``, a
+      ``learning_rate`` number that is not finite and > 0, ``b1`` or ``b2``
+      outside ``[0, 1)``, or a negative ``eps`` or ``weight_decay``; at trace time
       for a state made for another replica count or other buckets.
 
   Examples:

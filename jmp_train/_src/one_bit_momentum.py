@@ -91,7 +91,9 @@ def one_bit_momentum(
 
   Raises:
     ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale`` or
-      ``bucket_bytes``; at trace time for a state made for another replica
+      ``bucket_bytes``, a ``learning_rate`` number that is not finite and
+      > 0, ``momentum`` outside ``[0, 1)``, a negative ``weight_decay`` or a
+      non-bool ``nesterov``; at trace time for a state made for another replica
       count or other buckets.
 
   Examples:

@@ -127,8 +127,8 @@ def scale_by_adam(
 
   Raises:
     ValueError: for a dtype not in ``STATE_DTYPES``, ``b1`` or ``b2`` outside
-      ``[0, 1)``, or a bad ``block_size``, ``code``, ``min_8bit_size`` or
-      ``rounding``.
+      ``[0, 1)``, a negative ``eps`` or ``eps_root``, or a bad
+      ``block_size``, ``code``, ``min_8bit_size`` or ``rounding``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -235,8 +235,10 @@ def adam_8bit(
     ``optax.chain`` with an ``optax.ScaleByAdamState`` first.
 
   Raises:
-    ValueError: for ``b1`` or ``b2`` outside ``[0, 1)`` or a bad
-      ``block_size``, ``code``, ``min_8bit_size`` or ``rounding``.
+    ValueError: for a ``learning_rate`` number that is not finite and > 0,
+      ``b1`` or ``b2`` outside ``[0, 1)``, a negative ``eps``, ``eps_root``
+      or ``weight_decay``, or a bad ``block_size``, ``code``,
+      ``min_8bit_size`` or ``rounding``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -349,8 +351,8 @@ def sgd_8bit(
     ``optax.chain`` with a :class:`QuantizedTraceState` first.
 
   Raises:
-    ValueError: for ``momentum`` outside ``[0, 1)``, a non-bool
-      ``nesterov``, or a bad ``block_size``, ``code``, ``min_8bit_size`` or
+    ValueError: for a ``learning_rate`` number that is not finite and > 0,
+      ``momentum`` outside ``[0, 1)``, a non-bool ``nesterov``, or a bad ``block_size``, ``code``, ``min_8bit_size`` or
       ``rounding``.
 
   Examples:

@@ -405,9 +405,11 @@ def sign_compression(
 
   Raises:
     ValueError: at construction for an unknown ``scale``, a negative
-      ``warmup_steps`` or a non-positive ``bucket_bytes``; at trace time when ``axis_name`` is not bound,
-      when a gradient leaf is not floating, or when the state does not
-      match the gradients (other parameters or another replica count).
+      ``warmup_steps``, a non-positive ``bucket_bytes`` or a non-bool
+      ``error_feedback`` / ``server_error_feedback``; at trace time when
+      ``axis_name`` is not bound, when a gradient leaf is not floating, or
+      when the state does not match the gradients (other parameters or
+      another replica count).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax

@@ -156,8 +156,8 @@ def make_train_step(
       a factory such as ``optax.sgd`` instead of ``optax.sgd(0.1)``); at the
       first step, if the batch is not a tuple ``(inputs, targets)``.
     ValueError: for an unknown ``mode`` or ``grad_reduce_dtype``, a
-      ``compression`` without a data-parallel mode, or a ``mesh`` that lacks
-      ``axis_name``.
+      non-positive ``bucket_bytes``, a ``compression`` without a
+      data-parallel mode, or a ``mesh`` that lacks ``axis_name``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jmp_train
