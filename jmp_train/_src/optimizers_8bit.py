@@ -352,8 +352,8 @@ def sgd_8bit(
 
   Raises:
     ValueError: for a ``learning_rate`` number that is not finite and > 0,
-      ``momentum`` outside ``[0, 1)``, a non-bool ``nesterov``, or a bad ``block_size``, ``code``, ``min_8bit_size`` or
-      ``rounding``.
+      ``momentum`` outside ``[0, 1)``, a non-bool ``nesterov``, or a bad
+      ``block_size``, ``code``, ``min_8bit_size`` or ``rounding``.
 
   Examples:
     >>> import jax.numpy as jnp, optax
