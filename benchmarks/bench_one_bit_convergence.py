@@ -202,12 +202,14 @@ def train_digits(
   params, opt_state, norms = jax.block_until_ready(run(params, opt_state, xs, ys))
   seconds = time.perf_counter() - start
   final_loss = float(_loss(params, data.x_train, data.y_train))
+  test_loss = float(_loss(params, data.x_test, data.y_test))
   accuracy = float((_logits(params, data.x_test).argmax(-1) == data.y_test).mean())
   norms = np.asarray(norms)
   return {
       "replicas": replicas,
       "steps": steps,
       "final_loss": final_loss,
+      "test_loss": test_loss,
       "test_accuracy": accuracy,
       "residual_norm_final": float(norms[-1]),
       "residual_norm_max": float(norms.max()),

@@ -17,16 +17,20 @@ schedule for every row of a seed; 3 seeds. Rows (``mode``):
   ``optax.adam``, for contrast), ``adam_frozen_v`` (exact exchange, ``v``
   frozen after the warm-up: what 1-bit Adam would do with a lossless
   exchange), ``one_bit_adam`` (the momentum exchanged, as in Tang et al. /
-  DeepSpeed), ``one_bit_adam_preconditioned`` (``m / (sqrt(v)+eps)``
-  exchanged), ``one_bit_adam_refresh`` (``variance_refresh`` every 50
-  steps: an exact step that updates ``v``, as in 0/1 Adam) and
-  ``one_bit_adam_preconditioned_refresh`` (both).
+  DeepSpeed), ``one_bit_adam_clipped`` (``clip_step=True``: each step
+  clipped to Kingma & Ba's bound), ``one_bit_adam_preconditioned``
+  (``m / (sqrt(v)+eps)`` exchanged), ``one_bit_adam_refresh``
+  (``variance_refresh`` every 50 steps: an exact step that updates ``v``,
+  as in 0/1 Adam), ``one_bit_adam_refresh_clipped`` (refreshes and
+  ``clip_step``) and ``one_bit_adam_preconditioned_refresh`` (both).
 
 Columns: final training loss (whole training set) as mean and spread over
 seeds, test accuracy (mean), ``rel_to_float32``: the mean over seeds of
 each seed's final loss over the uncompressed row's of the same seed,
 optimizer, learning rate and schedule, minus 1 (paired), and
-``rel_to_float32_max`` the worst seed's; ``wire_ratio``: bytes one device
+``rel_to_float32_max`` the worst seed's; ``test_loss`` (the held-out 20%,
+mean over seeds) with ``rel_test_loss`` / ``rel_test_loss_max`` paired in
+the same way; ``wire_ratio``: bytes one device
 sends per step after warm-up (compiled HLO, :func:`jmp_train.collective_bytes`
 with ``wire=True``, the exact branch excluded: with ``variance_refresh``
 every 50th step sends a float all-reduce instead) over a float32 ring
@@ -37,13 +41,16 @@ all-reduce of the gradients, for the digits MLP (4,810 parameters: the
 Environment (full runs): ``BENCH_ONE_BIT_OPTIMIZERS_STEPS`` (default 400;
 the schedules, the 1-bit warm-up and the refresh interval scale with it),
 ``BENCH_ONE_BIT_OPTIMIZERS_WARMUP`` (the 1-bit warm-up in percent of the
-steps, default 20, less than 100) and ``BENCH_ONE_BIT_OPTIMIZERS_MODES``
+steps, default 20, less than 100), ``BENCH_ONE_BIT_OPTIMIZERS_SEEDS``
+(``N``: seeds 0 to N-1, default 3; ``A-B``: seeds A to B) and
+``BENCH_ONE_BIT_OPTIMIZERS_MODES``
 (comma-separated rows; default all; keep each optimizer's ``*_float32``
 row).
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -57,8 +64,8 @@ from benchmarks import bench_one_bit_convergence as digits
 NAME = "one_bit_optimizers"
 COLUMNS = (
     "optimizer", "mode", "learning_rate", "schedule", "steps", "seeds", "final_loss",
-    "final_loss_min", "final_loss_max", "rel_to_float32", "rel_to_float32_max", "test_accuracy",
-    "wire_ratio", "wire_ratio_2m",
+    "final_loss_min", "final_loss_max", "rel_to_float32", "rel_to_float32_max", "test_loss",
+    "rel_test_loss", "rel_test_loss_max", "test_accuracy", "wire_ratio", "wire_ratio_2m",
 )
 AXIS = digits.AXIS
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -128,10 +135,15 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
         ("adam", "adam_frozen_v", peak, name, lambda lr=lr: _frozen_v_adam(lr, warmup)),
         ("adam", "one_bit_adam", peak, name,
          lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup)),
+        ("adam", "one_bit_adam_clipped", peak, name,
+         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, clip_step=True)),
         ("adam", "one_bit_adam_preconditioned", peak, name,
          lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, exchange="preconditioned")),
         ("adam", "one_bit_adam_refresh", peak, name,
          lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh)),
+        ("adam", "one_bit_adam_refresh_clipped", peak, name,
+         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup,
+                                    variance_refresh=refresh, clip_step=True)),
         ("adam", "one_bit_adam_preconditioned_refresh", peak, name,
          lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh,
                                     exchange="preconditioned")),
@@ -161,6 +173,19 @@ def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float
   return sent / (2 * (replicas - 1) / replicas * 4 * n)
 
 
+def _seeds(value: str) -> tuple[int, ...]:
+  """``""``: 0, 1, 2; ``"N"``: 0 to N-1; ``"A-B"``: A to B."""
+  found = re.fullmatch(r"(\d+)(?:-(\d+))?", value.strip() or "3")
+  if found is None or (found[2] is None and int(found[1]) < 1) or (
+      found[2] is not None and int(found[2]) < int(found[1])):
+    raise ValueError(
+        f"BENCH_ONE_BIT_OPTIMIZERS_SEEDS must be a count N >= 1 or a range A-B "
+        f"with A <= B, got {value!r}.")
+  if found[2] is None:
+    return tuple(range(int(found[1])))
+  return tuple(range(int(found[1]), int(found[2]) + 1))
+
+
 # one_bit_momentum's quick smoke test is in bench_one_bit_convergence.
 QUICK_MODES = ("sgdm_float32", "adam_float32", "one_bit_adam")
 
@@ -171,7 +196,7 @@ def run(quick: bool) -> list[dict]:
   # learning rate, three rows.
   steps = 10 if quick else _harness.env_int("BENCH_ONE_BIT_OPTIMIZERS_STEPS", 400)
   hidden = None if quick else 64
-  seeds = (0,) if quick else (0, 1, 2)
+  seeds = (0,) if quick else _seeds(os.environ.get("BENCH_ONE_BIT_OPTIMIZERS_SEEDS", ""))
   lr_momentum = (0.1,) if quick else (0.1, 0.3)
   adam = (("cosine", 3e-3),) if quick else (("constant", 3e-3), ("cosine", 3e-3), ("cosine", 1e-2))
   params = digits._init_model(jax.random.key(0), hidden)  # pylint: disable=protected-access
@@ -201,6 +226,8 @@ def run(quick: bool) -> list[dict]:
         "final_loss_min": float(losses.min()),
         "final_loss_max": float(losses.max()),
         "final_losses": [float(x) for x in losses],
+        "test_loss": float(np.mean([r["test_loss"] for r in runs])),
+        "test_losses": [float(r["test_loss"]) for r in runs],
         "test_accuracy": float(np.mean([r["test_accuracy"] for r in runs])),
     })
     if mode not in wire:  # the bytes do not depend on the learning rate
@@ -215,4 +242,6 @@ def run(quick: bool) -> list[dict]:
     )
     rel = np.asarray(r["final_losses"]) / np.asarray(base["final_losses"]) - 1.0
     r["rel_to_float32"], r["rel_to_float32_max"] = float(rel.mean()), float(rel.max())
+    rel = np.asarray(r["test_losses"]) / np.asarray(base["test_losses"]) - 1.0
+    r["rel_test_loss"], r["rel_test_loss_max"] = float(rel.mean()), float(rel.max())
   return records

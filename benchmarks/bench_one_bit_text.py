@@ -14,7 +14,8 @@ demo's ``optax.warmup_cosine_decay_schedule``); 3 seeds. Rows (``mode``):
   frozen after the same warm-up: 1-bit Adam's rule with a lossless
   exchange), ``one_bit_adam`` (exact for the first 20% of the steps,
   DeepSpeed's ``freeze_step``, then ``v`` frozen and the momentum exchanged
-  in 1 bit), ``one_bit_adam_refresh`` (the same with
+  in 1 bit), ``one_bit_adam_clipped`` (``clip_step=True``: each step
+  clipped to Kingma & Ba's bound), ``one_bit_adam_refresh`` (the same with
   ``variance_refresh`` every 1/8 of the steps: an exact step that updates
   ``v``, as in 0/1 Adam) and ``adam_grad_1bit`` (gradient compression,
   :func:`jmp_train.sign_compression`, before ``optax.adam``: for contrast);
@@ -168,6 +169,8 @@ def _optimizers(steps: int, quick: bool):
       ("adam", "adam_frozen_v", LR_ADAM, lambda: _frozen_v_adam(adam, warmup)),
       ("adam", "one_bit_adam", LR_ADAM,
        lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup)),
+      ("adam", "one_bit_adam_clipped", LR_ADAM,
+       lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, clip_step=True)),
       ("adam", "one_bit_adam_refresh", LR_ADAM,
        lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh)),
       ("adam", "adam_grad_1bit", LR_ADAM,

@@ -313,6 +313,22 @@ def test_one_bit_optimizers_rejects_a_warmup_of_the_whole_run(monkeypatch):
     bench.run(quick=False)
 
 
+@pytest.mark.parametrize("value, seeds", [
+    ("", (0, 1, 2)), ("5", (0, 1, 2, 3, 4)), ("3-6", (3, 4, 5, 6)), (" 2-2 ", (2,))])
+def test_one_bit_optimizers_seeds_from_the_environment(value, seeds):
+  from benchmarks import bench_one_bit_optimizers as bench
+
+  assert bench._seeds(value) == seeds  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("value", ["0", "4-3", "a", "1,2", "-2"])
+def test_one_bit_optimizers_rejects_bad_seeds(value):
+  from benchmarks import bench_one_bit_optimizers as bench
+
+  with pytest.raises(ValueError, match="BENCH_ONE_BIT_OPTIMIZERS_SEEDS must be a count"):
+    bench._seeds(value)  # pylint: disable=protected-access
+
+
 # --------------------------------------------------------------------------
 # Activation memory: residual classification (its quick records are checked
 # above, in test_benchmark_runs_quick).

@@ -247,6 +247,7 @@ def test_bad_arguments():
     ({"b2": np.float32(-0.5)}, r"b2 must be in \[0, 1\), got .*-0.5"),
     ({"eps": -1e-8}, "eps must be finite and >= 0, got -1e-08"),
     ({"weight_decay": float("nan")}, "weight_decay must be finite and >= 0, got nan"),
+    ({"clip_step": "yes"}, "clip_step must be True or False, got 'yes'"),
 ])
 def test_bad_adam_hyperparameters_are_named(kwargs, message):
   kwargs = {"learning_rate": 1e-3, **kwargs}

@@ -63,17 +63,20 @@ def ref_covered(t, warmup, refresh):
   return min(t, warmup) + (after - after % refresh if refresh else 0)
 
 
-def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refresh=0):
+def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refresh=0,
+                  clip_step=False):
   """One step of 1-bit Adam for K replicas from the (replicated) state.
 
   grads: K lists of leaves; params, mu, nu: lists of leaves; state: dict with
   count, mu, nu, r (K, n_pad), e (K, S). ``refresh``: an exact step every
-  ``refresh`` steps after warm-up, v decayed by B2**refresh. Returns
+  ``refresh`` steps after warm-up, v decayed by B2**refresh. ``clip_step``:
+  the steps between exact ones are clipped to Kingma & Ba's bound. Returns
   (updates, new state).
   """
   k, count = len(grads), state["count"]
   mu, nu, r, e = state["mu"], state["nu"], state["r"], state["e"]
-  if count < warmup or (refresh and (count + 1 - warmup) % refresh == 0):
+  exact = count < warmup or (refresh and (count + 1 - warmup) % refresh == 0)
+  if exact:
     keep = B2 if count < warmup else B2**refresh
     g = [np.mean([grads[j][i] for j in range(k)], axis=0, dtype=np.float32) for i in range(len(mu))]
     live = [np.full(v.shape, count < warmup) | (v > 0) for v in nu]
@@ -99,8 +102,10 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
     mu = [np.where(v > 0, a * dd, 0) for a, v, dd in zip(avg, nu, d)]
   t = count + 1
   c1, c2 = 1 - B1**t, 1 - B2 ** ref_covered(t, warmup, refresh)
+  bound = np.inf if exact or not clip_step else max((1 - B1) / np.sqrt(1 - B2), 1.0)
   updates = [
-      -lr * ((m / c1) / (np.sqrt(v / c2) + EPS) + wd * p) for m, v, p in zip(mu, nu, params)
+      -lr * (np.clip((m / c1) / (np.sqrt(v / c2) + EPS), -bound, bound) + wd * p)
+      for m, v, p in zip(mu, nu, params)
   ]
   return updates, dict(count=t, mu=mu, nu=nu, r=r, e=e)
 
@@ -116,11 +121,12 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
      (4, "column", "momentum", 0), (4, "l2", "preconditioned", 0),
      (4, "l2", "momentum", 2), (4, "l2", "preconditioned", 3)],
 )
-def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh):
+@pytest.mark.parametrize("clip_step", [True, False])
+def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, clip_step):
   lr, wd, warmup = 1e-2, 0.05, 2
   _, init, update = pmapped(
       k, adam, learning_rate=lr, weight_decay=wd, warmup_steps=warmup, scale=scale,
-      exchange=exchange, variance_refresh=refresh,
+      exchange=exchange, variance_refresh=refresh, clip_step=clip_step,
   )
   params = make_tree(k, seed=1)
   params = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), params)  # replicated
@@ -138,6 +144,7 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh):
     ref_u, ref = ref_adam_step(
         [leaves_of(grads, j) for j in range(k)], p_np, before,
         lr=lr, wd=wd, warmup=warmup, scale=scale, exchange=exchange, refresh=refresh,
+        clip_step=clip_step,
     )
     residuals = (
         buffer_residual(state.compression.worker_residual, SHAPES, scale, k),
@@ -167,15 +174,18 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh):
       assert (ref["nu"][0] != before["nu"][0]).any() == bool(exact)
 
 
-@pytest.mark.parametrize("exchange", ["momentum", "preconditioned"])
-def test_preconditioned_exchange_never_steps_beyond_adams_bound(exchange):
+@pytest.mark.parametrize("exchange, clip_step", [
+    ("momentum", True), ("preconditioned", True), ("momentum", False),
+    ("preconditioned", False)])
+def test_steps_never_go_beyond_adams_bound_unless_asked(exchange, clip_step):
   # After the freeze, gradients 1000x those of the warm-up: the frozen v no
   # longer holds the steps back. Kingma & Ba bound Adam's steps by
-  # lr * (1 - B1) / sqrt(1 - B2) (Sec. 2.1); the preconditioned
-  # exchange clips each element there, the momentum exchange (as in the
-  # paper) does not.
+  # lr * (1 - B1) / sqrt(1 - B2) (Sec. 2.1); clip_step clips each element
+  # of the step there, and the preconditioned exchange clips what it sends;
+  # the momentum exchange without clip_step (the paper's rule) does not.
   k, lr, warmup = 4, 1e-2, 2
-  _, init, update = pmapped(k, adam, learning_rate=lr, warmup_steps=warmup, exchange=exchange)
+  _, init, update = pmapped(k, adam, learning_rate=lr, warmup_steps=warmup, exchange=exchange,
+                            clip_step=clip_step)
   params = jax.tree.map(jnp.zeros_like, make_tree(k, seed=0))
   state = init(params)
   for step in range(warmup + 3):
@@ -183,7 +193,7 @@ def test_preconditioned_exchange_never_steps_beyond_adams_bound(exchange):
     updates, state = update(grads, state, params)
   largest = max(float(np.abs(u).max()) for u in leaves_of(updates))
   bound = lr * (1 - B1) / np.sqrt(1 - B2)
-  if exchange == "preconditioned":
+  if exchange == "preconditioned" or clip_step:
     assert largest <= bound * (1 + 1e-5), (largest, bound)
   else:
     assert largest > 10 * bound, (largest, bound)

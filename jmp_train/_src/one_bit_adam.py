@@ -53,6 +53,7 @@ def one_bit_adam(
     scale: str = "l2",
     exchange: str = "momentum",
     variance_refresh: int = 0,
+    clip_step: bool = False,
     num_replicas: int | None = None,
     bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
@@ -63,11 +64,14 @@ def one_bit_adam(
 
   .. math::
     m_j = \beta_1 m + (1-\beta_1) g_j,\quad m \leftarrow C(m_1..m_K),\quad
-    u = -\eta_t \Big(\frac{m/(1-\beta_1^t)}{\sqrt{v/(1-\beta_2^W)}+\epsilon}
-    + \lambda p\Big)
+    u = -\eta_t \Big(\mathrm{clip}_B\Big(\frac{m/(1-\beta_1^t)}{\sqrt{v/(1-\beta_2^W)}
+    +\epsilon}\Big) + \lambda p\Big)
 
   where ``C`` is :func:`jmp_train.sign_compression` (worker and server error
-  feedback, packed all-to-all + all-gather). See the module docstring.
+  feedback, packed all-to-all + all-gather) and ``clip_B`` clips each
+  element to Kingma & Ba's bound on an Adam step,
+  ``B = max((1-β1)/sqrt(1-β2), 1)``, with ``clip_step`` (else the
+  identity). See the module docstring.
 
   Args:
     learning_rate: a float or a schedule ``count -> lr``.
@@ -88,6 +92,12 @@ def one_bit_adam(
       ``k > 0``: every ``k``-th step after warm-up is an exact step (a float
       all-reduce of the gradients) that updates ``m`` and ``v`` (0/1 Adam's
       sparse variance updates; see the module docstring).
+    clip_step: clip each element of the step after warm-up to Kingma &
+      Ba's bound ``B`` on an Adam step, which exact Adam does not exceed;
+      a frozen ``v`` and the 1-bit exchange's error can. ``False``
+      (default): the paper's rule as written. Meant for a frozen ``v``;
+      with ``variance_refresh`` prefer ``exchange="preconditioned"`` (see
+      the module docstring).
     num_replicas: size of ``axis_name``, for ``init`` outside a mapped
       context.
     bucket_bytes: ``None``: one 1-bit exchange for the whole tree; an int:
@@ -100,7 +110,7 @@ def one_bit_adam(
 
   Raises:
     ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale``,
-      ``exchange``, ``variance_refresh`` or ``bucket_bytes``, a
+      ``exchange``, ``variance_refresh``, ``clip_step`` or ``bucket_bytes``, a
       ``learning_rate`` number that is not finite and > 0, ``b1`` or ``b2``
       outside ``[0, 1)``, or a negative ``eps`` or ``weight_decay``; at trace time
       for a state made for another replica count or other buckets.
@@ -137,6 +147,8 @@ def one_bit_adam(
   check_non_negative(weight_decay, "weight_decay")
   if exchange not in EXCHANGES:
     raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
+  if not isinstance(clip_step, (bool, np.bool_)):
+    raise ValueError(f"clip_step must be True or False, got {clip_step!r}.")
   if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
     raise ValueError(
         f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}."
@@ -218,6 +230,9 @@ def one_bit_adam(
     c2_t = c2(t)
     lr = lr_at(learning_rate, state.count)
     step = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2_t) + eps), mu, nu)
+    if clip_step:  # exact steps are Adam's own: no clip (an infinite bound)
+      bound = jnp.where(exact_step(state.count), jnp.inf, step_bound)
+      step = jax.tree.map(lambda x: jnp.clip(x, -bound, bound), step)
     if weight_decay:
       step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(jnp.float32), step, params)
     new = jax.tree.map(lambda s: -lr * s, step)

@@ -53,8 +53,22 @@ late barely changes the trajectory; no gradient arrives late.
 * **warm-up** (``count < warmup_steps``): exact Adam on the ``pmean`` of the
   gradients (a float all-reduce), ``v`` updated as usual;
 * **after**: ``v`` is frozen; the update is
-  :math:`-\eta_t\,(\hat m / (\sqrt{\hat v} + \epsilon) + \lambda p)` with
-  ``m`` from the compressed exchange (decoupled weight decay, AdamW).
+  :math:`-\eta_t\,(\mathrm{clip}_B(\hat m / (\sqrt{\hat v} + \epsilon)) + \lambda p)`
+  with ``m`` from the compressed exchange (decoupled weight decay, AdamW).
+
+``clip_B`` is the identity, as in the paper, unless ``clip_step=True``:
+then it clips each element to
+:math:`B = \max((1-\beta_1)/\sqrt{1-\beta_2}, 1)`, the bound Kingma & Ba
+give for an Adam step (Sec. 2.1: its size after a lone gradient spike).
+Exact Adam, whose ``v`` follows the gradients, does not exceed it. A
+frozen ``v`` can: where the gradients outgrow their warm-up size, or where
+``v`` is tiny and ``m`` carries the 1-bit exchange's error, the step
+``m/(sqrt(v)+eps)`` grows without a limit, and one such step can throw
+the weights out of a minimum. On the digits benchmark the clip removed
+such runs with a frozen ``v``, but with ``variance_refresh`` and the
+momentum exchange it made some runs unstable instead
+(``benchmarks/README.md``, ``one_bit_optimizers``): it is an option for
+a frozen ``v``, not the default.
 
 For elements whose frozen ``v`` is zero (the weights of an input that is
 always zero, an embedding row not seen during warm-up) a later gradient
