@@ -254,6 +254,10 @@ def test_rejects_bad_overrides():
     jflax.apply_policy(nn.Dense(8), "mixed_bfloat16", float32_paths=("head", 3))
   with pytest.raises(ValueError, match="float32_modules"):
     jflax.apply_policy(nn.Dense(8), "mixed_bfloat16", float32_modules=3)
+  with pytest.raises(ValueError, match=r"float32_paths must be a sequence .*got 5"):
+    jflax.apply_policy(nn.Dense(8), "mixed_bfloat16", float32_paths=5)
+  with pytest.raises(ValueError, match="cast_inputs must be True or False, got 'yes'"):
+    jflax.apply_policy(nn.Dense(8), "mixed_bfloat16", cast_inputs="yes")
 
 
 def test_accepts_policy_objects_and_single_overrides():

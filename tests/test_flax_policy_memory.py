@@ -124,6 +124,11 @@ def test_recompute_gradients_match(name, policy):
     np.testing.assert_allclose(a, b, rtol=0, atol=0.05 * scale + 1e-6)
 
 
+def test_saved_residuals_needs_a_function():
+  with pytest.raises(ValueError, match="saved_residuals needs a callable"):
+    jmp_train.diagnostics.saved_residuals(5, jnp.ones(2))
+
+
 def test_recompute_is_checked():
   with pytest.raises(ValueError, match="recompute must be one of"):
     jflax.apply_policy(nn.Dense(4), "mixed_bfloat16", recompute="all")

@@ -463,6 +463,8 @@ def test_initial_meta_structure_and_dtypes():
     (lambda: jmp_train.fp8_dequantize(jnp.ones(2, jnp.float8_e4m3fn), jnp.float32(1.0),
                                       jnp.int32),
      ValueError, "fp8_dequantize needs a floating result dtype"),
+    (lambda: jmp_train.init_fp8_meta("delayed"),
+     TypeError, "init_fp8_meta needs an Fp8Recipe.*got str"),
 ])
 def test_bad_fp8_arguments_are_named(call, error, message):
   with pytest.raises(error, match=message):

@@ -242,6 +242,15 @@ def test_bad_arguments_name_the_bad_value():
     _make("single", policy="mixed_float17")
   with pytest.raises(ValueError, match="bucket_bytes must be a positive int, got -1"):
     _make("single", bucket_bytes=-1)
+  with pytest.raises(ValueError, match="axis_name must be a string, got 3"):
+    _make("pmap", axis_name=3)
+  with pytest.raises(ValueError, match="donate must be True or False, got 'no'"):
+    _make("single", donate="no")
+  # A bare string would be taken letter by letter.
+  with pytest.raises(ValueError, match="rng_collections must be a sequence .*'dropout'"):
+    _make("single", rng_collections="dropout")
+  with pytest.raises(TypeError, match="remat_policy must be None or a jax.checkpoint policy"):
+    _make("single", remat_policy="dots")
   step = _cached("shard_map", "float32")
   with pytest.raises(ValueError, match="12 examples.*8 local devices"):
     step.shard_batch(_batch(0, n=12))

@@ -92,8 +92,15 @@ def check_float32_modules(float32_modules: Any) -> tuple[type, ...]:
 def check_float32_paths(float32_paths: Any) -> tuple[str, ...]:
   if isinstance(float32_paths, str):
     float32_paths = (float32_paths,)
+  try:
+    items = tuple(float32_paths)
+  except TypeError:
+    raise ValueError(
+        f"float32_paths must be a sequence of path patterns such as "
+        f"('head', 'blocks/*/conv1'), got {float32_paths!r}."
+    ) from None
   out = []
-  for p in float32_paths:
+  for p in items:
     if isinstance(p, (tuple, list)):
       p = "/".join(str(k) for k in p)
     if not isinstance(p, str):

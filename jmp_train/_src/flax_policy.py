@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import flax.linen as nn
+import numpy as np
 from flax import nnx
 
 from jmp_train._src import flax_layers
@@ -287,8 +288,8 @@ def apply_policy(
 
   Raises:
     ValueError: if ``module`` is not a Flax module, ``policy`` is not a
-      valid policy or spec, the overrides are malformed, or ``recompute``
-      is not one of ``("float32", None)``.
+      valid policy or spec, the overrides are malformed, ``cast_inputs`` is
+      not a bool, or ``recompute`` is not one of ``("float32", None)``.
 
   Examples:
     >>> import flax.linen as nn
@@ -316,6 +317,8 @@ def apply_policy(
   classes = flax_layers.check_float32_modules(float32_modules)
   paths = flax_layers.check_float32_paths(float32_paths)
   recompute = flax_layers.check_recompute(recompute)
+  if not isinstance(cast_inputs, (bool, np.bool_)):
+    raise ValueError(f"cast_inputs must be True or False, got {cast_inputs!r}.")
   if isinstance(module, nn.Module):
     return LinenPolicyWrapper(
         module=module,

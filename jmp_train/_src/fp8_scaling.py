@@ -114,11 +114,26 @@ class Fp8DotMeta(NamedTuple):
 def init_fp8_meta(recipe: Fp8Recipe = Fp8Recipe()) -> Fp8DotMeta:
   """The initial state of one FP8 product: scales 1, empty (zero) histories.
 
+  Args:
+    recipe: the :class:`Fp8Recipe` whose ``amax_history_len`` sizes the
+      histories.
+
+  Returns:
+    An :class:`Fp8DotMeta` for the left operand, the right one and the
+    output gradient.
+
+  Raises:
+    TypeError: if ``recipe`` is not an :class:`Fp8Recipe`.
+
   Examples:
     >>> meta = init_fp8_meta(Fp8Recipe(amax_history_len=4))
     >>> meta.grad.amax_history.shape, float(meta.lhs.scale)
     ((4,), 1.0)
   """
+  if not isinstance(recipe, Fp8Recipe):
+    raise TypeError(
+        f"init_fp8_meta needs an Fp8Recipe, e.g. Fp8Recipe(scaling='current'), got "
+        f"{type(recipe).__name__}: {recipe!r}.")
   one = lambda: Fp8TensorMeta(  # noqa: E731
       jnp.ones((), jnp.float32), jnp.zeros((recipe.amax_history_len,), jnp.float32)
   )

@@ -56,7 +56,7 @@ def _dtype_name(dtype: Any) -> str | None:
 
 
 def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype,
-                    bucket_bytes=buckets.DEFAULT_BUCKET_BYTES) -> None:
+                    bucket_bytes=buckets.DEFAULT_BUCKET_BYTES, **options) -> None:
   """Validation in one place: TypeError/ValueError naming the bad value."""
   if not callable(loss_fn):
     raise TypeError(
@@ -80,6 +80,32 @@ def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype,
   if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
       or bucket_bytes <= 0):
     raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}.")
+  _check_options(**options)
+
+
+def _check_options(axis_name="batch", has_aux=False, cast_params=True, donate=True,
+                   rng_collections=("dropout",), remat_policy=None) -> None:
+  if not isinstance(axis_name, str):
+    raise ValueError(f"axis_name must be a string, got {axis_name!r}.")
+  for name, value in (("has_aux", has_aux), ("cast_params", cast_params), ("donate", donate)):
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f"{name} must be True or False, got {value!r}.")
+  if isinstance(rng_collections, str) or not all(
+      isinstance(c, str) for c in _iterable(rng_collections, "rng_collections")):
+    raise ValueError(
+        f"rng_collections must be a sequence of collection names such as "
+        f"('dropout',), got {rng_collections!r}.")
+  if remat_policy is not None and not callable(remat_policy):
+    raise TypeError(
+        f"remat_policy must be None or a jax.checkpoint policy (a callable such as "
+        f"jax.checkpoint_policies.dots_saveable), got {remat_policy!r}.")
+
+
+def _iterable(value: Any, name: str) -> tuple:
+  try:
+    return tuple(value)
+  except TypeError:
+    raise ValueError(f"{name} must be a sequence, got {value!r}.") from None
 
 
 def layout(mode: str, axis_name: str, mesh: Mesh | None) -> tuple[Mesh | None, int]:

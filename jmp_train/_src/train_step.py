@@ -151,12 +151,15 @@ def make_train_step(
     metrics, each a scalar array averaged over replicas (no host sync).
 
   Raises:
-    TypeError: if ``apply_fn`` or ``loss_fn`` is not callable, or
-      ``optimizer`` / ``compression`` is not a transformation (a string, or
-      a factory such as ``optax.sgd`` instead of ``optax.sgd(0.1)``); at the
-      first step, if the batch is not a tuple ``(inputs, targets)``.
+    TypeError: if ``apply_fn``, ``loss_fn`` or ``remat_policy`` is not
+      callable, or ``optimizer`` / ``compression`` is not a transformation
+      (a string, or a factory such as ``optax.sgd`` instead of
+      ``optax.sgd(0.1)``); at the first step, if the batch is not a tuple
+      ``(inputs, targets)``.
     ValueError: for an unknown ``mode`` or ``grad_reduce_dtype``, a
-      non-positive ``bucket_bytes``, a ``compression`` without a
+      non-positive ``bucket_bytes``, a non-string ``axis_name``, a non-bool
+      ``has_aux``, ``cast_params`` or ``donate``, ``rng_collections`` that
+      are not a sequence of names, a ``compression`` without a
       data-parallel mode, or a ``mesh`` that lacks ``axis_name``.
 
   Examples:
@@ -175,7 +178,9 @@ def make_train_step(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
     https://arxiv.org/abs/1710.03740
   """
-  check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype, bucket_bytes)
+  check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype, bucket_bytes,
+                  axis_name=axis_name, has_aux=has_aux, cast_params=cast_params,
+                  donate=donate, rng_collections=rng_collections, remat_policy=remat_policy)
   policy = get_policy(policy)
   model = train_model.as_model(apply_fn, eval_apply_fn, rng_collections)
   mesh, num_replicas = layout(mode, axis_name, mesh)

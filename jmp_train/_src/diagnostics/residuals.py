@@ -18,6 +18,8 @@ import jax
 from jax.extend import core as jex_core
 import numpy as np
 
+from jmp_train._src.diagnostics import _common
+
 __all__ = ["SavedResidual", "saved_residuals"]
 
 
@@ -69,6 +71,9 @@ def saved_residuals(fun: Callable[..., Any], *args: Any) -> list[SavedResidual]:
     One :class:`SavedResidual` per distinct residual (a buffer saved twice
     is listed once); literals baked into the program are left out.
 
+  Raises:
+    ValueError: if ``fun`` is not callable.
+
   Examples:
     >>> def f(w, x):
     ...   return jnp.sum(jnp.sin(x @ w.astype(jnp.float16)).astype(jnp.float32))
@@ -76,6 +81,7 @@ def saved_residuals(fun: Callable[..., Any], *args: Any) -> list[SavedResidual]:
     >>> sorted((r.kind, r.shape_dtype.shape) for r in res)
     [('activation', (2, 4)), ('argument', (2, 3)), ('cast_copy', (3, 4))]
   """
+  _common.check_callable(fun, "saved_residuals")
   leaves, treedef = jax.tree.flatten(args)
 
   def vjp_residuals(*flat):
