@@ -92,12 +92,10 @@ def one_bit_adam(
       ``k > 0``: every ``k``-th step after warm-up is an exact step (a float
       all-reduce of the gradients) that updates ``m`` and ``v`` (0/1 Adam's
       sparse variance updates; see the module docstring).
-    clip_step: clip each element of the step after warm-up to Kingma &
-      Ba's bound ``B`` on an Adam step, which exact Adam does not exceed;
-      a frozen ``v`` and the 1-bit exchange's error can. ``False``
-      (default): the paper's rule as written. Meant for a frozen ``v``;
-      with ``variance_refresh`` prefer ``exchange="preconditioned"`` (see
-      the module docstring).
+    clip_step: clip each element of every step after warm-up (refreshes
+      included) to Kingma & Ba's bound ``B`` on an Adam step, which exact
+      Adam does not exceed; a frozen ``v`` and the 1-bit exchange's error
+      can. ``False`` (default): the paper's rule as written.
     num_replicas: size of ``axis_name``, for ``init`` outside a mapped
       context.
     bucket_bytes: ``None``: one 1-bit exchange for the whole tree; an int:
@@ -230,8 +228,8 @@ def one_bit_adam(
     c2_t = c2(t)
     lr = lr_at(learning_rate, state.count)
     step = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2_t) + eps), mu, nu)
-    if clip_step:  # exact steps are Adam's own: no clip (an infinite bound)
-      bound = jnp.where(exact_step(state.count), jnp.inf, step_bound)
+    if clip_step:  # warm-up steps are Adam's own: no clip (an infinite bound)
+      bound = jnp.where(state.count < warmup_steps, jnp.inf, step_bound)
       step = jax.tree.map(lambda x: jnp.clip(x, -bound, bound), step)
     if weight_decay:
       step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(jnp.float32), step, params)

@@ -64,11 +64,11 @@ Exact Adam, whose ``v`` follows the gradients, does not exceed it. A
 frozen ``v`` can: where the gradients outgrow their warm-up size, or where
 ``v`` is tiny and ``m`` carries the 1-bit exchange's error, the step
 ``m/(sqrt(v)+eps)`` grows without a limit, and one such step can throw
-the weights out of a minimum. On the digits benchmark the clip removed
-such runs with a frozen ``v``, but with ``variance_refresh`` and the
-momentum exchange it made some runs unstable instead
-(``benchmarks/README.md``, ``one_bit_optimizers``): it is an option for
-a frozen ``v``, not the default.
+the weights out of a minimum. The clip applies to every step after
+warm-up, refreshes included: with a clip between refreshes only, ``m``
+keeps the size of gradients the clipped steps did not follow, and the
+first refresh, with a smaller ``v``, took the whole step at once
+(``benchmarks/README.md``, ``one_bit_optimizers``).
 
 For elements whose frozen ``v`` is zero (the weights of an input that is
 always zero, an embedding row not seen during warm-up) a later gradient
@@ -111,10 +111,10 @@ refresh). Elements whose ``v`` is 0 at the freeze stay still (a refresh
 gives them a tiny ``v`` that would amplify the quantization error of
 ``m``). The residuals are left as they are on those steps. The other
 steps are 1-bit; a step's bytes on the wire average
-``(1/k)·float + (1-1/k)·1-bit``. Pair refreshes with
+``(1/k)·float + (1-1/k)·1-bit``. Pair refreshes with ``clip_step=True`` or
 ``exchange="preconditioned"``: a refreshed ``v`` is smaller, and with
-``exchange="momentum"`` the per-tensor quantization error of ``m`` is divided
-by each element's own ``sqrt(v)``.
+``exchange="momentum"`` alone the per-tensor quantization error of ``m`` is
+divided by each element's own ``sqrt(v)``, without a bound.
 
 1-bit momentum SGD does the same with the momentum (trace) of
 ``optax.sgd(learning_rate, momentum)``: ``m_j = μ m + g_j``, the update is
