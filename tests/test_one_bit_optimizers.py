@@ -116,12 +116,13 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
 
 
 @pytest.mark.parametrize(
-    "k, scale, exchange, refresh",
-    [(2, "l2", "momentum", 0), (4, "l2", "momentum", 0), (8, "l2", "momentum", 0),
-     (4, "column", "momentum", 0), (4, "l2", "preconditioned", 0),
-     (4, "l2", "momentum", 2), (4, "l2", "preconditioned", 3)],
+    "k, scale, exchange, refresh, clip_step",
+    [(2, "l2", "momentum", 0, False), (4, "l2", "momentum", 0, False),
+     (8, "l2", "momentum", 0, False), (4, "column", "momentum", 0, False),
+     (4, "l2", "preconditioned", 0, False), (4, "l2", "momentum", 2, False),
+     (4, "l2", "preconditioned", 3, False), (4, "l2", "momentum", 0, True),
+     (4, "l2", "momentum", 2, True), (4, "l2", "preconditioned", 3, True)],
 )
-@pytest.mark.parametrize("clip_step", [True, False])
 def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, clip_step):
   lr, wd, warmup = 1e-2, 0.05, 2
   _, init, update = pmapped(
