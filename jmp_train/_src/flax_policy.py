@@ -32,7 +32,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import flax.linen as nn
-import numpy as np
 from flax import nnx
 
 from jmp_train._src import flax_layers
@@ -42,6 +41,7 @@ from jmp_train._src import policy as policy_lib
 from jmp_train._src.flax_layers import DEFAULT_FLOAT32_MODULES
 from jmp_train._src.flax_nnx import Float32LookupEmbed
 from jmp_train._src.flax_nnx import NNXPolicyWrapper
+from jmp_train._src.hyperparams import check_bool
 
 __all__ = [
     "DEFAULT_FLOAT32_MODULES",
@@ -317,8 +317,7 @@ def apply_policy(
   classes = flax_layers.check_float32_modules(float32_modules)
   paths = flax_layers.check_float32_paths(float32_paths)
   recompute = flax_layers.check_recompute(recompute)
-  if not isinstance(cast_inputs, (bool, np.bool_)):
-    raise ValueError(f"cast_inputs must be True or False, got {cast_inputs!r}.")
+  check_bool(cast_inputs, "cast_inputs")
   if isinstance(module, nn.Module):
     return LinenPolicyWrapper(
         module=module,

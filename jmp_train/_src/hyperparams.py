@@ -1,4 +1,4 @@
-"""Checks of optimizer hyperparameters, shared by the optimizers.
+"""Checks of hyperparameters and flags, shared by the optimizers and the step.
 
 Each check names the hyperparameter, the value it got and the valid range.
 Only plain numbers (Python or NumPy scalars) are checked: a schedule (a
@@ -15,7 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["check_learning_rate", "check_non_negative", "check_unit", "is_number"]
+__all__ = [
+    "check_bool", "check_learning_rate", "check_non_negative", "check_unit", "is_number",
+]
 
 
 def is_number(x: Any) -> bool:
@@ -49,3 +51,9 @@ def check_non_negative(value: Any, name: str) -> None:
   """Raises ``ValueError`` unless ``value`` (eps, a weight decay) is finite and >= 0."""
   if is_number(value) and not (math.isfinite(value) and value >= 0):
     raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
+
+
+def check_bool(value: Any, name: str) -> None:
+  """Raises ``ValueError`` unless ``value`` is ``True`` or ``False``."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be True or False, got {value!r}.")

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jmp_train._src.half_updates import accumulation_dtype
@@ -22,6 +21,7 @@ from jmp_train._src.half_updates import check_params
 from jmp_train._src.half_updates import check_structure
 from jmp_train._src.half_updates import land
 from jmp_train._src.half_updates import unzip_pairs
+from jmp_train._src.hyperparams import check_bool
 from jmp_train._src.hyperparams import check_learning_rate
 from jmp_train._src.hyperparams import check_unit
 from jmp_train._src.policy import is_floating_array
@@ -49,9 +49,8 @@ def _check_momentum_hyperparams(
   """Raises a ValueError naming the first invalid hyperparameter."""
   check_learning_rate(learning_rate)
   check_unit(momentum, "momentum", " (0 disables momentum)")
-  for name, value in (("nesterov", nesterov), ("error_feedback", error_feedback)):
-    if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(f"{name} must be True or False, got {value!r}.")
+  check_bool(nesterov, "nesterov")
+  check_bool(error_feedback, "error_feedback")
 
 
 def _momentum_step(

@@ -14,7 +14,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jmp_train._src.hyperparams import check_learning_rate, check_non_negative, check_unit
+from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
+from jmp_train._src.hyperparams import check_unit
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -145,8 +146,7 @@ def one_bit_adam(
   check_non_negative(weight_decay, "weight_decay")
   if exchange not in EXCHANGES:
     raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
-  if not isinstance(clip_step, (bool, np.bool_)):
-    raise ValueError(f"clip_step must be True or False, got {clip_step!r}.")
+  check_bool(clip_step, "clip_step")
   if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
     raise ValueError(
         f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}."

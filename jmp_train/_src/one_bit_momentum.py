@@ -11,11 +11,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from jmp_train._src.hyperparams import check_learning_rate, check_non_negative, check_unit
+from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
+from jmp_train._src.hyperparams import check_unit
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -118,8 +118,7 @@ def one_bit_momentum(
   check_learning_rate(learning_rate)
   check_unit(momentum, "momentum")
   check_non_negative(weight_decay, "weight_decay")
-  if not isinstance(nesterov, (bool, np.bool_)):
-    raise ValueError(f"nesterov must be True or False, got {nesterov!r}.")
+  check_bool(nesterov, "nesterov")
   compression = sign_compression(
       axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
   )

@@ -142,6 +142,7 @@ from jax import lax
 from jmp_train._src import sign_codec
 from jmp_train._src.buckets import bucket_sizes
 from jmp_train._src.compressed_mean import CompressedMeanState
+from jmp_train._src.hyperparams import check_bool
 from jmp_train._src.sign_layout import Layout, axis_size, check_leaves, make_layout
 from jmp_train._src.wire_messages import append_floats, split_floats
 
@@ -193,8 +194,7 @@ def _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes, **flag
   if scale not in SCALES:
     raise ValueError(f"Unknown scale {scale!r}; valid scales: {', '.join(SCALES)}.")
   for name, value in flags.items():
-    if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(f"{name} must be True or False, got {value!r}.")
+    check_bool(value, name)
   if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
     raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
   if axis_name is not None and not isinstance(axis_name, str):

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 
 from jmp_train._src import buckets
+from jmp_train._src.hyperparams import check_bool
 
 __all__ = ["LossScalingFns", "check_arguments", "compose", "layout"]
 
@@ -88,8 +89,7 @@ def _check_options(axis_name="batch", has_aux=False, cast_params=True, donate=Tr
   if not isinstance(axis_name, str):
     raise ValueError(f"axis_name must be a string, got {axis_name!r}.")
   for name, value in (("has_aux", has_aux), ("cast_params", cast_params), ("donate", donate)):
-    if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(f"{name} must be True or False, got {value!r}.")
+    check_bool(value, name)
   if isinstance(rng_collections, str) or not all(
       isinstance(c, str) for c in _iterable(rng_collections, "rng_collections")):
     raise ValueError(
