@@ -222,6 +222,7 @@ def run(quick: bool) -> list[dict]:
         "steps": steps,
         "warmup_steps": steps * warmup_percent // 100,
         "seeds": len(seeds),
+        "seed_list": list(seeds),
         "final_loss": float(losses.mean()),
         "final_loss_min": float(losses.min()),
         "final_loss_max": float(losses.max()),
