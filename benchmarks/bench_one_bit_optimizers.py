@@ -18,7 +18,10 @@ schedule for every row of a seed; 3 seeds. Rows (``mode``):
   frozen after the warm-up: what 1-bit Adam would do with a lossless
   exchange), ``one_bit_adam`` (the momentum exchanged, as in Tang et al. /
   DeepSpeed), ``one_bit_adam_clipped`` (``clip_step=True``: each step
-  clipped to Kingma & Ba's bound), ``one_bit_adam_preconditioned``
+  clipped to Kingma & Ba's bound), ``one_bit_adam_rescaled`` and
+  ``one_bit_adam_rescaled_clipped`` (``rescale_variance=True``, without and
+  with ``clip_step``: each tensor's frozen ``v`` follows its mean squared
+  gradient, one float per tensor exchanged), ``one_bit_adam_preconditioned``
   (``m / (sqrt(v)+eps)`` exchanged), ``one_bit_adam_refresh``
   (``variance_refresh`` every 50 steps: an exact step that updates ``v``,
   as in 0/1 Adam), ``one_bit_adam_refresh_clipped`` (refreshes and
@@ -137,6 +140,12 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
          lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup)),
         ("adam", "one_bit_adam_clipped", peak, name,
          lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, clip_step=True)),
+        ("adam", "one_bit_adam_rescaled", peak, name,
+         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup,
+                                    rescale_variance=True)),
+        ("adam", "one_bit_adam_rescaled_clipped", peak, name,
+         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, rescale_variance=True,
+                                    clip_step=True)),
         ("adam", "one_bit_adam_preconditioned", peak, name,
          lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, exchange="preconditioned")),
         ("adam", "one_bit_adam_refresh", peak, name,
@@ -165,9 +174,13 @@ def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float
       .as_text()
   )
   ops = collective_ops(text)
-  has_cond = bool(re.search(r"branch_computations=|true_computation=", text))
-  # With a warm-up branch, the float all-reduce lives in its computation only.
-  warmup = {op.computation for op in ops if op.kind == "all-reduce"} if has_cond else set()
+  branches = re.findall(r"branch_computations=\{([^}]*)\}", text)
+  branches += [",".join(m) for m in re.findall(
+      r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)]
+  names = {b.strip().lstrip("%") for group in branches for b in group.split(",")}
+  # The exact (warm-up) branch: the conditional branch holding the float
+  # all-reduce. Collectives outside any branch run every step.
+  warmup = {op.computation for op in ops if op.kind == "all-reduce"} & names
   sent = sum(op.wire_bytes for op in ops if op.computation not in warmup)
   n = sum(x.size for x in jax.tree.leaves(params))
   return sent / (2 * (replicas - 1) / replicas * 4 * n)

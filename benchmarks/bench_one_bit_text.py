@@ -17,8 +17,10 @@ demo's ``optax.warmup_cosine_decay_schedule``); 3 seeds. Rows (``mode``):
   in 1 bit), ``one_bit_adam_clipped`` (``clip_step=True``: each step
   clipped to Kingma & Ba's bound), ``one_bit_adam_refresh`` (``one_bit_adam``
   with ``variance_refresh`` every 1/8 of the steps: an exact step that
-  updates ``v``, as in 0/1 Adam), ``one_bit_adam_refresh_clipped`` (both)
-  and ``adam_grad_1bit`` (gradient compression,
+  updates ``v``, as in 0/1 Adam), ``one_bit_adam_refresh_clipped`` (both),
+  ``one_bit_adam_rescaled_clipped`` (``rescale_variance=True``: each
+  tensor's frozen ``v`` follows its mean squared gradient, with
+  ``clip_step``) and ``adam_grad_1bit`` (gradient compression,
   :func:`jmp_train.sign_compression`, before ``optax.adam``: for contrast);
 * momentum SGD 0.9 (peak learning rate ``LR_SGDM``, the demo's):
   ``sgdm_float32``, ``one_bit_momentum`` (column scales, no warm-up),
@@ -176,6 +178,9 @@ def _optimizers(steps: int, quick: bool):
        lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh)),
       ("adam", "one_bit_adam_refresh_clipped", LR_ADAM,
        lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh,
+                            clip_step=True)),
+      ("adam", "one_bit_adam_rescaled_clipped", LR_ADAM,
+       lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, rescale_variance=True,
                             clip_step=True)),
       ("adam", "adam_grad_1bit", LR_ADAM,
        lambda: optax.chain(sign_compression(AXIS), optax.adam(adam))),

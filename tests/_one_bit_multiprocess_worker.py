@@ -4,7 +4,8 @@ Run as ``python tests/_one_bit_multiprocess_worker.py PROCESS_ID
 NUM_PROCESSES PORT OUT.npz OPTIMIZER DEVICES``: the process joins a
 ``jax.distributed`` job on ``127.0.0.1:PORT`` with ``DEVICES`` CPU devices
 and gloo collectives, trains a small model with ``OPTIMIZER`` (``adam``:
-:func:`jmp_train.one_bit_adam`, 2 warm-up steps then compressed;
+:func:`jmp_train.one_bit_adam` with ``rescale_variance`` and ``clip_step``,
+2 warm-up steps then compressed;
 ``momentum``: :func:`jmp_train.one_bit_momentum`, no warm-up) over all
 processes' devices, and writes the final parameters and this process's
 residuals to ``OUT.npz``. The test imports :func:`train` to run the same
@@ -12,7 +13,8 @@ training on the devices of one process.
 
 Bit-for-bit equality needs every float reduction to add in the same order
 in both runs. The exchange after warm-up adds locally, in replica order;
-the warm-up's float ``pmean`` is an all-reduce whose order depends on the
+the float ``pmean`` s (the warm-up's, the per-tensor mean squares) are
+all-reduces whose order depends on the
 backend (gloo across processes, XLA within one): with two replicas it is
 one addition, ``a + b == b + a``, so the Adam case runs one device per
 process.
@@ -72,7 +74,9 @@ def train(devices, optimizer: str, steps: int = STEPS) -> dict[str, np.ndarray]:
   x_all = rng.normal(size=(steps, k * PER_DEVICE_BATCH, 6)).astype(np.float32)
   y_all = np.tanh(x_all @ rng.normal(size=(6, 3))).astype(np.float32)
   if optimizer == "adam":
-    tx = one_bit_adam(1e-2, weight_decay=0.01, axis_name=AXIS, warmup_steps=WARMUP)
+    # rescale_variance adds a float all-reduce to every step after warm-up.
+    tx = one_bit_adam(1e-2, weight_decay=0.01, axis_name=AXIS, warmup_steps=WARMUP,
+                      rescale_variance=True, clip_step=True)
   else:
     tx = one_bit_momentum(0.1, 0.9, axis_name=AXIS, nesterov=True)
 

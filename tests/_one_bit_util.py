@@ -42,6 +42,11 @@ def adam(**kw):
   return one_bit_adam(kw.pop("learning_rate", 1e-2), **kw)
 
 
+def adam_rescaled(**kw):
+  """1-bit Adam with ``rescale_variance`` and ``clip_step``."""
+  return adam(**{"rescale_variance": True, "clip_step": True, **kw})
+
+
 def momentum(**kw):
   kw.setdefault("axis_name", AXIS)
   return one_bit_momentum(kw.pop("learning_rate", 0.1), **kw)

@@ -329,6 +329,22 @@ def test_one_bit_optimizers_rejects_bad_seeds(value):
     bench._seeds(value)  # pylint: disable=protected-access
 
 
+def test_one_bit_wire_ratio_counts_every_step_but_the_exact_branch():
+  # The warm-up branch's float all-reduce is left out; an all-reduce that
+  # runs on every step (rescale_variance's one float per tensor) is not.
+  from benchmarks import bench_one_bit_optimizers as bench
+  from jmp_train import one_bit_adam
+
+  params = {"b": jnp.zeros((256,)), "w": jnp.zeros((64, 256))}
+  make = lambda **kw: one_bit_adam(1e-3, axis_name=bench.AXIS, warmup_steps=2, **kw)
+  plain, rescaled = bench.wire_ratio(make(), params, 8), bench.wire_ratio(
+      make(rescale_variance=True), params, 8)
+  n = 64 * 256 + 256
+  assert 1 / 32 < plain < 1 / 28
+  # Two float32 scalars in a ring all-reduce: 2 * (K - 1) / K * 8 bytes.
+  assert rescaled - plain == pytest.approx(8 / (4 * n), rel=1e-6)
+
+
 # --------------------------------------------------------------------------
 # Activation memory: residual classification (its quick records are checked
 # above, in test_benchmark_runs_quick).

@@ -22,7 +22,7 @@ from jmp_train._src.one_bit_optimizers import (
 )
 
 import _processes
-from _one_bit_util import AXIS, SHAPES, adam, make_tree, momentum, pmapped
+from _one_bit_util import AXIS, SHAPES, adam, adam_rescaled, make_tree, momentum, pmapped
 
 
 # ---------------------------------------------------------------------------
@@ -51,8 +51,9 @@ def shard_mapped(tx, k):
 @pytest.mark.parametrize(
     "tx",
     [one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, weight_decay=0.01),
+     one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, rescale_variance=True),
      one_bit_momentum(0.1, axis_name=AXIS, nesterov=True)],
-    ids=["adam", "momentum"],
+    ids=["adam", "adam-rescaled", "momentum"],
 )
 def test_shard_map_equals_pmap(tx):
   k = 4
@@ -117,10 +118,11 @@ def test_one_bit_momentum_without_warmup_has_no_float_all_reduce():
   assert wire <= 2 * (k - 1) / k * 4 * n / 28
 
 
-@pytest.mark.parametrize("refresh", [0, 4])
-def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch(refresh):
+@pytest.mark.parametrize("refresh, rescale", [(0, False), (4, False), (0, True)])
+def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch(refresh, rescale):
   k = 8
-  tx = one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=5, variance_refresh=refresh)
+  tx = one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=5, variance_refresh=refresh,
+                    rescale_variance=rescale)
   params = {"w": jnp.zeros((k, 64, 256)), "b": jnp.zeros((k, 256))}
   devices = jax.devices()[:k]
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
@@ -129,15 +131,19 @@ def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch(refresh):
   branches = re.findall(r"branch_computations=\{([^}]*)\}", text)
   branches += [",".join(m) for m in re.findall(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)]
   names = {b.strip().lstrip("%") for group in branches for b in group.split(",")}
-  float_reduce = [op for op in ops if op.kind == "all-reduce"]
+  n = 64 * 256 + 256
+  # rescale_variance adds one all-reduce of a float per tensor to every step.
+  scalars = [op for op in ops if op.operand_types == (("f32", (len(params),)),)]
+  assert len(scalars) == rescale
+  float_reduce = [op for op in ops if op.kind == "all-reduce" and op not in scalars]
   packed = [op for op in ops if op.dtypes == ("u8",)]
   assert float_reduce and packed
+  assert sum(op.operand_bytes for op in float_reduce) >= 4 * n  # the gradients
   warmup_comps = {op.computation for op in float_reduce}
   assert warmup_comps <= names  # never in the entry computation
   after = [op for op in ops if op.computation not in warmup_comps]
-  assert not any(op.kind == "all-reduce" for op in after)
+  assert not any(op.kind == "all-reduce" for op in after if op not in scalars)
   # After warm-up, at K = 8: under 1/28 of a float32 ring all-reduce.
-  n = 64 * 256 + 256
   assert sum(op.wire_bytes for op in after) <= 2 * (k - 1) / k * 4 * n / 28
 
 
@@ -146,7 +152,8 @@ def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch(refresh):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("factory", [adam, momentum], ids=["adam", "momentum"])
+@pytest.mark.parametrize(
+    "factory", [adam, adam_rescaled, momentum], ids=["adam", "adam-rescaled", "momentum"])
 def test_loss_scaled_overflow_on_one_replica_keeps_state_bit_for_bit(factory):
   k, scale = 4, 2.0**10
   inner = factory(warmup_steps=1)
@@ -180,7 +187,8 @@ def test_loss_scaled_overflow_on_one_replica_keeps_state_bit_for_bit(factory):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("factory", [adam, momentum], ids=["adam", "momentum"])
+@pytest.mark.parametrize(
+    "factory", [adam, adam_rescaled, momentum], ids=["adam", "adam-rescaled", "momentum"])
 def test_checkpoint_after_warmup_resumes_bit_for_bit(tmp_path, factory):
   pytest.importorskip("orbax.checkpoint")
   import orbax.checkpoint as ocp
@@ -248,6 +256,7 @@ def test_bad_arguments():
     ({"eps": -1e-8}, "eps must be finite and >= 0, got -1e-08"),
     ({"weight_decay": float("nan")}, "weight_decay must be finite and >= 0, got nan"),
     ({"clip_step": "yes"}, "clip_step must be True or False, got 'yes'"),
+    ({"rescale_variance": 1}, "rescale_variance must be True or False, got 1"),
 ])
 def test_bad_adam_hyperparameters_are_named(kwargs, message):
   kwargs = {"learning_rate": 1e-3, **kwargs}

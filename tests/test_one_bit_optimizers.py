@@ -64,18 +64,31 @@ def ref_covered(t, warmup, refresh):
 
 
 def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refresh=0,
-                  clip_step=False):
+                  clip_step=False, rescale=False):
   """One step of 1-bit Adam for K replicas from the (replicated) state.
 
   grads: K lists of leaves; params, mu, nu: lists of leaves; state: dict with
   count, mu, nu, r (K, n_pad), e (K, S). ``refresh``: an exact step every
   ``refresh`` steps after warm-up, v decayed by B2**refresh. ``clip_step``:
   the steps after warm-up (refreshes too) are clipped to Kingma & Ba's
-  bound. Returns (updates, new state).
+  bound. ``rescale``: v is multiplied per leaf by the bias-corrected B2
+  average of the replicas' mean squared gradient over its value when v was
+  last updated (state s, s_ref). Returns (updates, new state).
   """
   k, count = len(grads), state["count"]
   mu, nu, r, e = state["mu"], state["nu"], state["r"], state["e"]
   exact = count < warmup or (refresh and (count + 1 - warmup) % refresh == 0)
+  t = count + 1
+  factor = [np.float32(1)] * len(mu)
+  s, s_ref = state.get("s"), state.get("s_ref")
+  if rescale:
+    sq = [np.mean([np.mean(np.square(grads[j][i])) for j in range(k)]) for i in range(len(mu))]
+    s = [B2 * a + (1 - B2) * q for a, q in zip(s, sq)]
+    s_ref = list(s) if exact else s_ref
+    # In float32, as the optimizer computes them (1 - B2**t cancels digits).
+    c_now, c_ref = (np.float32(1) - np.float32(B2) ** np.float32(n)
+                    for n in (t, ref_covered(t, warmup, refresh)))
+    factor = [(a / c_now) / (b / c_ref) if b > 0 else 1.0 for a, b in zip(s, s_ref)]
   if exact:
     keep = B2 if count < warmup else B2**refresh
     g = [np.mean([grads[j][i] for j in range(k)], axis=0, dtype=np.float32) for i in range(len(mu))]
@@ -87,7 +100,7 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
     # elements with v == 0 keep m == 0.
     if exchange == "preconditioned":
       c2 = np.float32(1) - np.float32(B2) ** np.float32(ref_covered(count, warmup, refresh))
-      d = [np.sqrt(v / c2) + EPS for v in nu]
+      d = [np.sqrt(v / c2 * f) + EPS for v, f in zip(nu, factor)]
       # No element beyond Kingma & Ba's step bound, (1 - B1) / sqrt(1 - B2) for m_hat.
       limit = np.float32(max((1 - B1) / np.sqrt(1 - B2), 1.0)) * np.float32(1 - B1 ** (count + 1))
     else:
@@ -100,14 +113,13 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
     ]
     avg, r, e = ref_exchange(local, r, e, scale)
     mu = [np.where(v > 0, a * dd, 0) for a, v, dd in zip(avg, nu, d)]
-  t = count + 1
   c1, c2 = 1 - B1**t, 1 - B2 ** ref_covered(t, warmup, refresh)
   bound = np.inf if count < warmup or not clip_step else max((1 - B1) / np.sqrt(1 - B2), 1.0)
   updates = [
-      -lr * (np.clip((m / c1) / (np.sqrt(v / c2) + EPS), -bound, bound) + wd * p)
-      for m, v, p in zip(mu, nu, params)
+      -lr * (np.clip((m / c1) / (np.sqrt(v / c2 * f) + EPS), -bound, bound) + wd * p)
+      for m, v, p, f in zip(mu, nu, params, factor)
   ]
-  return updates, dict(count=t, mu=mu, nu=nu, r=r, e=e)
+  return updates, dict(count=t, mu=mu, nu=nu, r=r, e=e, s=s, s_ref=s_ref)
 
 
 # ---------------------------------------------------------------------------
@@ -116,18 +128,21 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
 
 
 @pytest.mark.parametrize(
-    "k, scale, exchange, refresh, clip_step",
-    [(2, "l2", "momentum", 0, False), (4, "l2", "momentum", 0, False),
-     (8, "l2", "momentum", 0, False), (4, "column", "momentum", 0, False),
-     (4, "l2", "preconditioned", 0, False), (4, "l2", "momentum", 2, False),
-     (4, "l2", "preconditioned", 3, False), (4, "l2", "momentum", 0, True),
-     (4, "l2", "momentum", 2, True), (4, "l2", "preconditioned", 3, True)],
+    "k, scale, exchange, refresh, clip_step, rescale",
+    [(2, "l2", "momentum", 0, False, False), (4, "l2", "momentum", 0, False, False),
+     (8, "l2", "momentum", 0, False, False), (4, "column", "momentum", 0, False, False),
+     (4, "l2", "preconditioned", 0, False, False), (4, "l2", "momentum", 2, False, False),
+     (4, "l2", "preconditioned", 3, False, False), (4, "l2", "momentum", 0, True, False),
+     (4, "l2", "momentum", 2, True, False), (4, "l2", "preconditioned", 3, True, False),
+     (4, "l2", "momentum", 0, True, True), (4, "l2", "preconditioned", 3, False, True)],
 )
-def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, clip_step):
+def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, clip_step,
+                                                   rescale):
   lr, wd, warmup = 1e-2, 0.05, 2
   _, init, update = pmapped(
       k, adam, learning_rate=lr, weight_decay=wd, warmup_steps=warmup, scale=scale,
       exchange=exchange, variance_refresh=refresh, clip_step=clip_step,
+      rescale_variance=rescale,
   )
   params = make_tree(k, seed=1)
   params = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), params)  # replicated
@@ -142,10 +157,12 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, 
         r=buffer_residual(state.compression.worker_residual, SHAPES, scale, k),
         e=np.asarray(state.compression.server_residual),
     )
+    if rescale:
+      before["s"], before["s_ref"] = leaves_of(state.sq_mean, 0), leaves_of(state.sq_mean_ref, 0)
     ref_u, ref = ref_adam_step(
         [leaves_of(grads, j) for j in range(k)], p_np, before,
         lr=lr, wd=wd, warmup=warmup, scale=scale, exchange=exchange, refresh=refresh,
-        clip_step=clip_step,
+        clip_step=clip_step, rescale=rescale,
     )
     residuals = (
         buffer_residual(state.compression.worker_residual, SHAPES, scale, k),
@@ -159,6 +176,9 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, 
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
       for a, b in zip(leaves_of(state.nu, j), ref["nu"]):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-9)
+      if rescale:
+        np.testing.assert_allclose(leaves_of(state.sq_mean, j), ref["s"], rtol=2e-6)
+        np.testing.assert_allclose(leaves_of(state.sq_mean_ref, j), ref["s_ref"], rtol=2e-6)
     r_new = buffer_residual(state.compression.worker_residual, SHAPES, scale, k)
     np.testing.assert_allclose(r_new, ref["r"], rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(state.compression.server_residual), ref["e"], rtol=2e-5, atol=1e-6)
@@ -280,6 +300,39 @@ def test_warmup_is_adamw_on_the_average_and_momentum_is_sgd():
       rp = optax.apply_updates(rp, ru)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rp)):
       np.testing.assert_allclose(np.asarray(a)[0], np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("exchange", ["momentum", "preconditioned"])
+def test_rescaled_variance_follows_adam_when_the_gradients_shrink(exchange):
+  # Gradients c_t * S (S a fixed pattern of +-1 per leaf, the same on every
+  # replica): the 1-bit exchange carries the momentum exactly, and Adam's v
+  # is v_freeze times the change of mean(g^2), the rule rescale_variance
+  # follows. After the freeze the gradients shrink 20x: the rescaled steps
+  # stay Adam's, those of the frozen v fall behind.
+  k, lr, warmup = 4, 1e-2, 3
+  rng = np.random.default_rng(0)
+  signs = {n: np.sign(rng.normal(size=s)).astype(np.float32) for n, s in SHAPES.items()}
+  scales = [1.0] * warmup + [0.05] * 12
+  ref = optax.adam(lr)
+  rp = {n: jnp.zeros(s) for n, s in SHAPES.items()}
+  rstate, ref_steps = ref.init(rp), []
+  for c in scales:
+    u, rstate = ref.update({n: jnp.asarray(c * x) for n, x in signs.items()}, rstate)
+    ref_steps.append(leaves_of(u))
+  for rescale in (True, False):
+    _, init, update = pmapped(k, adam, learning_rate=lr, warmup_steps=warmup, exchange=exchange,
+                              rescale_variance=rescale)
+    params = {n: jnp.zeros((k,) + s) for n, s in SHAPES.items()}
+    state = init(params)
+    for t, c in enumerate(scales):
+      grads = {n: jnp.broadcast_to(jnp.asarray(c * x), (k,) + x.shape) for n, x in signs.items()}
+      updates, state = update(grads, state, params)
+      ratio = [np.abs(a[0]) / np.abs(b) for a, b in zip(leaves_of(updates), ref_steps[t])]
+      if rescale or t < warmup:
+        for r in ratio:
+          np.testing.assert_allclose(r, 1.0, rtol=1e-4)
+    if not rescale:  # the frozen v is ~3x Adam's sqrt(v) by now
+      assert all(r.max() < 0.5 for r in ratio), [r.max() for r in ratio]
 
 
 def test_adam_elements_without_warmup_gradient_stay_still():

@@ -34,12 +34,18 @@ class OneBitAdamState(NamedTuple):
     nu: float32 second moment, frozen after warm-up.
     compression: the :class:`jmp_train.SignCompressionState` of the
       momentum exchange (per-replica worker and server residuals).
+    sq_mean: with ``rescale_variance``, per tensor, the float32 scalar
+      ``β2``-average of the replicas' mean squared gradient (else ``None``).
+    sq_mean_ref: with ``rescale_variance``, ``sq_mean`` at the last step that
+      updated ``nu`` (else ``None``).
   """
 
   count: jax.Array
   mu: Any
   nu: Any
   compression: SignCompressionState
+  sq_mean: Any = None
+  sq_mean_ref: Any = None
 
 
 def one_bit_adam(
@@ -55,6 +61,7 @@ def one_bit_adam(
     exchange: str = "momentum",
     variance_refresh: int = 0,
     clip_step: bool = False,
+    rescale_variance: bool = False,
     num_replicas: int | None = None,
     bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
@@ -72,7 +79,9 @@ def one_bit_adam(
   feedback, packed all-to-all + all-gather) and ``clip_B`` clips each
   element to Kingma & Ba's bound on an Adam step,
   ``B = max((1-β1)/sqrt(1-β2), 1)``, with ``clip_step`` (else the
-  identity). See the module docstring.
+  identity). With ``rescale_variance``, each tensor's ``v`` is multiplied by
+  the change of its mean squared gradient since the freeze. See
+  :mod:`jmp_train._src.one_bit_optimizers`.
 
   Args:
     learning_rate: a float or a schedule ``count -> lr``.
@@ -97,6 +106,12 @@ def one_bit_adam(
       included) to Kingma & Ba's bound ``B`` on an Adam step, which exact
       Adam does not exceed; a frozen ``v`` and the 1-bit exchange's error
       can. ``False`` (default): the paper's rule as written.
+    rescale_variance: let each tensor's frozen ``v`` follow the change of
+      its gradients' size: ``v · ŝ_t / ŝ_f``, where ``ŝ`` is the
+      bias-corrected ``β2``-average of the replicas' mean of
+      ``mean(g_j²)`` over the tensor (one float per tensor crosses devices
+      each step, in one all-reduce) and ``ŝ_f`` its value when ``v`` was
+      last updated. ``False`` (default): ``v`` stays as frozen.
     num_replicas: size of ``axis_name``, for ``init`` outside a mapped
       context.
     bucket_bytes: ``None``: one 1-bit exchange for the whole tree; an int:
@@ -109,7 +124,8 @@ def one_bit_adam(
 
   Raises:
     ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale``,
-      ``exchange``, ``variance_refresh``, ``clip_step`` or ``bucket_bytes``, a
+      ``exchange``, ``variance_refresh``, ``clip_step``, ``rescale_variance``
+      or ``bucket_bytes``, a
       ``learning_rate`` number that is not finite and > 0, ``b1`` or ``b2``
       outside ``[0, 1)``, or a negative ``eps`` or ``weight_decay``; at trace time
       for a state made for another replica count or other buckets.
@@ -147,6 +163,7 @@ def one_bit_adam(
   if exchange not in EXCHANGES:
     raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
   check_bool(clip_step, "clip_step")
+  check_bool(rescale_variance, "rescale_variance")
   if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
     raise ValueError(
         f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}."
@@ -178,11 +195,33 @@ def one_bit_adam(
 
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    sq = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params) if rescale_variance else None
     return OneBitAdamState(
-        count=jnp.zeros((), jnp.int32), mu=zeros, nu=zeros, compression=compression.init(zeros)
+        count=jnp.zeros((), jnp.int32), mu=zeros, nu=zeros, compression=compression.init(zeros),
+        sq_mean=sq, sq_mean_ref=sq,
     )
 
-  def warmup(grads, state):
+  def scaled(nu, c, factor):
+    """``v_hat``: ``v / c``, times each tensor's factor with ``rescale_variance``."""
+    if factor is None:
+      return jax.tree.map(lambda v: v / c, nu)
+    return jax.tree.map(lambda v, f: v / c * f, nu, factor)
+
+  def sq_means(grads, state):
+    """The new ``(sq_mean, sq_mean_ref)`` and each tensor's factor ``ŝ_t / ŝ_f`` on ``v``."""
+    leaves, treedef = jax.tree.flatten(grads)
+    local = jnp.stack([jnp.mean(jnp.square(x.astype(jnp.float32))) for x in leaves])
+    mean = jax.tree.unflatten(treedef, list(lax.pmean(local, axis_name)))  # one all-reduce
+    sq = jax.tree.map(lambda s, x: b2 * s + (1 - b2) * x, state.sq_mean, mean)
+    ref = jax.tree.map(lambda r, s: jnp.where(exact_step(state.count), s, r), state.sq_mean_ref, sq)
+    t = optax.safe_increment(state.count)
+    # Both averages bias-corrected: sq over t steps, ref over those v covers.
+    c_now, c_ref = 1 - b2 ** t.astype(jnp.float32), c2(t)
+    factor = jax.tree.map(lambda s, r: jnp.where(r > 0, (s / c_now) / (r / c_ref), 1.0), sq, ref)
+    return sq, ref, factor
+
+  def warmup(grads, state, factor):
+    del factor  # v is updated here, not scaled
     g = lax.pmean(f32(grads), axis_name)
     mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
     if not k:
@@ -197,7 +236,7 @@ def one_bit_adam(
     mu = jax.tree.map(lambda m, ok: jnp.where(ok, m, 0.0), mu, live)
     return mu, nu, state.compression
 
-  def compressed(grads, state):
+  def compressed(grads, state, factor):
     # Elements whose frozen v is 0 (no gradient in warm-up) keep m = 0: a
     # later gradient there would step by g/eps (DeepSpeed's exp_avg_mask,
     # derived from v instead of given).
@@ -210,8 +249,8 @@ def one_bit_adam(
     # The frozen preconditioner d is the same on every replica: exchange m/d,
     # each element bounded by Kingma & Ba's bound on an Adam step: a stale v
     # cannot make a larger one, nor a tail that sets the chunks' scales.
-    frozen = c2(state.count)
-    d = jax.tree.map(lambda v: jnp.sqrt(v / frozen) + eps, state.nu)
+    nu = scaled(state.nu, c2(state.count), factor)
+    d = jax.tree.map(lambda v: jnp.sqrt(v) + eps, nu)
     limit = step_bound * (1 - b1 ** (state.count + 1).astype(jnp.float32))
     local = mask(jax.tree.map(lambda m, dd: jnp.clip(m / dd, -limit, limit), local, d))
     avg, cstate = compression.update(local, state.compression)
@@ -222,18 +261,19 @@ def one_bit_adam(
       raise ValueError("one_bit_adam with weight_decay needs params in update.")
     # lax.cond, not jnp.where: a step runs either the float all-reduce or
     # the 1-bit exchange, never both; the counter is the same everywhere.
-    mu, nu, cstate = cond(exact_step(state.count), warmup, compressed, updates, state)
+    sq, ref, factor = sq_means(updates, state) if rescale_variance else (None, None, None)
+    mu, nu, cstate = cond(exact_step(state.count), warmup, compressed, updates, state, factor)
     t = optax.safe_increment(state.count)
     c1 = 1 - b1 ** t.astype(jnp.float32)
     c2_t = c2(t)
     lr = lr_at(learning_rate, state.count)
-    step = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2_t) + eps), mu, nu)
+    step = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v) + eps), mu, scaled(nu, c2_t, factor))
     if clip_step:  # warm-up steps are Adam's own: no clip (an infinite bound)
       bound = jnp.where(state.count < warmup_steps, jnp.inf, step_bound)
       step = jax.tree.map(lambda x: jnp.clip(x, -bound, bound), step)
     if weight_decay:
       step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(jnp.float32), step, params)
     new = jax.tree.map(lambda s: -lr * s, step)
-    return cast_like(new, updates), OneBitAdamState(t, mu, nu, cstate)
+    return cast_like(new, updates), OneBitAdamState(t, mu, nu, cstate, sq, ref)
 
   return optax.GradientTransformation(init_fn, update_fn)
