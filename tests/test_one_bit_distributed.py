@@ -276,11 +276,43 @@ def test_bad_momentum_hyperparameters_are_named(kwargs, message):
     one_bit_momentum(axis_name=AXIS, **kwargs)
 
 
-def test_schedules_and_injected_hyperparameters_are_accepted():
+@pytest.mark.parametrize("factory, kwargs, static", [
+    (one_bit_adam, dict(learning_rate=1e-2, weight_decay=0.01, clip_step=True,
+                        rescale_variance=True, warmup_steps=1),
+     ("warmup_steps", "variance_refresh")),
+    (one_bit_adam, dict(learning_rate=1e-2, variance_refresh=2, warmup_steps=1),
+     ("warmup_steps", "variance_refresh")),
+    (one_bit_momentum, dict(learning_rate=0.1, momentum=0.9), ("warmup_steps",)),
+], ids=["adam", "adam-refresh", "momentum"])
+def test_injected_hyperparameters_step_as_plain_ones(factory, kwargs, static):
+  # optax.inject_hyperparams passes the numbers as (traced) arrays: every
+  # step must match the optimizer built from the plain numbers.
+  k = 2
+  plain = factory(axis_name=AXIS, **kwargs)
+  injected = optax.inject_hyperparams(factory, static_args=("axis_name",) + static)(
+      axis_name=AXIS, **kwargs)
+  devices = jax.devices()[:k]
+  params = jax.tree.map(lambda x: x * 0 + 0.1, make_tree(k, seed=0))
+  states = [jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params) for tx in (plain, injected)]
+  steps = [jax.pmap(tx.update, axis_name=AXIS, devices=devices) for tx in (plain, injected)]
+  for t in range(4):
+    grads = make_tree(k, seed=60 + t)
+    (u_plain, states[0]), (u_injected, states[1]) = (
+        step(grads, state, params) for step, state in zip(steps, states))
+    for a, b in zip(jax.tree.leaves(u_plain), jax.tree.leaves(u_injected)):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-9)
+  assert int(states[1].count[0]) == 4
+
+
+def test_a_structural_argument_injected_as_an_array_is_named():
+  tx = optax.inject_hyperparams(one_bit_adam, static_args=("axis_name",))(
+      1e-3, axis_name=AXIS, warmup_steps=1)
+  with pytest.raises(ValueError, match="warmup_steps .* list it in static_args"):
+    jax.pmap(tx.init, axis_name=AXIS, devices=jax.devices()[:1])({"w": jnp.zeros((1, 3))})
+
+
+def test_schedules_are_accepted():
   one_bit_momentum(optax.cosine_decay_schedule(0.1, 10), axis_name=AXIS)
-  tx = optax.inject_hyperparams(one_bit_adam, static_args=("axis_name", "warmup_steps"))(
-      learning_rate=1e-3, axis_name=AXIS, warmup_steps=1)
-  assert tx.init is not None
 
 
 # ---------------------------------------------------------------------------

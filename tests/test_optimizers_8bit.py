@@ -389,3 +389,13 @@ def test_inject_hyperparams():
   updates, state = jax.jit(tx.update)(_grads(0), state, params)
   assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-3)
   chex.assert_tree_all_finite(updates)
+
+
+def test_block_layout_injected_as_an_array_is_named():
+  # optax.inject_hyperparams passes ints as arrays unless they are static.
+  tx = optax.inject_hyperparams(adam_8bit, static_args=("min_8bit_size",))(learning_rate=1e-3)
+  with pytest.raises(ValueError, match="block_size .* list it in static_args"):
+    tx.init(_params())
+  tx = optax.inject_hyperparams(sgd_8bit, static_args=("block_size",))(learning_rate=1e-3)
+  with pytest.raises(ValueError, match="min_8bit_size .* list it in static_args"):
+    tx.init(_params())

@@ -17,12 +17,29 @@ import numpy as np
 
 __all__ = [
     "check_bool", "check_learning_rate", "check_non_negative", "check_unit", "is_number",
+    "is_static_zero", "static_hint",
 ]
 
 
 def is_number(x: Any) -> bool:
   """A Python or NumPy real number (not a bool, not an array)."""
   return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def is_static_zero(x: Any) -> bool:
+  """A plain number equal to 0: a term it scales can be left out of the program.
+
+  An array (e.g. from ``optax.inject_hyperparams``, possibly traced) is never
+  taken as zero: its value may change between steps.
+  """
+  return bool(is_number(x) and x == 0)
+
+
+def static_hint(value: Any) -> str:
+  """For an error about a structural argument: what to do when it came as an array."""
+  if isinstance(value, (jax.Array, np.ndarray)):
+    return " (an array: with optax.inject_hyperparams, list it in static_args)"
+  return ""
 
 
 def check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None:

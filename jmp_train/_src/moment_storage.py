@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_train._src import quantized_state as qs
+from jmp_train._src.hyperparams import static_hint
 from jmp_train._src.policy import parse_dtype
 
 __all__ = [
@@ -54,7 +55,8 @@ def check_options(block_size: Any, code: Any, min_8bit_size: Any, rounding: Any)
   if rounding not in ROUNDINGS:
     raise ValueError(f"rounding must be one of {ROUNDINGS}; got {rounding!r}.")
   if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-    raise ValueError(f"min_8bit_size must be an int >= 0; got {min_8bit_size!r}.")
+    raise ValueError(
+        f"min_8bit_size must be an int >= 0; got {min_8bit_size!r}{static_hint(min_8bit_size)}.")
 
 
 class Moment:

@@ -15,7 +15,7 @@ import optax
 from jax import lax
 
 from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
-from jmp_train._src.hyperparams import check_unit
+from jmp_train._src.hyperparams import check_unit, is_number, is_static_zero, static_hint
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -166,16 +166,21 @@ def one_bit_adam(
   check_bool(rescale_variance, "rescale_variance")
   if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
     raise ValueError(
-        f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}."
+        f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}"
+        f"{static_hint(variance_refresh)}."
     )
   compression = sign_compression(
       axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
   )
   k = int(variance_refresh)
+  decay = not is_static_zero(weight_decay)
   # Kingma & Ba's bound on |m_hat / sqrt(v_hat)| (Sec. 2.1): (1 - b1) /
   # sqrt(1 - b2), the step after a lone gradient spike, where that exceeds
   # 1, else about 1.
-  step_bound = max((1 - b1) / float(np.sqrt(1 - b2)), 1.0)
+  if is_number(b1) and is_number(b2):
+    step_bound = max((1 - b1) / float(np.sqrt(1 - b2)), 1.0)
+  else:  # injected (traced) decay rates
+    step_bound = jnp.maximum((1 - b1) / jnp.sqrt(1 - b2), 1.0)
 
   def covered(t):
     """Steps of gradient history ``v`` stands for after ``t`` steps."""
@@ -257,7 +262,7 @@ def one_bit_adam(
     return mask(jax.tree.map(jnp.multiply, avg, d)), state.nu, cstate
 
   def update_fn(updates, state, params=None):
-    if weight_decay and params is None:
+    if decay and params is None:
       raise ValueError("one_bit_adam with weight_decay needs params in update.")
     # lax.cond, not jnp.where: a step runs either the float all-reduce or
     # the 1-bit exchange, never both; the counter is the same everywhere.
@@ -271,7 +276,7 @@ def one_bit_adam(
     if clip_step:  # warm-up steps are Adam's own: no clip (an infinite bound)
       bound = jnp.where(state.count < warmup_steps, jnp.inf, step_bound)
       step = jax.tree.map(lambda x: jnp.clip(x, -bound, bound), step)
-    if weight_decay:
+    if decay:
       step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(jnp.float32), step, params)
     new = jax.tree.map(lambda s: -lr * s, step)
     return cast_like(new, updates), OneBitAdamState(t, mu, nu, cstate, sq, ref)

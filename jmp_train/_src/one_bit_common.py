@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_train._src.hyperparams import static_hint
+
 
 ScalarOrSchedule = float | Callable[[jax.Array], Any]
 
@@ -23,6 +25,7 @@ def check_common(axis_name, warmup_steps, minimum: int) -> None:
   if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < minimum:
     raise ValueError(
         f"warmup_steps must be an int >= {minimum}, got {warmup_steps!r}"
+        + static_hint(warmup_steps)
         + (": the frozen second moment comes from the warm-up." if minimum else ".")
     )
 

@@ -15,7 +15,7 @@ import optax
 from jax import lax
 
 from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
-from jmp_train._src.hyperparams import check_unit
+from jmp_train._src.hyperparams import check_unit, is_static_zero
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -123,6 +123,8 @@ def one_bit_momentum(
       axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
   )
 
+  decay = not is_static_zero(weight_decay)
+
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     return OneBitMomentumState(
@@ -131,7 +133,7 @@ def one_bit_momentum(
 
   def local_trace(grads, state, params):
     g = f32(grads)
-    if weight_decay:
+    if decay:
       g = jax.tree.map(lambda x, p: x + weight_decay * p.astype(jnp.float32), g, params)
     return g
 
@@ -144,7 +146,7 @@ def one_bit_momentum(
     return compression.update(local, state.compression)
 
   def update_fn(updates, state, params=None):
-    if weight_decay and params is None:
+    if decay and params is None:
       raise ValueError("one_bit_momentum with weight_decay needs params in update.")
     g = local_trace(updates, state, params)
     if warmup_steps:

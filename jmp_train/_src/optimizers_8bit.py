@@ -43,6 +43,7 @@ import optax
 from jmp_train._src.hyperparams import check_learning_rate
 from jmp_train._src.hyperparams import check_non_negative
 from jmp_train._src.hyperparams import check_unit
+from jmp_train._src.hyperparams import is_static_zero
 from jmp_train._src.moment_storage import STATE_DTYPES
 from jmp_train._src.moment_storage import Moment
 from jmp_train._src.moment_storage import check_options
@@ -265,7 +266,7 @@ def adam_8bit(
       ),
       # Without decay, no params needed (as optax.adam): 8-bit Adam can follow
       # a transformation that does not pass them on.
-      optax.identity() if _is_zero(weight_decay) else
+      optax.identity() if is_static_zero(weight_decay) else
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
@@ -284,10 +285,6 @@ class QuantizedTraceState(NamedTuple):
 
   count: jax.Array
   trace: optax.Updates
-
-
-def _is_zero(value: Any) -> bool:
-  return isinstance(value, (int, float)) and value == 0
 
 
 def _trace(decay, nesterov, moment: Moment, seed) -> optax.GradientTransformation:

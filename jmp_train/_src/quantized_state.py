@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_train._src.hyperparams import static_hint
+
 __all__ = [
     "CODES",
     "QuantizedArray",
@@ -151,7 +153,8 @@ def code_map(code: str = "dynamic", signed: bool = True) -> np.ndarray:
 
 def _check_block_size(block_size: Any) -> int:
   if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-    raise ValueError(f"block_size must be a positive int; got {block_size!r}.")
+    raise ValueError(
+        f"block_size must be a positive int; got {block_size!r}{static_hint(block_size)}.")
   return int(block_size)
 
 
