@@ -51,9 +51,8 @@ def shard_mapped(tx, k):
 @pytest.mark.parametrize(
     "tx",
     [one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, weight_decay=0.01),
-     one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, rescale_variance=True),
      one_bit_momentum(0.1, axis_name=AXIS, nesterov=True)],
-    ids=["adam", "adam-rescaled", "momentum"],
+    ids=["adam", "momentum"],
 )
 def test_shard_map_equals_pmap(tx):
   k = 4
