@@ -47,6 +47,7 @@ def test_plot_before_and_after_scaling_writes_png(pyplot, tmp_path):
   # values lie inside the bins, so no hatched end bars.
   heights = [p.get_height() for p in ax.patches if p.get_width() == 0.5]
   assert len(heights) == 120
+  assert "hatched" not in ax.get_xlabel()
   for i, scale in enumerate((1.0, suggested)):
     h = diag.gradient_histogram(grads, scale=scale).total
     share = 100 * np.asarray(h.counts) / int(h.nonzero)
@@ -66,6 +67,12 @@ def test_plot_given_histograms_and_an_axes(pyplot):
   labels = [t.get_text() for t in ax.get_legend().get_texts()]
   # bfloat16's range (2**-133 .. 3.4e38) lies outside the bins: no marks.
   assert [l.split(":")[0] for l in labels] == ["scale 1", "scale 8"]
+  assert "hatched" not in ax.get_xlabel()  # every value lies in the bins
+  ax.cla()
+  # Values past both ends of narrower bins: hatched end bars, and the label says so.
+  diag.plot_gradient_histogram(x, scales=(1.0,), ax=ax, min_exponent=-20, max_exponent=0)
+  assert "hatched: outside the bins" in ax.get_xlabel()
+  assert sum(p.get_hatch() == "//" for p in ax.patches) == 2
   ax.cla()
   diag.plot_gradient_histogram(hists[1].total, ax=ax, title="one")
   assert ax.get_title() == "one" and len(ax.get_legend().get_texts()) == 1

@@ -159,6 +159,7 @@ def plot_gradient_histogram(
 
   n = len(hists)
   width = 1.0 / n
+  hatched = False
   for i, h in enumerate(hists):
     nonzero = max(int(h.nonzero), 1)
     share = 100.0 * np.asarray(h.counts, dtype=np.float64) / nonzero
@@ -173,12 +174,15 @@ def plot_gradient_histogram(
     ends = [(h.min_exponent - 1, int(h.below)), (h.max_exponent, int(h.above))]
     for x, count in ends:
       if count:
+        hatched = True
         ax.bar(x + i * width, 100.0 * count / nonzero, width=width, align="edge",
                color=color, alpha=0.5, hatch="//", edgecolor=color)
   ax.set_xlim(xmin, xmax)
   if log_y:
     ax.set_yscale("log")
-  ax.set_xlabel("log2(|value|)  (bins [2^e, 2^(e+1)); hatched: outside the bins)")
+  # Name the hatched end bars only where there are some.
+  outside = "; hatched: outside the bins" if hatched else ""
+  ax.set_xlabel(f"log2(|value|)  (bins [2^e, 2^(e+1)){outside})")
   ax.set_ylabel("% of non-zero values")
   ax.set_title(title if title is not None else f"Value magnitudes against the {dtype.name} range")
   ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
