@@ -1,4 +1,4 @@
-"""The shared hyperparameter helpers: what counts as a plain zero, and the array hint."""
+"""Shared hyperparameter functions: what counts as a plain zero, and the array hint."""
 
 from __future__ import annotations
 
