@@ -163,6 +163,7 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
 def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float:
   """Bytes sent per device per step after warm-up over a float32 all-reduce's."""
   from jmp_train import collective_ops
+  from jmp_train._src.hlo import conditional_branches
 
   devices = jax.devices()[:replicas]
   stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), params)
@@ -174,13 +175,9 @@ def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float
       .as_text()
   )
   ops = collective_ops(text)
-  branches = re.findall(r"branch_computations=\{([^}]*)\}", text)
-  branches += [",".join(m) for m in re.findall(
-      r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)]
-  names = {b.strip().lstrip("%") for group in branches for b in group.split(",")}
   # The exact (warm-up) branch: the conditional branch holding the float
   # all-reduce. Collectives outside any branch run every step.
-  warmup = {op.computation for op in ops if op.kind == "all-reduce"} & names
+  warmup = {op.computation for op in ops if op.kind == "all-reduce"} & conditional_branches(text)
   sent = sum(op.wire_bytes for op in ops if op.computation not in warmup)
   n = sum(x.size for x in jax.tree.leaves(params))
   return sent / (2 * (replicas - 1) / replicas * 4 * n)

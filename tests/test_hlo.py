@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmp_train import collective_bytes, collective_ops, sign_compression, sign_compression_specs
+from jmp_train._src.hlo import conditional_branches
 
 AXIS = "i"
 
@@ -151,13 +151,8 @@ def test_warmup_float_all_reduce_only_in_its_branch():
   ops = collective_ops(text)
   float_reduce = [op for op in ops if op.kind == "all-reduce"]
   assert float_reduce and all(op.dtypes == ("f32",) for op in float_reduce)
-  branches = re.findall(r"branch_computations=\{([^}]*)\}", text)
-  branches += [
-      ",".join(m)
-      for m in re.findall(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)
-  ]
-  assert branches, "expected a conditional"
-  names = {b.strip().lstrip("%") for group in branches for b in group.split(",")}
+  names = conditional_branches(text)
+  assert names, "expected a conditional"
   # The float all-reduce and the packed collectives sit in different branches,
   # never in the entry computation: after warm-up no float all-reduce runs.
   assert {op.computation for op in float_reduce} <= names
@@ -195,3 +190,11 @@ def test_shard_map_program_wire_format():
   assert 0 < pair_bytes <= max_local * 8
   assert counts["all-to-all:u8"] == n_pad // 8 + k * pair_bytes
   assert counts["all-to-all:u8"] + counts["all-gather:u8"] == counts["total"]
+
+
+def test_conditional_branches_names_both_spellings():
+  text = (
+      "%c = f32[] conditional(%p, %a, %b), true_computation=%t.1, false_computation=%f.2\n"
+      "%d = f32[] conditional(%i, %a), branch_computations={%b0, %b1.3}\n")
+  assert conditional_branches(text) == {"t.1", "f.2", "b0", "b1.3"}
+  assert conditional_branches("ENTRY %main () -> f32[] {}") == set()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_train
 from jmp_train import SignCompressionState, collective_ops, sign_compression_specs
+from jmp_train._src.hlo import conditional_branches
 from jmp_train._src.one_bit_optimizers import (
     OneBitAdamState,
     OneBitMomentumState,
@@ -127,9 +127,7 @@ def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch(refresh, rescal
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
   text = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(params, state, params).compile().as_text()
   ops = collective_ops(text)
-  branches = re.findall(r"branch_computations=\{([^}]*)\}", text)
-  branches += [",".join(m) for m in re.findall(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)]
-  names = {b.strip().lstrip("%") for group in branches for b in group.split(",")}
+  names = conditional_branches(text)
   n = 64 * 256 + 256
   # rescale_variance adds one all-reduce of a float per tensor to every step.
   scalars = [op for op in ops if op.operand_types == (("f32", (len(params),)),)]

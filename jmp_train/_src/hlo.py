@@ -301,3 +301,23 @@ def collective_bytes(compiled_or_hlo_text: Any, *, wire: bool = False) -> dict[s
       out[key] = out.get(key, 0) + share * part / per_dtype
   out["total"] = sum(out[k] for k in COLLECTIVE_KINDS)
   return {k: int(round(v)) for k, v in out.items()}
+
+
+def conditional_branches(compiled_or_hlo_text: Any) -> set[str]:
+  """Names of the computations that are branches of a conditional in the module.
+
+  A collective whose :attr:`CollectiveOp.computation` is among them runs
+  only on the steps that take its branch (a warm-up, a refresh); one in the
+  entry computation runs on every step.
+
+  Args:
+    compiled_or_hlo_text: a ``jax.stages.Compiled`` or its ``as_text()``.
+
+  Returns:
+    The branch computations' names, without the ``%`` prefix.
+  """
+  text = _hlo_text(compiled_or_hlo_text)
+  groups = re.findall(r"branch_computations=\{([^}]*)\}", text)
+  groups += [",".join(pair) for pair in re.findall(
+      r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)]
+  return {name.strip().lstrip("%") for group in groups for name in group.split(",")}

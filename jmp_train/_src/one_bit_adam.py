@@ -6,6 +6,7 @@ gradient, is compressed, and what freezing the second moment costs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -154,49 +155,18 @@ def one_bit_adam(
     Large-scale Training via 0/1 Adam", ICLR 2023.
     https://arxiv.org/abs/2202.06009
   """
-  check_common(axis_name, warmup_steps, 1)
-  check_learning_rate(learning_rate)
-  check_unit(b1, "b1")
-  check_unit(b2, "b2")
-  check_non_negative(eps, "eps")
-  check_non_negative(weight_decay, "weight_decay")
-  if exchange not in EXCHANGES:
-    raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
-  check_bool(clip_step, "clip_step")
-  check_bool(rescale_variance, "rescale_variance")
-  if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
-    raise ValueError(
-        f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}"
-        f"{static_hint(variance_refresh)}."
-    )
+  _check_arguments(learning_rate, b1, b2, eps, weight_decay, axis_name, warmup_steps,
+                   exchange, variance_refresh, clip_step, rescale_variance)
   compression = sign_compression(
       axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
   )
   k = int(variance_refresh)
   decay = not is_static_zero(weight_decay)
-  # Kingma & Ba's bound on |m_hat / sqrt(v_hat)| (Sec. 2.1): (1 - b1) /
-  # sqrt(1 - b2), the step after a lone gradient spike, where that exceeds
-  # 1, else about 1.
-  if is_number(b1) and is_number(b2):
-    step_bound = max((1 - b1) / float(np.sqrt(1 - b2)), 1.0)
-  else:  # injected (traced) decay rates
-    step_bound = jnp.maximum((1 - b1) / jnp.sqrt(1 - b2), 1.0)
-
-  def covered(t):
-    """Steps of gradient history ``v`` stands for after ``t`` steps."""
-    if not k:
-      return jnp.minimum(t, warmup_steps)
-    after = jnp.maximum(t - warmup_steps, 0)
-    return jnp.minimum(t, warmup_steps) + after - after % k
-
+  step_bound = _step_bound(b1, b2)
+  covered = functools.partial(_covered, warmup_steps=warmup_steps, refresh=k)
+  exact_step = functools.partial(_exact_step, warmup_steps=warmup_steps, refresh=k)
   # The second moment's bias correction (frozen between refreshes).
   c2 = lambda t: 1 - b2 ** covered(t).astype(jnp.float32)
-
-  def exact_step(count):
-    """Warm-up, or (with refreshes) every k-th step after it."""
-    if not k:
-      return count < warmup_steps
-    return (count < warmup_steps) | ((count + 1 - warmup_steps) % k == 0)
 
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
@@ -212,14 +182,11 @@ def one_bit_adam(
       return jax.tree.map(lambda v: v / c, nu)
     return jax.tree.map(lambda v, f: v / c * f, nu, factor)
 
-  def sq_means(grads, state):
+  def sq_means(grads, state, t):
     """The new ``(sq_mean, sq_mean_ref)`` and each tensor's factor ``ŝ_t / ŝ_f`` on ``v``."""
-    leaves, treedef = jax.tree.flatten(grads)
-    local = jnp.stack([jnp.mean(jnp.square(x.astype(jnp.float32))) for x in leaves])
-    mean = jax.tree.unflatten(treedef, list(lax.pmean(local, axis_name)))  # one all-reduce
+    mean = _replicas_mean_square(grads, axis_name)
     sq = jax.tree.map(lambda s, x: b2 * s + (1 - b2) * x, state.sq_mean, mean)
     ref = jax.tree.map(lambda r, s: jnp.where(exact_step(state.count), s, r), state.sq_mean_ref, sq)
-    t = optax.safe_increment(state.count)
     # Both averages bias-corrected: sq over t steps, ref over those v covers.
     c_now, c_ref = 1 - b2 ** t.astype(jnp.float32), c2(t)
     factor = jax.tree.map(lambda s, r: jnp.where(r > 0, (s / c_now) / (r / c_ref), 1.0), sq, ref)
@@ -232,14 +199,8 @@ def one_bit_adam(
     if not k:
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
       return mu, nu, state.compression
-    # A refresh stands for the k steps since the last one, and revives no
-    # element whose v was 0 at the freeze (it keeps m = 0, as after warm-up).
-    in_warmup = state.count < warmup_steps
-    keep, take = jnp.where(in_warmup, b2, b2**k), jnp.where(in_warmup, 1 - b2, 1 - b2**k)
-    live = jax.tree.map(lambda v: in_warmup | (v > 0), state.nu)
-    nu = jax.tree.map(lambda v, x, ok: jnp.where(ok, keep * v + take * x * x, v), state.nu, g, live)
-    mu = jax.tree.map(lambda m, ok: jnp.where(ok, m, 0.0), mu, live)
-    return mu, nu, state.compression
+    return (*_warmup_or_refresh(mu, state.nu, g, state.count < warmup_steps, b2, k),
+            state.compression)
 
   def compressed(grads, state, factor):
     # Elements whose frozen v is 0 (no gradient in warm-up) keep m = 0: a
@@ -266,9 +227,9 @@ def one_bit_adam(
       raise ValueError("one_bit_adam with weight_decay needs params in update.")
     # lax.cond, not jnp.where: a step runs either the float all-reduce or
     # the 1-bit exchange, never both; the counter is the same everywhere.
-    sq, ref, factor = sq_means(updates, state) if rescale_variance else (None, None, None)
-    mu, nu, cstate = cond(exact_step(state.count), warmup, compressed, updates, state, factor)
     t = optax.safe_increment(state.count)
+    sq, ref, factor = sq_means(updates, state, t) if rescale_variance else (None, None, None)
+    mu, nu, cstate = cond(exact_step(state.count), warmup, compressed, updates, state, factor)
     c1 = 1 - b1 ** t.astype(jnp.float32)
     c2_t = c2(t)
     lr = lr_at(learning_rate, state.count)
@@ -282,3 +243,69 @@ def one_bit_adam(
     return cast_like(new, updates), OneBitAdamState(t, mu, nu, cstate, sq, ref)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_arguments(learning_rate, b1, b2, eps, weight_decay, axis_name, warmup_steps,
+                     exchange, variance_refresh, clip_step, rescale_variance) -> None:
+  check_common(axis_name, warmup_steps, 1)
+  check_learning_rate(learning_rate)
+  check_unit(b1, "b1")
+  check_unit(b2, "b2")
+  check_non_negative(eps, "eps")
+  check_non_negative(weight_decay, "weight_decay")
+  if exchange not in EXCHANGES:
+    raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
+  check_bool(clip_step, "clip_step")
+  check_bool(rescale_variance, "rescale_variance")
+  if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
+    raise ValueError(
+        f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}"
+        f"{static_hint(variance_refresh)}."
+    )
+
+
+def _step_bound(b1, b2):
+  """Kingma & Ba's bound on ``|m_hat / sqrt(v_hat)|`` (Sec. 2.1).
+
+  ``(1 - b1) / sqrt(1 - b2)``, the step after a lone gradient spike, where
+  that exceeds 1, else about 1. In ``jnp`` for injected (traced) rates.
+  """
+  if is_number(b1) and is_number(b2):
+    return max((1 - b1) / float(np.sqrt(1 - b2)), 1.0)
+  return jnp.maximum((1 - b1) / jnp.sqrt(1 - b2), 1.0)
+
+
+def _covered(t, warmup_steps: int, refresh: int):
+  """Steps of gradient history ``v`` stands for after ``t`` steps."""
+  if not refresh:
+    return jnp.minimum(t, warmup_steps)
+  after = jnp.maximum(t - warmup_steps, 0)
+  return jnp.minimum(t, warmup_steps) + after - after % refresh
+
+
+def _exact_step(count, warmup_steps: int, refresh: int):
+  """Warm-up, or (with refreshes) every ``refresh``-th step after it."""
+  if not refresh:
+    return count < warmup_steps
+  return (count < warmup_steps) | ((count + 1 - warmup_steps) % refresh == 0)
+
+
+def _replicas_mean_square(grads, axis_name: str):
+  """Per leaf, the replicas' mean of ``mean(g**2)``: one all-reduce for the whole tree."""
+  leaves, treedef = jax.tree.flatten(grads)
+  local = jnp.stack([jnp.mean(jnp.square(x.astype(jnp.float32))) for x in leaves])
+  return jax.tree.unflatten(treedef, list(lax.pmean(local, axis_name)))
+
+
+def _warmup_or_refresh(mu, nu, g, in_warmup, b2, k: int):
+  """``(mu, nu)`` after an exact step when ``v`` is refreshed every ``k`` steps.
+
+  A refresh stands for the ``k`` steps since the last one, and revives no
+  element whose ``v`` was 0 at the freeze (it keeps ``m = 0``, as after
+  warm-up); a warm-up step is Adam's own.
+  """
+  keep, take = jnp.where(in_warmup, b2, b2**k), jnp.where(in_warmup, 1 - b2, 1 - b2**k)
+  live = jax.tree.map(lambda v: in_warmup | (v > 0), nu)
+  nu = jax.tree.map(lambda v, x, ok: jnp.where(ok, keep * v + take * x * x, v), nu, g, live)
+  mu = jax.tree.map(lambda m, ok: jnp.where(ok, m, 0.0), mu, live)
+  return mu, nu
