@@ -23,9 +23,20 @@ from jax import lax
 
 __all__ = [
     "assemble", "flatten_to_buckets", "unflatten_from_buckets", "bucketed_mean", "bucket_sizes",
+    "check_bucket_bytes",
 ]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def check_bucket_bytes(bucket_bytes: Any, allow_none: bool = False) -> None:
+  """Raises ``ValueError`` unless ``bucket_bytes`` is a positive int (or ``None`` if allowed)."""
+  if allow_none and bucket_bytes is None:
+    return
+  if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
+      or bucket_bytes <= 0):
+    valid = "a positive int or None" if allow_none else "a positive int"
+    raise ValueError(f"bucket_bytes must be {valid}, got {bucket_bytes!r}.")
 
 
 def assemble(pieces, base: jax.Array) -> jax.Array:
@@ -73,8 +84,7 @@ def bucket_sizes(tree: Any, bucket_bytes: int, dtype: Any = None) -> list[list[i
   Raises:
     ValueError: if ``bucket_bytes`` is not a positive integer.
   """
-  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
-    raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}.")
+  check_bucket_bytes(bucket_bytes)
   leaves = jax.tree.leaves(tree)
   buckets: list[list[int]] = []
   filled, current_dtype = 0, None

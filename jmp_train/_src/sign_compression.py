@@ -140,7 +140,7 @@ import optax
 from jax import lax
 
 from jmp_train._src import sign_codec
-from jmp_train._src.buckets import bucket_sizes
+from jmp_train._src.buckets import bucket_sizes, check_bucket_bytes
 from jmp_train._src.compressed_mean import CompressedMeanState
 from jmp_train._src.hyperparams import check_bool
 from jmp_train._src.sign_layout import Layout, axis_size, check_leaves, make_layout
@@ -206,11 +206,7 @@ def _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes, **flag
       not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1
   ):
     raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
-  if bucket_bytes is not None and (
-      isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
-      or bucket_bytes <= 0
-  ):
-    raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}.")
+  check_bucket_bytes(bucket_bytes, allow_none=True)
 
 
 # A bucket: the indices of its leaves (in tree order) and their layout.

@@ -78,9 +78,7 @@ def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype,
         f"grad_reduce_dtype {grad_reduce_dtype!r} is not supported; valid: None, "
         f"{', '.join(_REDUCE_DTYPES)}."
     )
-  if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
-      or bucket_bytes <= 0):
-    raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}.")
+  buckets.check_bucket_bytes(bucket_bytes)
   _check_options(**options)
 
 
