@@ -166,6 +166,41 @@ def test_signed_column_sums_match_float64_and_one_signed_columns_are_exact(rows,
   assert neg[0] == 0.0 and pos[1] == 0.0
 
 
+@pytest.mark.parametrize("rows, cols, block", [(16, 3, 16), (64, 24, 16), (48, 5, 16), (24, 7, 8)])
+def test_column_statistics_in_one_pass_match_numpy(rows, cols, block):
+  x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+  x[:, 0] = np.abs(x[:, 0])  # non-negative only
+  x[0, -1], x[-1, -1] = 0.0, -0.0  # both zeros count as non-negative
+  packed, pos, neg, count = jax.jit(sign_codec._column_statistics, static_argnums=1)(
+      jnp.asarray(x), block
+  )
+  nonneg = x >= 0
+  np.testing.assert_array_equal(
+      np.asarray(packed), np.packbits(nonneg.T.reshape(-1), bitorder="little")
+  )
+  np.testing.assert_array_equal(np.asarray(count), nonneg.sum(0))
+  np.testing.assert_allclose(np.asarray(pos), np.maximum(x, 0).sum(0, dtype=np.float64), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(neg), np.minimum(x, 0).sum(0, dtype=np.float64), rtol=1e-6)
+  assert neg[0] == 0.0
+
+
+@pytest.mark.parametrize("scale", ["column", "l1", "l2"])
+@pytest.mark.parametrize("n", [8, 1000, 4096])
+def test_packed_leaf_in_one_pass_matches_packing_and_sums_apart(scale, n):
+  v = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+  v[0], v[-1] = 0.0, -0.0
+  packed, pairs = jax.jit(sign_codec._packed_leaf, static_argnums=1)(jnp.asarray(v), scale)
+  np.testing.assert_array_equal(np.asarray(packed), np.packbits(v >= 0, bitorder="little"))
+  nonneg = v >= 0
+  if scale == "column":
+    want = [v[nonneg].astype(np.float64).mean(), v[~nonneg].astype(np.float64).mean()]
+  else:
+    v64 = v.astype(np.float64)
+    hi = np.abs(v64).mean() if scale == "l1" else np.sqrt(np.square(v64).mean())
+    want = [hi, -hi]
+  np.testing.assert_allclose(np.asarray(pairs), [want], rtol=2e-6)
+
+
 @pytest.mark.parametrize("rows", [64, 48, 24, 7])  # uint32, uint16, uint8 words; one per byte
 def test_column_worker_pairs_are_the_column_means(rows):
   # The counts come from the packed words where the rows allow them.

@@ -12,7 +12,10 @@ order: its bits cross from the buffer's column-by-column order as packed
 transpose runs several times slower than a copy on XLA:CPU).
 
 * :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``,
-  each leaf in its own order (the residuals are per leaf).
+  each leaf in its own order (the residuals are per leaf). The bits and the
+  sums behind the pairs come from one pass over ``v``: a variadic reduction
+  over blocks of 8 or 16 entries (:func:`_packed_leaf`,
+  :func:`_column_statistics`).
 * :func:`owner_step`: decode the ``K`` received chunks, average them, add
   the server residual, re-quantize (one ``lax.switch`` branch per owner:
   each owner's pieces are static).
@@ -119,15 +122,45 @@ def _signed_sums_over_rows(v: jax.Array):
   """Per column of ``(rows, columns)`` ``v``: sums of the non-negative and of the negative entries.
 
   Two plain reductions over the rows, each term exact: ``max(v, -0)`` and
-  ``(v - |v|) / 2`` (the halving on the sum). XLA:CPU runs a single-output
-  reduction like these on all cores at memory speed; a variadic one, or a
-  scan over the rows, runs on one core several times slower. The ``-0``
-  keeps the zero apart from the one of ``v >= 0``: a zero shared by both
-  would be materialized as a full ``(rows, columns)`` buffer.
+  ``(v - |v|) / 2`` (the halving on the sum). The ``-0`` keeps the zero
+  apart from the one of ``v >= 0``: a zero shared by both would be
+  materialized as a full ``(rows, columns)`` buffer. For rows that form
+  blocks of 8 or 16, :func:`_column_statistics` does this and more in one pass.
   """
   pos = jnp.sum(jnp.maximum(v, jnp.float32(-0.0)), axis=0)
   neg = jnp.sum(v - jnp.abs(v), axis=0) * 0.5
   return pos, neg
+
+
+def _column_statistics(v: jax.Array, block: int):
+  """Bits and per-column sums and counts of ``(rows, columns)`` ``v`` in one pass.
+
+  One variadic reduction over blocks of ``block`` (8 or 16) rows yields,
+  per block and column, the block's bits as one packed word and the sums
+  of its non-negative and negative entries; small reductions of the
+  ``(rows / block, columns)`` results finish the sums and counts. XLA:CPU
+  unrolls a reduction of 16 or fewer rows into a vectorized loop at memory
+  speed, where a variadic reduction over all rows runs on one core several
+  times slower and three single reductions read ``v`` three times.
+
+  Returns:
+    ``(bytes, pos, neg, count)``: the bits in column-by-column order as
+    :func:`pack_columns` packs them, the sums of the non-negative and of the
+    negative entries, and the number of non-negative ones (int32).
+  """
+  rows, cols = v.shape
+  dtype = _WORDS[block]
+  blocks = v.reshape(rows // block, block, cols)
+  shifts = jnp.arange(block, dtype=dtype)[None, :, None]
+  zero = jnp.zeros((), jnp.float32)
+  words, pos, neg = lax.reduce(
+      ((blocks >= 0).astype(dtype) << shifts, jnp.maximum(blocks, -zero), blocks - jnp.abs(blocks)),
+      (jnp.zeros((), dtype), zero, zero),
+      lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
+      (1,),
+  )
+  count = jnp.sum(lax.population_count(words), axis=0, dtype=jnp.int32)
+  return _words_to_bytes(words), jnp.sum(pos, axis=0), jnp.sum(neg, axis=0) * 0.5, count
 
 
 def _lane_sum(y: jax.Array) -> jax.Array:
@@ -201,6 +234,39 @@ def _leaf_pairs(v: jax.Array, scale: str) -> jax.Array:
   return _norm_pairs(jnp.sum(jnp.abs(v) if scale == "l1" else jnp.square(v)), n, scale)[None]
 
 
+def _packed_leaf(v: jax.Array, scale: str):
+  """The packed bits and the pair ``(1, 2)`` of a one-segment leaf ``v`` in one pass.
+
+  ``v`` is 1-D, its length a multiple of 8. One variadic reduction over
+  each 8 consecutive entries yields their byte of bits and their partial
+  sums (of ``|v|``, ``v**2``, or the non-negative and the negative
+  entries); :func:`_lane_sum` adds the partial sums up. XLA:CPU runs this at
+  memory speed, where packing and summing apart read ``v`` twice.
+
+  Returns:
+    ``(packed, pairs)``: ``pack(v >= 0)`` and the pair.
+  """
+  n = v.shape[0]
+  blocks = v.reshape(n // 8, 8)
+  zero = jnp.zeros((), jnp.float32)
+  if scale == "column":
+    terms = (jnp.maximum(blocks, -zero), blocks - jnp.abs(blocks))
+  else:
+    terms = (jnp.abs(blocks) if scale == "l1" else jnp.square(blocks),)
+  shifts = jnp.asarray(_SHIFTS, jnp.uint8)
+  packed, *sums = lax.reduce(
+      ((blocks >= 0).astype(jnp.uint8) << shifts,) + terms,
+      (jnp.zeros((), jnp.uint8),) + (zero,) * len(terms),
+      lambda a, b: tuple(p + q for p, q in zip(a, b)),
+      (1,),
+  )
+  sums = [_lane_sum(s) for s in sums]
+  if scale != "column":
+    return packed, _norm_pairs(sums[0], n, scale)[None]
+  count = jnp.sum(lax.population_count(packed), dtype=jnp.int32).astype(jnp.float32)
+  return packed, _column_pairs(sums[0], sums[1] * 0.5, count, n)[None]
+
+
 def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
   """Leaf ``i``: ``(v, bits in buffer order, pairs, decoded)``.
 
@@ -214,8 +280,12 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
     v = x.astype(jnp.float32)
     if r is not None:
       v = v + r.reshape(v.shape)
-    pairs = _leaf_pairs(v.reshape(-1), scale)
-    return v, (v >= 0).reshape(-1), pairs, jnp.where(v >= 0, pairs[0, 0], pairs[0, 1])
+    flat = v.reshape(-1)
+    if flat.shape[0] % 8 == 0 and layout.offsets[i] % 8 == 0:  # whole bytes
+      bits, pairs = _packed_leaf(flat, scale)
+    else:
+      bits, pairs = flat >= 0, _leaf_pairs(flat, scale)
+    return v, bits, pairs, jnp.where(v >= 0, pairs[0, 0], pairs[0, 1])
   # Column scales: the sums are reductions over the rows; the residual
   # update and, where the rows allow packed words, the bits stay in the
   # leaf's own order.
@@ -225,14 +295,13 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
     v = v + r.reshape(rows, cols)
   nonneg = v >= 0
   word = layout.word_bits(i)
-  if word:  # the counts from the packed words: no pass over the floats
-    words = _column_words(nonneg, word)
-    bits = _words_to_bytes(words)
-    count = jnp.sum(lax.population_count(words), axis=0, dtype=jnp.int32)
+  if word:  # bits, sums and counts in one pass over the floats
+    bits, pos, neg, count = _column_statistics(v, min(word, 16))
   else:
     bits = nonneg.T.reshape(-1)
     count = jnp.sum(nonneg, axis=0, dtype=jnp.int32)
-  pairs = _column_pairs(*_signed_sums_over_rows(v), count.astype(jnp.float32), rows)
+    pos, neg = _signed_sums_over_rows(v)
+  pairs = _column_pairs(pos, neg, count.astype(jnp.float32), rows)
   decoded = jnp.where(nonneg, pairs[:, 0], pairs[:, 1])
   return v, bits, pairs, decoded
 
