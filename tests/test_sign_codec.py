@@ -185,20 +185,22 @@ def test_column_statistics_in_one_pass_match_numpy(rows, cols, block):
 
 
 @pytest.mark.parametrize("scale", ["column", "l1", "l2"])
-@pytest.mark.parametrize("n", [8, 1000, 4096])
-def test_packed_leaf_in_one_pass_matches_packing_and_sums_apart(scale, n):
-  v = np.random.default_rng(n).standard_normal(n).astype(np.float32)
-  v[0], v[-1] = 0.0, -0.0
-  packed, pairs = jax.jit(sign_codec._packed_leaf, static_argnums=1)(jnp.asarray(v), scale)
-  np.testing.assert_array_equal(np.asarray(packed), np.packbits(v >= 0, bitorder="little"))
-  nonneg = v >= 0
-  if scale == "column":
-    want = [v[nonneg].astype(np.float64).mean(), v[~nonneg].astype(np.float64).mean()]
-  else:
-    v64 = v.astype(np.float64)
-    hi = np.abs(v64).mean() if scale == "l1" else np.sqrt(np.square(v64).mean())
-    want = [hi, -hi]
-  np.testing.assert_allclose(np.asarray(pairs), [want], rtol=2e-6)
+@pytest.mark.parametrize("rows, n", [(1, 8), (1, 4096), (3, 1000), (5, 64)])
+def test_packed_rows_in_one_pass_match_packing_and_sums_apart(scale, rows, n):
+  x = np.random.default_rng(n).standard_normal((rows, n)).astype(np.float32)
+  x[0, 0], x[-1, -1] = 0.0, -0.0
+  packed, pairs = jax.jit(sign_codec._packed_rows, static_argnums=1)(jnp.asarray(x), scale)
+  np.testing.assert_array_equal(
+      np.asarray(packed), np.packbits(x >= 0, axis=-1, bitorder="little").reshape(-1)
+  )
+  for v, got in zip(x.astype(np.float64), np.asarray(pairs)):
+    nonneg = v >= 0
+    if scale == "column":
+      want = [v[nonneg].mean(), v[~nonneg].mean()]
+    else:
+      hi = np.abs(v).mean() if scale == "l1" else np.sqrt(np.square(v).mean())
+      want = [hi, -hi]
+    np.testing.assert_allclose(got, want, rtol=2e-6)
 
 
 @pytest.mark.parametrize("rows", [64, 48, 24, 7])  # uint32, uint16, uint8 words; one per byte

@@ -14,7 +14,7 @@ transpose runs several times slower than a copy on XLA:CPU).
 * :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``,
   each leaf in its own order (the residuals are per leaf). The bits and the
   sums behind the pairs come from one pass over ``v``: a variadic reduction
-  over blocks of 8 or 16 entries (:func:`_packed_leaf`,
+  over blocks of 8 or 16 entries (:func:`_packed_rows`,
   :func:`_column_statistics`).
 * :func:`owner_step`: decode the ``K`` received chunks, average them, add
   the server residual, re-quantize (one ``lax.switch`` branch per owner:
@@ -234,20 +234,22 @@ def _leaf_pairs(v: jax.Array, scale: str) -> jax.Array:
   return _norm_pairs(jnp.sum(jnp.abs(v) if scale == "l1" else jnp.square(v)), n, scale)[None]
 
 
-def _packed_leaf(v: jax.Array, scale: str):
-  """The packed bits and the pair ``(1, 2)`` of a one-segment leaf ``v`` in one pass.
+def _packed_rows(x: jax.Array, scale: str):
+  """The packed bits and the pairs of the rows of ``x`` (one segment per row) in one pass.
 
-  ``v`` is 1-D, its length a multiple of 8. One variadic reduction over
-  each 8 consecutive entries yields their byte of bits and their partial
-  sums (of ``|v|``, ``v**2``, or the non-negative and the negative
-  entries); :func:`_lane_sum` adds the partial sums up. XLA:CPU runs this at
-  memory speed, where packing and summing apart read ``v`` twice.
+  ``x`` is ``(rows, length)``, ``length`` a multiple of 8. One variadic
+  reduction over each 8 consecutive entries yields their byte of bits and
+  their partial sums (of ``|x|``, ``x**2``, or of the non-negative and of
+  the negative entries); :func:`_lane_sum` adds the partial sums up. XLA:CPU
+  runs this at memory speed, where packing and summing apart read ``x``
+  twice, and a reduction of whole rows does not vectorize.
 
   Returns:
-    ``(packed, pairs)``: ``pack(v >= 0)`` and the pair.
+    ``(packed, pairs)``: ``pack(x >= 0)`` flattened, ``(rows * length / 8,)``
+    uint8, and the ``(rows, 2)`` pairs of :func:`quantize_rows`.
   """
-  n = v.shape[0]
-  blocks = v.reshape(n // 8, 8)
+  rows, n = x.shape
+  blocks = x.reshape(rows, n // 8, 8)
   zero = jnp.zeros((), jnp.float32)
   if scale == "column":
     terms = (jnp.maximum(blocks, -zero), blocks - jnp.abs(blocks))
@@ -258,13 +260,13 @@ def _packed_leaf(v: jax.Array, scale: str):
       ((blocks >= 0).astype(jnp.uint8) << shifts,) + terms,
       (jnp.zeros((), jnp.uint8),) + (zero,) * len(terms),
       lambda a, b: tuple(p + q for p, q in zip(a, b)),
-      (1,),
+      (2,),
   )
   sums = [_lane_sum(s) for s in sums]
   if scale != "column":
-    return packed, _norm_pairs(sums[0], n, scale)[None]
-  count = jnp.sum(lax.population_count(packed), dtype=jnp.int32).astype(jnp.float32)
-  return packed, _column_pairs(sums[0], sums[1] * 0.5, count, n)[None]
+    return packed.reshape(-1), _norm_pairs(sums[0], n, scale)
+  count = jnp.sum(lax.population_count(packed), axis=-1, dtype=jnp.int32).astype(jnp.float32)
+  return packed.reshape(-1), _column_pairs(sums[0], sums[1] * 0.5, count, n)
 
 
 def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
@@ -282,7 +284,7 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
       v = v + r.reshape(v.shape)
     flat = v.reshape(-1)
     if flat.shape[0] % 8 == 0 and layout.offsets[i] % 8 == 0:  # whole bytes
-      bits, pairs = _packed_leaf(flat, scale)
+      bits, pairs = _packed_rows(flat[None], scale)
     else:
       bits, pairs = flat >= 0, _leaf_pairs(flat, scale)
     return v, bits, pairs, jnp.where(v >= 0, pairs[0, 0], pairs[0, 1])
@@ -399,16 +401,20 @@ def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):
     u = u / k
     if e is not None:
       u = u + _view(e, run)
-    b, p, d = quantize_rows(u, scale)
-    out_bits.append((run.start, b.reshape(-1)))
+    if run.start % 8 == 0 and run.length % 8 == 0:  # whole bytes
+      b, p = _packed_rows(u, scale)
+    else:
+      b, p, _ = quantize_rows(u, scale)
+      b = b.reshape(-1)
+    out_bits.append(b)
     out_pairs.append(p)
-    ud.append((run, u, d))
+    ud.append((run, u, decode_rows(u >= 0, p)))
   pairs = jnp.concatenate(out_pairs + [jnp.zeros((m - row, 2), jnp.float32)])
   if e is not None:
     finite = all_finite(pairs)
     new_e = [(run.start, jnp.where(finite, u - d, _view(e, run)).reshape(-1)) for run, u, d in ud]
     e = assemble(new_e, e)
-  return pack(assemble(out_bits, jnp.zeros(bits.shape[1:], jnp.bool_))), pairs, e
+  return _pack_pieces(out_bits, bits.shape[1]), pairs, e  # the runs cover the chunk
 
 
 def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
