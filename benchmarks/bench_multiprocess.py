@@ -41,6 +41,14 @@ and, in the same rounds, the steps without donation
 (``step_ms_undonated``, ``vs_float32_undonated``). Each record says whether
 its step donated (``donated``).
 
+``BENCH_MULTIPROCESS_PIN=1`` keeps process ``i`` on core ``i mod cores``
+(``sched_setaffinity``), as one pins a process per core or socket on a
+host: XLA then runs each process on one thread, where unpinned processes
+each start a thread per core and, with more processes than cores, every
+parallel loop waits for its slowest thread. Each record says whether its
+processes were pinned (``pinned``) and the cores process 0 ran on
+(``cores``).
+
 ``BENCH_MULTIPROCESS_SIZES`` (comma-separated of ``1M,8M,32M``),
 ``BENCH_MULTIPROCESS_PROCESSES`` (e.g. ``2,4``) and
 ``BENCH_MULTIPROCESS_LINKS`` (of ``none,10gbit,1gbit``) and
@@ -140,12 +148,14 @@ def _free_port() -> int:
 
 
 def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: float = 1800,
-           donate: bool | str = False) -> list[dict]:
+           donate: bool | str = False, pin: bool = False) -> list[dict]:
   """Runs the step in ``processes`` processes; returns process 0's records.
 
   ``donate``: ``True``, ``False``, or ``"both"`` (donated steps, and the
-  same steps without donation timed beside them).
+  same steps without donation timed beside them). ``pin``: process ``i``
+  runs on core ``i mod cores`` alone (XLA then runs it on one thread).
   """
+  cores = sorted(os.sched_getaffinity(0)) if pin else []
   port = _free_port()
   env = dict(os.environ)
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=900"
@@ -158,8 +168,9 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
            "--schemes", ",".join(schemes), "--out", str(out)]
     cmd += {"both": ["--donate", "--also-undonated"], True: ["--donate"]}.get(donate, [])
     procs = [
-        subprocess.Popen(cmd + ["--process-id", str(i)], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            cmd + ["--process-id", str(i)] + (["--core", str(cores[i % len(cores)])] if pin else []),
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(processes)
     ]
     logs = []
@@ -184,7 +195,7 @@ def run(quick: bool) -> list[dict]:
   schemes = SCHEMES
   if quick:  # a smoke test of the code: float32, a compressed_mean and a 1-bit scheme
     plan, links, rounds, schemes = [(2, "tiny")], (None,), 1, ("float32", "bfloat16", "1bit_l1")
-    donate = True
+    donate, pin = True, True
   else:
     sizes = os.environ.get("BENCH_MULTIPROCESS_SIZES", "1M,8M,32M").split(",")
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
@@ -194,12 +205,13 @@ def run(quick: bool) -> list[dict]:
     plan, rounds = [(p, s) for p in procs for s in sizes], 5
     donate = os.environ.get("BENCH_MULTIPROCESS_DONATE", "0")
     donate = {"1": True, "both": "both"}.get(donate, False)
+    pin = os.environ.get("BENCH_MULTIPROCESS_PIN", "0") == "1"
   records = []
   for rate in links:
     with loopback_cap(rate) as link:
       for processes, size in plan:
-        for r in launch(processes, size, rounds, schemes, donate=donate):
-          records.append({**link, **r})
+        for r in launch(processes, size, rounds, schemes, donate=donate, pin=pin):
+          records.append({**link, **r, "pinned": pin})
           print(json.dumps(records[-1]), flush=True)  # progress, if a later run fails
   return records
 
@@ -378,6 +390,7 @@ def _worker(args) -> int:
         "compute_ms": ms["compute"], "exchange_ms": ms[f"exchange:{s}"], "codec_ms": codec,
         "comm_ms": max(ms[f"exchange:{s}"] - codec, 0.0), "wire_bytes": progs[s][3],
         "wire_vs_float32": progs[s][3] / progs["float32"][3],
+        "cores": sorted(os.sched_getaffinity(0)),
     })
     if undonated:
       records[-1]["step_ms_undonated"] = ms[f"undonated:{s}"]
@@ -398,8 +411,12 @@ def main(argv=None) -> int:
   parser.add_argument("--schemes", default=",".join(SCHEMES))
   parser.add_argument("--donate", action="store_true")
   parser.add_argument("--also-undonated", action="store_true")
+  parser.add_argument("--core", type=int, help="run on this core alone (before jax starts)")
   parser.add_argument("--out", required=True)
-  return _worker(parser.parse_args(argv))
+  args = parser.parse_args(argv)
+  if args.core is not None:
+    os.sched_setaffinity(0, {args.core})
+  return _worker(args)
 
 
 if __name__ == "__main__":
