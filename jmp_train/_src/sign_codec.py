@@ -14,7 +14,7 @@ transpose runs several times slower than a copy on XLA:CPU).
 * :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``,
   each leaf in its own order (the residuals are per leaf). The bits and the
   sums behind the pairs come from one pass over ``v``: a variadic reduction
-  over blocks of 8 or 16 entries (:func:`_packed_rows`,
+  over blocks of 8 entries (:func:`_packed_rows`,
   :func:`_column_statistics`).
 * :func:`owner_step`: decode the ``K`` received chunks, average them, add
   the server residual, re-quantize (one ``lax.switch`` branch per owner:
@@ -125,7 +125,7 @@ def _signed_sums_over_rows(v: jax.Array):
   ``(v - |v|) / 2`` (the halving on the sum). The ``-0`` keeps the zero
   apart from the one of ``v >= 0``: a zero shared by both would be
   materialized as a full ``(rows, columns)`` buffer. For rows that form
-  blocks of 8 or 16, :func:`_column_statistics` does this and more in one pass.
+  blocks of 8, :func:`_column_statistics` does this and more in one pass.
   """
   pos = jnp.sum(jnp.maximum(v, jnp.float32(-0.0)), axis=0)
   neg = jnp.sum(v - jnp.abs(v), axis=0) * 0.5
@@ -135,7 +135,8 @@ def _signed_sums_over_rows(v: jax.Array):
 def _column_statistics(v: jax.Array, block: int):
   """Bits and per-column sums and counts of ``(rows, columns)`` ``v`` in one pass.
 
-  One variadic reduction over blocks of ``block`` (8 or 16) rows yields,
+  One variadic reduction over blocks of ``block`` (8 or 16; the worker
+  takes 8, faster where ``v`` stays in cache) rows yields,
   per block and column, the block's bits as one packed word and the sums
   of its non-negative and negative entries; small reductions of the
   ``(rows / block, columns)`` results finish the sums and counts. XLA:CPU
@@ -298,7 +299,7 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
   nonneg = v >= 0
   word = layout.word_bits(i)
   if word:  # bits, sums and counts in one pass over the floats
-    bits, pos, neg, count = _column_statistics(v, min(word, 16))
+    bits, pos, neg, count = _column_statistics(v, 8)
   else:
     bits = nonneg.T.reshape(-1)
     count = jnp.sum(nonneg, axis=0, dtype=jnp.int32)
