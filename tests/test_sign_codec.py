@@ -166,7 +166,9 @@ def test_signed_column_sums_match_float64_and_one_signed_columns_are_exact(rows,
   assert neg[0] == 0.0 and pos[1] == 0.0
 
 
-@pytest.mark.parametrize("rows, cols, block", [(16, 3, 16), (64, 24, 16), (48, 5, 16), (24, 7, 8)])
+@pytest.mark.parametrize(
+    "rows, cols, block", [(16, 3, 16), (64, 24, 16), (48, 5, 16), (24, 7, 8), (64, 24, 8)]
+)
 def test_column_statistics_in_one_pass_match_numpy(rows, cols, block):
   x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
   x[:, 0] = np.abs(x[:, 0])  # non-negative only
