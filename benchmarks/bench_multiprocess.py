@@ -167,10 +167,10 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
            "--processes", str(processes), "--size", size, "--rounds", str(rounds),
            "--schemes", ",".join(schemes), "--out", str(out)]
     cmd += {"both": ["--donate", "--also-undonated"], True: ["--donate"]}.get(donate, [])
+    pins = [["--core", str(cores[i % len(cores)])] if pin else [] for i in range(processes)]
     procs = [
-        subprocess.Popen(
-            cmd + ["--process-id", str(i)] + (["--core", str(cores[i % len(cores)])] if pin else []),
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(cmd + ["--process-id", str(i)] + pins[i], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(processes)
     ]
     logs = []
