@@ -47,7 +47,7 @@ host: XLA then runs each process on one thread, where unpinned processes
 each start a thread per core and, with more processes than cores, every
 parallel loop waits for its slowest thread. Each record says whether its
 processes were pinned (``pinned``) and the cores process 0 ran on
-(``cores``).
+(``cores``). Pinning needs Linux; ``--quick`` pins where it can.
 
 ``BENCH_MULTIPROCESS_SIZES`` (comma-separated of ``1M,8M,32M``),
 ``BENCH_MULTIPROCESS_PROCESSES`` (e.g. ``2,4``) and
@@ -141,6 +141,9 @@ def loopback_cap(rate: str | None):
     signal.signal(signal.SIGTERM, previous)
 
 
+_CAN_PIN = hasattr(os, "sched_setaffinity")
+
+
 def _free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
@@ -155,6 +158,8 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
   same steps without donation timed beside them). ``pin``: process ``i``
   runs on core ``i mod cores`` alone (XLA then runs it on one thread).
   """
+  if pin and not _CAN_PIN:
+    raise ValueError("pin=True needs os.sched_setaffinity (Linux); this platform has none.")
   cores = sorted(os.sched_getaffinity(0)) if pin else []
   port = _free_port()
   env = dict(os.environ)
@@ -195,7 +200,7 @@ def run(quick: bool) -> list[dict]:
   schemes = SCHEMES
   if quick:  # a smoke test of the code: float32, a compressed_mean and a 1-bit scheme
     plan, links, rounds, schemes = [(2, "tiny")], (None,), 1, ("float32", "bfloat16", "1bit_l1")
-    donate, pin = True, True
+    donate, pin = True, _CAN_PIN
   else:
     sizes = os.environ.get("BENCH_MULTIPROCESS_SIZES", "1M,8M,32M").split(",")
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
@@ -390,7 +395,7 @@ def _worker(args) -> int:
         "compute_ms": ms["compute"], "exchange_ms": ms[f"exchange:{s}"], "codec_ms": codec,
         "comm_ms": max(ms[f"exchange:{s}"] - codec, 0.0), "wire_bytes": progs[s][3],
         "wire_vs_float32": progs[s][3] / progs["float32"][3],
-        "cores": sorted(os.sched_getaffinity(0)),
+        "cores": sorted(os.sched_getaffinity(0)) if _CAN_PIN else None,
     })
     if undonated:
       records[-1]["step_ms_undonated"] = ms[f"undonated:{s}"]

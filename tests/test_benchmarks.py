@@ -115,9 +115,10 @@ def _check_multiprocess_records(records):
   assert by["float32"]["vs_float32"] == 1.0
   assert by["bfloat16"]["wire_vs_float32"] == pytest.approx(0.5, abs=0.01)
   assert by["1bit_l1"]["wire_vs_float32"] < 0.1
-  # --quick pins process i to core i mod cores: process 0 to the first.
-  first = min(os.sched_getaffinity(0))
-  assert all(r["pinned"] and r["cores"] == [first] for r in records)
+  # --quick pins process i to core i mod cores (where it can): process 0 to the first.
+  if hasattr(os, "sched_setaffinity"):
+    first = min(os.sched_getaffinity(0))
+    assert all(r["pinned"] and r["cores"] == [first] for r in records)
 
 
 def _check_activation_memory_records(records):

@@ -13,6 +13,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import _multiprocess_worker as worker
 import _processes
@@ -49,3 +50,12 @@ def test_loopback_cap_without_rate_touches_nothing():
 
   with bench_multiprocess.loopback_cap(None) as link:
     assert link["cap"] is None and link["link"] == "loopback"
+
+
+def test_pinning_without_affinity_support_raises_before_launching(monkeypatch):
+  sys.path.insert(0, str(HERE.parent))
+  from benchmarks import bench_multiprocess
+
+  monkeypatch.setattr(bench_multiprocess, "_CAN_PIN", False)
+  with pytest.raises(ValueError, match="sched_setaffinity"):
+    bench_multiprocess.launch(2, "tiny", 1, ("float32",), pin=True)
