@@ -6,6 +6,7 @@ warm-up) and non-finite gradients.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -105,6 +106,26 @@ def test_without_error_feedback_residuals_stay_zero():
     )
     for name, ref_leaf in zip(SHAPES, ref_out):
       np.testing.assert_allclose(np.asarray(out[name][0]), ref_leaf, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", ["column", "l1", "l2"])
+def test_empty_leaves_pass_through_and_leave_the_others_alone(scale):
+  # A zero-size leaf takes no bits: the other leaves' outputs and residuals
+  # are those of the same tree without it, bit for bit.
+  k = 4
+  empty = {"empty_matrix": (0, 3), "empty_vector": (0,)}
+  init, update = pmapped(k, scale=scale)
+  grads = make_grads(k, seed=7)
+  with_empty = {**grads, **{n: jnp.zeros((k,) + s) for n, s in empty.items()}}
+  out, state = update(grads, init(replicated_zeros(k)))
+  out_e, state_e = update(with_empty, init(replicated_zeros(k, {**SHAPES, **empty})))
+  for name, shape in empty.items():
+    assert out_e[name].shape == (k,) + shape
+  for name in grads:
+    np.testing.assert_array_equal(np.asarray(out_e[name]), np.asarray(out[name]), err_msg=name)
+  np.testing.assert_array_equal(
+      np.asarray(state_e.server_residual), np.asarray(state.server_residual)
+  )
 
 
 def test_warmup_is_exact_pmean_then_compressed():

@@ -476,6 +476,9 @@ def final_decode(all_bits, all_pairs, layout: Layout, dtypes) -> list[jax.Array]
   bits = None if all(words) else unpack(all_bits)  # (K, S)
   out = []
   for i, dtype in enumerate(dtypes):
+    if not layout.sizes[i]:  # an empty leaf: nothing crossed the wire
+      out.append(jnp.zeros(layout.shapes[i], dtype))
+      continue
     if words[i]:
       x = _decode_columns(all_bits.reshape(-1), all_pairs, layout, i)
       out.append(x.reshape(layout.shapes[i]).astype(dtype))
