@@ -229,6 +229,25 @@ def test_state_for_another_replica_count_raises(factory):
     update2(make_tree(2, seed=1), moved, make_tree(2, seed=2))
 
 
+@pytest.mark.parametrize("factory", [adam, momentum], ids=["adam", "momentum"])
+def test_integer_leaves_are_named_and_masked_ones_pass(factory):
+  k = 2
+  tx, init, update = pmapped(k, factory, warmup_steps=1)
+  tree = {"w": jnp.ones((k, 3)), "step": jnp.ones((k, 2), jnp.int32)}
+  with pytest.raises(ValueError, match=r"needs floating parameters.*'step'.*int32.*optax.masked"):
+    init(tree)
+  state = init({"w": tree["w"]})
+  with pytest.raises(ValueError, match=r"needs floating gradients.*'step'.*int32"):
+    update(tree, state, tree)
+  # Masked out, the integer leaf is left alone.
+  masked = optax.masked(tx, {"w": True, "step": False})
+  m_init = jax.pmap(masked.init, axis_name=AXIS, devices=jax.devices()[:k])
+  m_update = jax.pmap(masked.update, axis_name=AXIS, devices=jax.devices()[:k])
+  updates, _ = m_update(tree, m_init(tree), tree)
+  np.testing.assert_array_equal(np.asarray(updates["step"]), np.asarray(tree["step"]))
+  assert np.isfinite(np.asarray(updates["w"])).all() and np.any(np.asarray(updates["w"]) != 0)
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="warmup_steps"):
     one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=0)

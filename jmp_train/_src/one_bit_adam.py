@@ -19,6 +19,7 @@ from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_no
 from jmp_train._src.hyperparams import check_unit, is_number, is_static_zero, static_hint
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
+from jmp_train._src.sign_layout import check_leaves
 from jmp_train._src.varying_axes import cond
 
 __all__ = ["OneBitAdamState", "one_bit_adam"]
@@ -129,7 +130,8 @@ def one_bit_adam(
       or ``bucket_bytes``, a
       ``learning_rate`` number that is not finite and > 0, ``b1`` or ``b2``
       outside ``[0, 1)``, or a negative ``eps`` or ``weight_decay``; at trace time
-      for a state made for another replica count or other buckets.
+      for a non-floating leaf (mask it out with ``optax.masked``) or a state
+      made for another replica count or other buckets.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -169,6 +171,7 @@ def one_bit_adam(
   c2 = lambda t: 1 - b2 ** covered(t).astype(jnp.float32)
 
   def init_fn(params):
+    check_leaves(params, "parameters", "one_bit_adam")
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     sq = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params) if rescale_variance else None
     return OneBitAdamState(
@@ -225,6 +228,7 @@ def one_bit_adam(
   def update_fn(updates, state, params=None):
     if decay and params is None:
       raise ValueError("one_bit_adam with weight_decay needs params in update.")
+    check_leaves(updates, "gradients", "one_bit_adam")
     # lax.cond, not jnp.where: a step runs either the float all-reduce or
     # the 1-bit exchange, never both; the counter is the same everywhere.
     t = optax.safe_increment(state.count)

@@ -18,6 +18,7 @@ from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_no
 from jmp_train._src.hyperparams import check_unit, is_static_zero
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
+from jmp_train._src.sign_layout import check_leaves
 from jmp_train._src.varying_axes import cond
 
 __all__ = ["OneBitMomentumState", "one_bit_momentum"]
@@ -93,8 +94,9 @@ def one_bit_momentum(
     ValueError: for a bad ``axis_name``, ``warmup_steps``, ``scale`` or
       ``bucket_bytes``, a ``learning_rate`` number that is not finite and
       > 0, ``momentum`` outside ``[0, 1)``, a negative ``weight_decay`` or a
-      non-bool ``nesterov``; at trace time for a state made for another replica
-      count or other buckets.
+      non-bool ``nesterov``; at trace time for a non-floating leaf (mask it
+      out with ``optax.masked``) or a state made for another replica count or
+      other buckets.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -126,6 +128,7 @@ def one_bit_momentum(
   decay = not is_static_zero(weight_decay)
 
   def init_fn(params):
+    check_leaves(params, "parameters", "one_bit_momentum")
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     return OneBitMomentumState(
         count=jnp.zeros((), jnp.int32), trace=zeros, compression=compression.init(zeros)
@@ -148,6 +151,7 @@ def one_bit_momentum(
   def update_fn(updates, state, params=None):
     if decay and params is None:
       raise ValueError("one_bit_momentum with weight_decay needs params in update.")
+    check_leaves(updates, "gradients", "one_bit_momentum")
     g = local_trace(updates, state, params)
     if warmup_steps:
       trace, cstate = cond(state.count < warmup_steps, warmup, compressed, g, state)
