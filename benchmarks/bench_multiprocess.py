@@ -313,6 +313,62 @@ def _programs(scheme, mesh, params, batch, grads_local, donate: bool):
   return step, exch, state, wire
 
 
+def _median_ms(calls: dict, rounds: int) -> dict[str, float]:
+  """Median milliseconds of each call over interleaved rounds, after two warm-up rounds."""
+  import jax
+
+  times = {k: [] for k in calls}
+  for _ in range(2):  # warm-up
+    for fn in calls.values():
+      jax.block_until_ready(fn())
+  for _ in range(rounds):
+    for k, fn in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())  # wait: queued collectives can starve
+      times[k].append(time.perf_counter() - start)
+  return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def _records(args, schemes, ms, wire, n_params: int, undonated: bool) -> list[dict]:
+  """One record per scheme from the median times ``ms`` and the wire bytes."""
+  records = []
+  for s in schemes:
+    codec = ms.get(f"codec:{s}", 0.0)
+    records.append({
+        "processes": args.processes, "params": n_params, "scheme": s, "donated": args.donate,
+        "step_ms": ms[f"step:{s}"], "vs_float32": ms[f"step:{s}"] / ms["step:float32"],
+        "compute_ms": ms["compute"], "exchange_ms": ms[f"exchange:{s}"], "codec_ms": codec,
+        "comm_ms": max(ms[f"exchange:{s}"] - codec, 0.0), "wire_bytes": wire[s],
+        "wire_vs_float32": wire[s] / wire["float32"],
+        "cores": sorted(os.sched_getaffinity(0)) if _CAN_PIN else None,
+    })
+    if undonated:
+      records[-1]["step_ms_undonated"] = ms[f"undonated:{s}"]
+      records[-1]["vs_float32_undonated"] = ms[f"undonated:{s}"] / ms["undonated:float32"]
+  return records
+
+
+def _mesh_params_batch(size: str, process_id: int):
+  """The one-axis mesh over every process's device, the replicated MLP, and the batch.
+
+  Each process contributes its own ``PER_PROCESS_BATCH`` examples.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((jax.device_count(),), (AXIS,), devices=jax.devices())
+  widths = SIZES[size]
+  params = jax.device_put(jax.tree.map(jnp.asarray, _init_mlp(widths)), NamedSharding(mesh, P()))
+  rng = np.random.default_rng(process_id)
+  local = (rng.normal(size=(PER_PROCESS_BATCH, widths[0])).astype(np.float32),
+           rng.normal(size=(PER_PROCESS_BATCH, widths[-1])).astype(np.float32))
+  shard = NamedSharding(mesh, P(AXIS))
+  return mesh, params, tuple(jax.make_array_from_process_local_data(shard, a) for a in local)
+
+
 def _worker(args) -> int:
   import jax
 
@@ -321,18 +377,10 @@ def _worker(args) -> int:
                              process_id=args.process_id)
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  mesh = jax.make_mesh((jax.device_count(),), (AXIS,), devices=jax.devices())
-  widths = SIZES[args.size]
-  params = jax.device_put(jax.tree.map(jnp.asarray, _init_mlp(widths)), NamedSharding(mesh, P()))
+  mesh, params, batch = _mesh_params_batch(args.size, args.process_id)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  rng = np.random.default_rng(args.process_id)
-  local = (rng.normal(size=(PER_PROCESS_BATCH, widths[0])).astype(np.float32),
-           rng.normal(size=(PER_PROCESS_BATCH, widths[-1])).astype(np.float32))
-  shard = NamedSharding(mesh, P(AXIS))
-  batch = tuple(jax.make_array_from_process_local_data(shard, a) for a in local)
   compute = jax.jit(jax.shard_map(
       lambda p, x, y: jax.tree.map(lambda g: g[None], jax.grad(_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)),
       mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(AXIS)))
@@ -376,30 +424,9 @@ def _worker(args) -> int:
     calls[f"undonated:{s}"] = lambda step=step, state=progs[s][2]: step(params, state, *batch)
   for s, (fn, _) in codecs.items():
     calls[f"codec:{s}"] = lambda s=s, fn=fn: call(f"codec:{s}", lambda st: fn(local_grads, st))
-  times = {k: [] for k in calls}
-  for _ in range(2):  # warm-up
-    for k, fn in calls.items():
-      jax.block_until_ready(fn())
-  for _ in range(args.rounds):
-    for k, fn in calls.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())  # wait: queued collectives can starve
-      times[k].append(time.perf_counter() - start)
-  ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-  records = []
-  for s in schemes:
-    codec = ms.get(f"codec:{s}", 0.0)
-    records.append({
-        "processes": args.processes, "params": n_params, "scheme": s, "donated": donate,
-        "step_ms": ms[f"step:{s}"], "vs_float32": ms[f"step:{s}"] / ms["step:float32"],
-        "compute_ms": ms["compute"], "exchange_ms": ms[f"exchange:{s}"], "codec_ms": codec,
-        "comm_ms": max(ms[f"exchange:{s}"] - codec, 0.0), "wire_bytes": progs[s][3],
-        "wire_vs_float32": progs[s][3] / progs["float32"][3],
-        "cores": sorted(os.sched_getaffinity(0)) if _CAN_PIN else None,
-    })
-    if undonated:
-      records[-1]["step_ms_undonated"] = ms[f"undonated:{s}"]
-      records[-1]["vs_float32_undonated"] = ms[f"undonated:{s}"] / ms["undonated:float32"]
+  ms = _median_ms(calls, args.rounds)
+  wire = {s: prog[3] for s, prog in progs.items()}
+  records = _records(args, schemes, ms, wire, n_params, bool(undonated))
   if args.process_id == 0:
     pathlib.Path(args.out).write_text(json.dumps(records))
   jax.distributed.shutdown()
