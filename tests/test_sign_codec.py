@@ -166,16 +166,12 @@ def test_signed_column_sums_match_float64_and_one_signed_columns_are_exact(rows,
   assert neg[0] == 0.0 and pos[1] == 0.0
 
 
-@pytest.mark.parametrize(
-    "rows, cols, block", [(16, 3, 16), (64, 24, 16), (48, 5, 16), (24, 7, 8), (64, 24, 8)]
-)
-def test_column_statistics_in_one_pass_match_numpy(rows, cols, block):
+@pytest.mark.parametrize("rows, cols", [(8, 3), (64, 24), (48, 5), (24, 7)])
+def test_column_statistics_in_one_pass_match_numpy(rows, cols):
   x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
   x[:, 0] = np.abs(x[:, 0])  # non-negative only
   x[0, -1], x[-1, -1] = 0.0, -0.0  # both zeros count as non-negative
-  packed, pos, neg, count = jax.jit(sign_codec._column_statistics, static_argnums=1)(
-      jnp.asarray(x), block
-  )
+  packed, pos, neg, count = jax.jit(sign_codec._column_statistics)(jnp.asarray(x))
   nonneg = x >= 0
   np.testing.assert_array_equal(
       np.asarray(packed), np.packbits(nonneg.T.reshape(-1), bitorder="little")

@@ -132,17 +132,41 @@ def _signed_sums_over_rows(v: jax.Array):
   return pos, neg
 
 
-def _column_statistics(v: jax.Array, block: int):
+def _bits_and_sums(blocks: jax.Array, axis: int, scale: str):
+  """One variadic reduction over ``axis`` (of length 8) of ``blocks``: bits and partial sums.
+
+  Returns ``(packed, *sums)``: the 8 entries' byte of bits (``x >= 0``,
+  entry ``b`` in bit ``b``) and their sums of ``|x|`` (``l1``), ``x**2``
+  (``l2``), or of the non-negative and of the negative entries
+  (``column``: ``max(x, -0)`` and ``x - |x|``, twice the negative sum; each
+  term exact). XLA:CPU unrolls such a short reduction into a vectorized loop
+  at memory speed, where a variadic reduction of whole rows or columns runs
+  on one core several times slower, and separate reductions would each
+  read the entries again.
+  """
+  zero = jnp.zeros((), jnp.float32)
+  if scale == "column":
+    terms = (jnp.maximum(blocks, -zero), blocks - jnp.abs(blocks))
+  else:
+    terms = (jnp.abs(blocks) if scale == "l1" else jnp.square(blocks),)
+  shape = [1] * blocks.ndim
+  shape[axis] = 8
+  shifts = jnp.asarray(_SHIFTS, jnp.uint8).reshape(shape)
+  return lax.reduce(
+      ((blocks >= 0).astype(jnp.uint8) << shifts,) + terms,
+      (jnp.zeros((), jnp.uint8),) + (zero,) * len(terms),
+      lambda a, b: tuple(p + q for p, q in zip(a, b)),
+      (axis,),
+  )
+
+
+def _column_statistics(v: jax.Array):
   """Bits and per-column sums and counts of ``(rows, columns)`` ``v`` in one pass.
 
-  One variadic reduction over blocks of ``block`` (8 or 16; the worker
-  takes 8, faster where ``v`` stays in cache) rows yields,
-  per block and column, the block's bits as one packed word and the sums
-  of its non-negative and negative entries; small reductions of the
-  ``(rows / block, columns)`` results finish the sums and counts. XLA:CPU
-  unrolls a reduction of 16 or fewer rows into a vectorized loop at memory
-  speed, where a variadic reduction over all rows runs on one core several
-  times slower and three single reductions read ``v`` three times.
+  ``rows`` is a multiple of 8. :func:`_bits_and_sums` over blocks of 8 rows
+  yields, per block and column, a byte of bits and the sums of the
+  non-negative and negative entries; small reductions of the ``(rows / 8,
+  columns)`` results finish the sums and counts.
 
   Returns:
     ``(bytes, pos, neg, count)``: the bits in column-by-column order as
@@ -150,16 +174,7 @@ def _column_statistics(v: jax.Array, block: int):
     negative entries, and the number of non-negative ones (int32).
   """
   rows, cols = v.shape
-  dtype = _WORDS[block]
-  blocks = v.reshape(rows // block, block, cols)
-  shifts = jnp.arange(block, dtype=dtype)[None, :, None]
-  zero = jnp.zeros((), jnp.float32)
-  words, pos, neg = lax.reduce(
-      ((blocks >= 0).astype(dtype) << shifts, jnp.maximum(blocks, -zero), blocks - jnp.abs(blocks)),
-      (jnp.zeros((), dtype), zero, zero),
-      lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
-      (1,),
-  )
+  words, pos, neg = _bits_and_sums(v.reshape(rows // 8, 8, cols), 1, "column")
   count = jnp.sum(lax.population_count(words), axis=0, dtype=jnp.int32)
   return _words_to_bytes(words), jnp.sum(pos, axis=0), jnp.sum(neg, axis=0) * 0.5, count
 
@@ -238,31 +253,16 @@ def _leaf_pairs(v: jax.Array, scale: str) -> jax.Array:
 def _packed_rows(x: jax.Array, scale: str):
   """The packed bits and the pairs of the rows of ``x`` (one segment per row) in one pass.
 
-  ``x`` is ``(rows, length)``, ``length`` a multiple of 8. One variadic
-  reduction over each 8 consecutive entries yields their byte of bits and
-  their partial sums (of ``|x|``, ``x**2``, or of the non-negative and of
-  the negative entries); :func:`_lane_sum` adds the partial sums up. XLA:CPU
-  runs this at memory speed, where packing and summing apart read ``x``
-  twice, and a reduction of whole rows does not vectorize.
+  ``x`` is ``(rows, length)``, ``length`` a multiple of 8.
+  :func:`_bits_and_sums` over each 8 consecutive entries yields their byte of
+  bits and their partial sums; :func:`_lane_sum` adds the partial sums up.
 
   Returns:
     ``(packed, pairs)``: ``pack(x >= 0)`` flattened, ``(rows * length / 8,)``
     uint8, and the ``(rows, 2)`` pairs of :func:`quantize_rows`.
   """
   rows, n = x.shape
-  blocks = x.reshape(rows, n // 8, 8)
-  zero = jnp.zeros((), jnp.float32)
-  if scale == "column":
-    terms = (jnp.maximum(blocks, -zero), blocks - jnp.abs(blocks))
-  else:
-    terms = (jnp.abs(blocks) if scale == "l1" else jnp.square(blocks),)
-  shifts = jnp.asarray(_SHIFTS, jnp.uint8)
-  packed, *sums = lax.reduce(
-      ((blocks >= 0).astype(jnp.uint8) << shifts,) + terms,
-      (jnp.zeros((), jnp.uint8),) + (zero,) * len(terms),
-      lambda a, b: tuple(p + q for p, q in zip(a, b)),
-      (2,),
-  )
+  packed, *sums = _bits_and_sums(x.reshape(rows, n // 8, 8), 2, scale)
   sums = [_lane_sum(s) for s in sums]
   if scale != "column":
     return packed.reshape(-1), _norm_pairs(sums[0], n, scale)
@@ -299,7 +299,7 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
   nonneg = v >= 0
   word = layout.word_bits(i)
   if word:  # bits, sums and counts in one pass over the floats
-    bits, pos, neg, count = _column_statistics(v, 8)
+    bits, pos, neg, count = _column_statistics(v)
   else:
     bits = nonneg.T.reshape(-1)
     count = jnp.sum(nonneg, axis=0, dtype=jnp.int32)
