@@ -399,3 +399,22 @@ def test_block_layout_injected_as_an_array_is_named():
   tx = optax.inject_hyperparams(sgd_8bit, static_args=("block_size",))(learning_rate=1e-3)
   with pytest.raises(ValueError, match="min_8bit_size .* list it in static_args"):
     tx.init(_params())
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: adam_8bit(1e-3, min_8bit_size=0), "scale_by_adam"),
+    (lambda: sgd_8bit(1e-2, min_8bit_size=0), "sgd_8bit"),
+])
+def test_integer_leaves_are_named_and_masked_ones_pass(make, name):
+  tree = {"w": jnp.ones((4, 64)), "step": jnp.ones((3,), jnp.int32)}
+  tx = make()
+  with pytest.raises(ValueError, match=rf"{name} needs floating parameters.*'step'.*int32.*optax.masked"):
+    tx.init(tree)
+  state = tx.init({"w": tree["w"]})
+  with pytest.raises(ValueError, match=rf"{name} needs floating gradients.*'step'.*int32"):
+    tx.update(tree, state)
+  # Masked out, the integer leaf passes through and the rest is updated.
+  masked = optax.masked(make(), {"w": True, "step": False})
+  updates, _ = jax.jit(masked.update)(tree, masked.init(tree))
+  np.testing.assert_array_equal(updates["step"], tree["step"])
+  assert np.all(np.asarray(updates["w"]) < 0)

@@ -60,8 +60,9 @@ import optax
 from jax import lax
 
 from jmp_train._src import buckets as buckets_lib
+from jmp_train._src.leaf_checks import check_leaves
 from jmp_train._src.loss_scale import all_finite
-from jmp_train._src.sign_layout import axis_size, check_leaves
+from jmp_train._src.sign_layout import axis_size
 from jmp_train._src.wire_messages import append_floats, split_floats
 
 __all__ = ["CompressedMeanState", "compressed_mean", "WIRE_FORMATS"]

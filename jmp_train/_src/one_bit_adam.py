@@ -19,7 +19,7 @@ from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_no
 from jmp_train._src.hyperparams import check_unit, is_number, is_static_zero, static_hint
 from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
 from jmp_train._src.sign_compression import SignCompressionState, sign_compression
-from jmp_train._src.sign_layout import check_leaves
+from jmp_train._src.leaf_checks import check_leaves
 from jmp_train._src.varying_axes import cond
 
 __all__ = ["OneBitAdamState", "one_bit_adam"]

@@ -44,6 +44,7 @@ from jmp_train._src.hyperparams import check_learning_rate
 from jmp_train._src.hyperparams import check_non_negative
 from jmp_train._src.hyperparams import check_unit
 from jmp_train._src.hyperparams import is_static_zero
+from jmp_train._src.leaf_checks import check_leaves
 from jmp_train._src.moment_storage import STATE_DTYPES
 from jmp_train._src.moment_storage import Moment
 from jmp_train._src.moment_storage import check_options
@@ -129,7 +130,9 @@ def scale_by_adam(
   Raises:
     ValueError: for a dtype not in ``STATE_DTYPES``, ``b1`` or ``b2`` outside
       ``[0, 1)``, a negative ``eps`` or ``eps_root``, or a bad
-      ``block_size``, ``code``, ``min_8bit_size`` or ``rounding``.
+      ``block_size``, ``code``, ``min_8bit_size`` or ``rounding``; from
+      ``init`` and ``update``, for a non-floating leaf (mask it out with
+      ``optax.masked``).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -159,6 +162,7 @@ def scale_by_adam(
   nu = Moment(nu_dtype, False, block_size, code, min_8bit_size, rounding)
 
   def init_fn(params):
+    check_leaves(params, "parameters", "scale_by_adam")
     return optax.ScaleByAdamState(
         count=jnp.zeros([], jnp.int32),
         mu=jax.tree.map(mu.init, params),
@@ -167,6 +171,7 @@ def scale_by_adam(
 
   def update_fn(updates, state, params=None):
     del params
+    check_leaves(updates, "gradients", "scale_by_adam")
     count = optax.safe_increment(state.count)
     t = count.astype(jnp.float32)
     correction1 = 1 - jnp.asarray(b1, jnp.float32) ** t
@@ -239,7 +244,8 @@ def adam_8bit(
     ValueError: for a ``learning_rate`` number that is not finite and > 0,
       ``b1`` or ``b2`` outside ``[0, 1)``, a negative ``eps``, ``eps_root``
       or ``weight_decay``, or a bad ``block_size``, ``code``,
-      ``min_8bit_size`` or ``rounding``.
+      ``min_8bit_size`` or ``rounding``; from ``init`` and ``update``, for
+      a non-floating leaf (mask it out with ``optax.masked``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -291,11 +297,13 @@ def _trace(decay, nesterov, moment: Moment, seed) -> optax.GradientTransformatio
   """``optax.trace`` with the trace stored by ``moment``."""
 
   def init_fn(params):
+    check_leaves(params, "parameters", "sgd_8bit")
     return QuantizedTraceState(
         count=jnp.zeros([], jnp.int32), trace=jax.tree.map(moment.init, params))
 
   def update_fn(updates, state, params=None):
     del params
+    check_leaves(updates, "gradients", "sgd_8bit")
     count = optax.safe_increment(state.count)
     key = step_key(seed, count)
 
@@ -350,7 +358,9 @@ def sgd_8bit(
   Raises:
     ValueError: for a ``learning_rate`` number that is not finite and > 0,
       ``momentum`` outside ``[0, 1)``, a non-bool ``nesterov``, or a bad
-      ``block_size``, ``code``, ``min_8bit_size`` or ``rounding``.
+      ``block_size``, ``code``, ``min_8bit_size`` or ``rounding``; from
+      ``init`` and ``update``, for a non-floating leaf (mask it out with
+      ``optax.masked``).
 
   Examples:
     >>> import jax.numpy as jnp, optax

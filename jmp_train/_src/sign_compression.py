@@ -143,7 +143,8 @@ from jmp_train._src import sign_codec
 from jmp_train._src.buckets import bucket_sizes, check_bucket_bytes
 from jmp_train._src.compressed_mean import CompressedMeanState
 from jmp_train._src.hyperparams import check_bool
-from jmp_train._src.sign_layout import Layout, axis_size, check_leaves, make_layout
+from jmp_train._src.leaf_checks import check_leaves
+from jmp_train._src.sign_layout import Layout, axis_size, make_layout
 from jmp_train._src.wire_messages import append_floats, split_floats
 
 __all__ = [
@@ -304,7 +305,7 @@ def _exact(leaves, state: SignCompressionState, cfg: _Config):
 
 
 def _init(cfg: _Config, params) -> SignCompressionState:
-  leaves, _ = check_leaves(params, "parameters")
+  leaves, _ = check_leaves(params, "parameters", "sign_compression")
   worker, server = _residual_shapes(leaves, _buckets(cfg, leaves, "init"), cfg)
   return SignCompressionState(
       count=jnp.zeros((), jnp.int32),
@@ -315,7 +316,7 @@ def _init(cfg: _Config, params) -> SignCompressionState:
 
 def _update(cfg: _Config, updates, state: SignCompressionState, params=None):
   del params
-  leaves, treedef = check_leaves(updates, "gradients")
+  leaves, treedef = check_leaves(updates, "gradients", "sign_compression")
   buckets = _buckets(cfg, leaves, "update")
   _check_state(state, leaves, buckets, cfg)
   if cfg.warmup_steps == 0:

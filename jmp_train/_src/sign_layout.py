@@ -29,14 +29,14 @@ broadcasts only: no per-element segment ids, gathers or scatters.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Run", "Layout", "make_layout", "check_leaves", "axis_size"]
+__all__ = ["Run", "Layout", "make_layout", "axis_size"]
 
 
 class Run(NamedTuple):
@@ -193,23 +193,6 @@ def make_layout(shapes, scale: str, k: int) -> Layout:
       max_local=m,
       send_index=send.astype(np.int32),
   )
-
-
-def check_leaves(tree: Any, what: str, name: str = "sign_compression"):
-  """The leaves and treedef of ``tree``; a ValueError for a non-floating leaf."""
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = []
-  for path, leaf in leaves_with_path:
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(
-          f"{name} needs floating {what}; the leaf at "
-          f"{jax.tree_util.keystr(path)!r} has dtype "
-          f"{getattr(dtype, 'name', type(leaf).__name__)}. Valid dtypes: float16, "
-          "bfloat16, float32, float64. Mask integer leaves out with optax.masked."
-      )
-    leaves.append(leaf)
-  return leaves, treedef
 
 
 def axis_size(
