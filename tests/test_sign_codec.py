@@ -236,6 +236,62 @@ def test_final_decode_transposes_no_float_buffer():
   assert kinds <= {"u8", "u32"}, kinds
 
 
+@pytest.mark.parametrize("start, count, length", [(0, 3, 16), (8, 1, 40), (3, 2, 8), (16, 4, 5), (5, 1, 13)])
+def test_decode_packed_runs_equal_decoding_the_unpacked_bits(start, count, length):
+  # Runs on whole bytes take the per-lane decode; the others unpack their bytes.
+  rng = np.random.default_rng(start + count + length)
+  n = start + count * length + 11
+  bits = rng.random(8 * (-(-n // 8))) > 0.5
+  pairs = jnp.asarray(rng.standard_normal((count, 2)), jnp.float32)
+  run = sign_layout.Run(start, count, length, 0)
+  got = sign_codec._decode_packed(jnp.asarray(np.packbits(bits, bitorder="little")), run, pairs)
+  rows = bits[start : start + count * length].reshape(count, length)
+  want = np.where(rows, np.asarray(pairs)[:, :1], np.asarray(pairs)[:, 1:])
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("scale", ["l1", "l2", "column"])
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_final_decode_takes_each_piece_pair_from_its_owner(scale, k):
+  # Leaves that span several chunks, one segment per piece ("l1", "l2" and a
+  # 1-D leaf with column scales) decode in one pass over their bytes.
+  shapes = [(40,), (33, 16), (256,), (7,)]
+  layout = sign_layout.make_layout(shapes, scale, k)
+  rng = np.random.default_rng(k)
+  bits = rng.random((k, layout.chunk)) > 0.5
+  pairs = rng.standard_normal((k, layout.max_local, 2)).astype(np.float32)
+  got = sign_codec.final_decode(
+      jnp.asarray(np.packbits(bits, axis=-1, bitorder="little")), jnp.asarray(pairs), layout,
+      [jnp.float32] * len(shapes))
+  flat = bits.reshape(-1)
+  for i, leaf in enumerate(got):
+    want = np.zeros(layout.sizes[i], np.float32)
+    for j, row, run in layout.leaf_runs(i):
+      lo = run.start
+      seg = flat[layout.offsets[i] + lo : layout.offsets[i] + lo + run.size].reshape(run.count, -1)
+      want[lo : lo + run.size] = np.where(seg, pairs[j, row : row + run.count, :1],
+                                          pairs[j, row : row + run.count, 1:]).reshape(-1)
+    if layout.transpose[i]:
+      want = want.reshape(shapes[i][::-1]).T
+    np.testing.assert_array_equal(np.asarray(leaf), want.reshape(shapes[i]))
+
+
+@pytest.mark.parametrize("scale", ["column", "l1"])
+def test_owner_step_updates_a_donated_server_residual_in_place(scale):
+  # A branch of the owners' switch that updated the server residual would
+  # copy it in and out: it is updated after the switch, with no copy of it.
+  k, shapes = 4, [(64, 48), (48,), (48, 10)]
+  layout = sign_layout.make_layout(shapes, scale, k)
+  assert len(set(layout.owner_runs)) > 1
+  s, m = layout.chunk, layout.max_local
+  fn = jax.jit(lambda b, p, e, o: sign_codec.owner_step(b, p, e, o, layout, scale),
+               donate_argnums=(2,))
+  text = fn.lower(jnp.zeros((k, s // 8), jnp.uint8), jnp.zeros((k, m, 2)), jnp.zeros((s,)),
+                  jnp.int32(1)).compile().as_text()
+  assert "conditional(" in text
+  assert not re.search(rf"= f32\[{s}\]\S* copy\(", text)
+
+
 def test_non_floating_gradients():
   tx = sign_compression()
   with pytest.raises(ValueError, match=r"\['step'\].*int32.*float16, bfloat16, float32"):
