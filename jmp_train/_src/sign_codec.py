@@ -168,18 +168,32 @@ def _column_statistics(v: jax.Array):
 
   ``rows`` is a multiple of 8. :func:`_bits_and_sums` over blocks of 8 rows
   yields, per block and column, a byte of bits and the sums of the
-  non-negative and negative entries; small reductions of the ``(rows / 8,
-  columns)`` results finish the sums and counts.
+  non-negative and negative entries; :func:`_sum_by_product` finishes the
+  ``(rows / 8, columns)`` partial sums and the bytes' popcounts.
 
   Returns:
     ``(bytes, pos, neg, count)``: the bits in column-by-column order as
     :func:`pack_columns` packs them, the sums of the non-negative and of the
-    negative entries, and the number of non-negative ones (int32).
+    negative entries, and the number of non-negative ones (float32, exact
+    up to ``2**24`` rows).
   """
   rows, cols = v.shape
   words, pos, neg = _bits_and_sums(v.reshape(rows // 8, 8, cols), 1, "column")
-  count = jnp.sum(lax.population_count(words), axis=0, dtype=jnp.int32)
-  return _words_to_bytes(words), jnp.sum(pos, axis=0), jnp.sum(neg, axis=0) * 0.5, count
+  count = _sum_by_product(lax.population_count(words).astype(jnp.float32), 0)
+  return _words_to_bytes(words), _sum_by_product(pos, 0), _sum_by_product(neg, 0) * 0.5, count
+
+
+def _sum_by_product(y: jax.Array, axis: int) -> jax.Array:
+  """``jnp.sum(y, axis)`` of a 2-D float32 ``y`` as a product with a vector of ones.
+
+  For partial sums already in memory: XLA:CPU runs the matrix-vector
+  product at memory speed, where its reductions of such arrays cost
+  several times more. In full float32 (``Precision.HIGHEST``), so that no
+  accelerator rounds the sums' inputs to a narrower type.
+  """
+  ones = jnp.ones((y.shape[axis],), jnp.float32)
+  hi = lax.Precision.HIGHEST
+  return jnp.dot(ones, y, precision=hi) if axis == 0 else jnp.dot(y, ones, precision=hi)
 
 
 def _lane_sum(y: jax.Array) -> jax.Array:
@@ -276,7 +290,7 @@ def _packed_rows(x: jax.Array, scale: str):
 
   ``x`` is ``(rows, length)``, ``length`` a multiple of 8.
   :func:`_bits_and_sums` over each 8 consecutive entries yields their byte of
-  bits and their partial sums; :func:`_lane_sum` adds the partial sums up.
+  bits and their partial sums; :func:`_sum_by_product` adds the partial sums up.
 
   Returns:
     ``(packed, pairs)``: ``pack(x >= 0)`` flattened, ``(rows * length / 8,)``
@@ -284,7 +298,7 @@ def _packed_rows(x: jax.Array, scale: str):
   """
   rows, n = x.shape
   packed, *sums = _bits_and_sums(x.reshape(rows, n // 8, 8), 2, scale)
-  sums = [_lane_sum(s) for s in sums]
+  sums = [_sum_by_product(s, 1) for s in sums]
   if scale != "column":
     return packed.reshape(-1), _norm_pairs(sums[0], n, scale)
   count = jnp.sum(lax.population_count(packed), axis=-1, dtype=jnp.int32).astype(jnp.float32)
@@ -323,9 +337,9 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
     bits, pos, neg, count = _column_statistics(v)
   else:
     bits = nonneg.T.reshape(-1)
-    count = jnp.sum(nonneg, axis=0, dtype=jnp.int32)
+    count = jnp.sum(nonneg, axis=0, dtype=jnp.float32)
     pos, neg = _signed_sums_over_rows(v)
-  pairs = _column_pairs(pos, neg, count.astype(jnp.float32), rows)
+  pairs = _column_pairs(pos, neg, count, rows)
   decoded = jnp.where(nonneg, pairs[:, 0], pairs[:, 1])
   return v, bits, pairs, decoded
 
