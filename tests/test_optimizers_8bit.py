@@ -408,7 +408,8 @@ def test_block_layout_injected_as_an_array_is_named():
 def test_integer_leaves_are_named_and_masked_ones_pass(make, name):
   tree = {"w": jnp.ones((4, 64)), "step": jnp.ones((3,), jnp.int32)}
   tx = make()
-  with pytest.raises(ValueError, match=rf"{name} needs floating parameters.*'step'.*int32.*optax.masked"):
+  message = rf"{name} needs floating parameters.*'step'.*int32.*optax.masked"
+  with pytest.raises(ValueError, match=message):
     tx.init(tree)
   state = tx.init({"w": tree["w"]})
   with pytest.raises(ValueError, match=rf"{name} needs floating gradients.*'step'.*int32"):

@@ -236,7 +236,8 @@ def test_final_decode_transposes_no_float_buffer():
   assert kinds <= {"u8", "u32"}, kinds
 
 
-@pytest.mark.parametrize("start, count, length", [(0, 3, 16), (8, 1, 40), (3, 2, 8), (16, 4, 5), (5, 1, 13)])
+@pytest.mark.parametrize(
+    "start, count, length", [(0, 3, 16), (8, 1, 40), (3, 2, 8), (16, 4, 5), (5, 1, 13)])
 def test_decode_packed_runs_equal_decoding_the_unpacked_bits(start, count, length):
   # Runs on whole bytes take the per-lane decode; the others unpack their bytes.
   rng = np.random.default_rng(start + count + length)
