@@ -18,8 +18,14 @@ transpose runs several times slower than a copy on XLA:CPU).
   :func:`_column_statistics`).
 * :func:`owner_step`: decode the ``K`` received chunks, average them, add
   the server residual, re-quantize (one ``lax.switch`` branch per owner:
-  each owner's pieces are static).
+  each owner's pieces are static); the server residual is updated after
+  the switch, in place when donated.
 * :func:`final_decode`: the gathered bits and pairs to the leaves.
+
+Packed bits are decoded from ``(..., bytes, 8)`` views, each entry's shift
+its index along the last axis (:func:`_decode_packed`), and partial sums
+already in memory are finished by products with a vector of ones
+(:func:`_sum_by_product`): the forms XLA:CPU runs at memory speed.
 """
 
 from __future__ import annotations
