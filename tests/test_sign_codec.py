@@ -166,7 +166,8 @@ def test_signed_column_sums_match_float64_and_one_signed_columns_are_exact(rows,
   assert neg[0] == 0.0 and pos[1] == 0.0
 
 
-@pytest.mark.parametrize("rows, cols", [(8, 3), (64, 24), (48, 5), (24, 7)])
+# (64, 2048) and (48, 2048): bytes transposed as uint32 and uint16 words.
+@pytest.mark.parametrize("rows, cols", [(8, 3), (64, 24), (48, 5), (24, 7), (64, 2048), (48, 2048)])
 def test_column_statistics_in_one_pass_match_numpy(rows, cols):
   x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
   x[:, 0] = np.abs(x[:, 0])  # non-negative only

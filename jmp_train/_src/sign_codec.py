@@ -169,13 +169,21 @@ def _bits_and_sums(blocks: jax.Array, axis: int, scale: str):
   )
 
 
+# Columns from which a column leaf's bytes are transposed as wider words.
+_WIDEN_FROM_COLUMNS = 2048
+
+
 def _wider_words(words: jax.Array) -> jax.Array:
   """``uint8`` ``(blocks, columns)`` as ``uint32`` (or ``uint16``) ``(blocks / 4, columns)``.
 
   Byte ``j`` of word ``q`` is block ``4q + j`` (``2q + j``), so the words
   read as little-endian bytes are the blocks in order. XLA:CPU transposes
   element by element: the transpose in :func:`_words_to_bytes` then moves
-  a quarter (a half) as many elements.
+  a quarter (a half) as many elements. It pays for wide matrices only
+  (``_WIDEN_FROM_COLUMNS`` columns on): there a byte transpose reads rows
+  2 KiB or more apart and runs at a fraction of its speed; on narrower ones
+  the extra pass and the words' split back into bytes cost more than the
+  plain byte transpose.
   """
   n = next(n for n in (4, 2, 1) if words.shape[0] % n == 0)
   if n == 1:
@@ -203,7 +211,7 @@ def _column_statistics(v: jax.Array):
   rows, cols = v.shape
   words, pos, neg = _bits_and_sums(v.reshape(rows // 8, 8, cols), 1, "column")
   count = _sum_by_product(lax.population_count(words).astype(jnp.float32), 0)
-  packed = _words_to_bytes(_wider_words(words))
+  packed = _words_to_bytes(_wider_words(words) if cols >= _WIDEN_FROM_COLUMNS else words)
   return packed, _sum_by_product(pos, 0), _sum_by_product(neg, 0) * 0.5, count
 
 
