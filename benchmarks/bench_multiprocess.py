@@ -49,10 +49,22 @@ parallel loop waits for its slowest thread. Each record says whether its
 processes were pinned (``pinned``) and the cores process 0 ran on
 (``cores``). Pinning needs Linux; ``--quick`` pins where it can.
 
+``BENCH_MULTIPROCESS_KEEP_FREED=1`` starts the processes with glibc's
+malloc told to keep the memory it frees (``MALLOC_MMAP_THRESHOLD_`` of 1 GiB,
+``MALLOC_TRIM_THRESHOLD_`` of 8 GiB; see ``mallopt(3)``). By default glibc
+maps each buffer of more than a few MB afresh and returns it to the kernel
+when freed, so every step faults in new pages for the large buffers XLA
+allocates per execution (its temporaries, the outputs that are not
+donated); on a virtual machine a fault costs microseconds per 4 KiB page.
+Each record says whether its processes kept freed memory (``keep_freed``);
+``--quick`` keeps it where glibc is the C library.
+
 ``BENCH_MULTIPROCESS_SIZES`` (comma-separated of ``1M,8M,32M``),
 ``BENCH_MULTIPROCESS_PROCESSES`` (e.g. ``2,4``) and
 ``BENCH_MULTIPROCESS_LINKS`` (of ``none,10gbit,1gbit``) and
-``BENCH_MULTIPROCESS_SCHEMES`` (of the schemes above) restrict the full run.
+``BENCH_MULTIPROCESS_SCHEMES`` (of the schemes above) restrict the full run;
+``float32``, the reference of every ratio, always runs. An unknown size or
+scheme is a ``ValueError`` that lists the valid ones.
 """
 
 from __future__ import annotations
@@ -62,6 +74,7 @@ import contextlib
 import json
 import os
 import pathlib
+import platform
 import shutil
 import signal
 import socket
@@ -86,6 +99,8 @@ SIZES = {  # MLP layer widths (input 784, output 10)
 SCHEMES = ("float32", "float32_buckets", "bfloat16", "bfloat16_b4MB", "float8_e4m3",
            "1bit_column", "1bit_column_b4MB", "1bit_l1", "1bit_l1_b4MB")
 PER_PROCESS_BATCH = 32
+# glibc's malloc keeps freed memory: no mmap per large buffer, no trim.
+KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**33)}
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -142,6 +157,7 @@ def loopback_cap(rate: str | None):
 
 
 _CAN_PIN = hasattr(os, "sched_setaffinity")
+_GLIBC = platform.libc_ver()[0] == "glibc"
 
 
 def _free_port() -> int:
@@ -151,20 +167,27 @@ def _free_port() -> int:
 
 
 def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: float = 1800,
-           donate: bool | str = False, pin: bool = False) -> list[dict]:
+           donate: bool | str = False, pin: bool = False,
+           keep_freed: bool = False) -> list[dict]:
   """Runs the step in ``processes`` processes; returns process 0's records.
 
   ``donate``: ``True``, ``False``, or ``"both"`` (donated steps, and the
   same steps without donation timed beside them). ``pin``: process ``i``
   runs on core ``i mod cores`` alone (XLA then runs it on one thread).
+  ``keep_freed``: the processes' malloc keeps the memory it frees
+  (``KEEP_FREED_ENV``).
   """
   if pin and not _CAN_PIN:
     raise ValueError("pin=True needs os.sched_setaffinity (Linux); this platform has none.")
+  if keep_freed and not _GLIBC:
+    raise ValueError(f"keep_freed=True needs glibc's malloc; this platform has {platform.libc_ver()}.")
   cores = sorted(os.sched_getaffinity(0)) if pin else []
   port = _free_port()
   env = dict(os.environ)
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=900"
   env["JAX_PLATFORMS"] = "cpu"
+  if keep_freed:
+    env.update(KEEP_FREED_ENV)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "records.json"
@@ -196,27 +219,47 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
     return json.loads(out.read_text())
 
 
+def _env_names(variable: str, default, valid) -> tuple[str, ...]:
+  """The comma-separated names in the environment ``variable`` (else ``default``).
+
+  Raises:
+    ValueError: if a name is not one of ``valid``, or none is given.
+  """
+  value = os.environ.get(variable)
+  names = default if value is None else tuple(n for n in value.split(",") if n)
+  unknown = [n for n in names if n not in valid]
+  if unknown or not names:
+    raise ValueError(
+        f"{variable}={value!r}: unknown {unknown or 'empty list'}; valid: {', '.join(valid)}."
+    )
+  return tuple(names)
+
+
 def run(quick: bool) -> list[dict]:
   schemes = SCHEMES
   if quick:  # a smoke test of the code: float32, a compressed_mean and a 1-bit scheme
     plan, links, rounds, schemes = [(2, "tiny")], (None,), 1, ("float32", "bfloat16", "1bit_l1")
-    donate, pin = True, _CAN_PIN
+    donate, pin, keep_freed = True, _CAN_PIN, _GLIBC
   else:
-    sizes = os.environ.get("BENCH_MULTIPROCESS_SIZES", "1M,8M,32M").split(",")
+    sizes = _env_names("BENCH_MULTIPROCESS_SIZES", ("1M", "8M", "32M"), tuple(SIZES))
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
     links = os.environ.get("BENCH_MULTIPROCESS_LINKS", "none,10gbit,1gbit").split(",")
     links = tuple(None if link == "none" else link for link in links)
-    schemes = tuple(os.environ.get("BENCH_MULTIPROCESS_SCHEMES", ",".join(SCHEMES)).split(","))
+    # float32 always runs: it is the reference of every ratio.
+    schemes = _env_names("BENCH_MULTIPROCESS_SCHEMES", SCHEMES, SCHEMES)
+    schemes = ("float32",) + tuple(s for s in schemes if s != "float32")
     plan, rounds = [(p, s) for p in procs for s in sizes], 5
     donate = os.environ.get("BENCH_MULTIPROCESS_DONATE", "0")
     donate = {"1": True, "both": "both"}.get(donate, False)
     pin = os.environ.get("BENCH_MULTIPROCESS_PIN", "0") == "1"
+    keep_freed = os.environ.get("BENCH_MULTIPROCESS_KEEP_FREED", "0") == "1"
   records = []
   for rate in links:
     with loopback_cap(rate) as link:
       for processes, size in plan:
-        for r in launch(processes, size, rounds, schemes, donate=donate, pin=pin):
-          records.append({**link, **r, "pinned": pin})
+        for r in launch(processes, size, rounds, schemes, donate=donate, pin=pin,
+                        keep_freed=keep_freed):
+          records.append({**link, **r, "pinned": pin, "keep_freed": keep_freed})
           print(json.dumps(records[-1]), flush=True)  # progress, if a later run fails
   return records
 

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pathlib
+import platform
 import re
 import sys
 import types
@@ -119,6 +120,9 @@ def _check_multiprocess_records(records):
   if hasattr(os, "sched_setaffinity"):
     first = min(os.sched_getaffinity(0))
     assert all(r["pinned"] and r["cores"] == [first] for r in records)
+  # ... and keeps freed memory where glibc's malloc is the one to tell.
+  glibc = platform.libc_ver()[0] == "glibc"
+  assert all(r["keep_freed"] is glibc for r in records)
 
 
 def _check_activation_memory_records(records):
@@ -308,6 +312,21 @@ def test_selected_rows_follow_the_environment(monkeypatch):
   monkeypatch.setenv("BENCH_ROWS", "adam_float32,one_bit_momentum")
   with pytest.raises(ValueError, match=r"float32 row of \['sgdm'\]"):
     _harness.selected_rows(rows, "BENCH_ROWS")
+
+
+def test_multiprocess_names_from_the_environment(monkeypatch):
+  from benchmarks import bench_multiprocess as bench
+
+  names = bench._env_names  # pylint: disable=protected-access
+  monkeypatch.delenv("BENCH_MULTIPROCESS_SIZES", raising=False)
+  assert names("BENCH_MULTIPROCESS_SIZES", ("1M", "8M"), tuple(bench.SIZES)) == ("1M", "8M")
+  monkeypatch.setenv("BENCH_MULTIPROCESS_SIZES", "8M,32M")
+  assert names("BENCH_MULTIPROCESS_SIZES", ("1M",), tuple(bench.SIZES)) == ("8M", "32M")
+  for bad, shown in (("8M,16M", r"\['16M'\]"), (",", "empty list")):
+    monkeypatch.setenv("BENCH_MULTIPROCESS_SIZES", bad)
+    with pytest.raises(ValueError, match=rf"BENCH_MULTIPROCESS_SIZES='{bad}': unknown {shown}; "
+                                         r"valid: tiny, 1M, 8M, 32M\."):
+      names("BENCH_MULTIPROCESS_SIZES", ("1M",), tuple(bench.SIZES))
 
 
 def test_one_bit_optimizers_rejects_a_warmup_of_the_whole_run(monkeypatch):
