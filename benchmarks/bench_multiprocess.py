@@ -52,10 +52,12 @@ processes were pinned (``pinned``) and the cores process 0 ran on
 ``BENCH_MULTIPROCESS_KEEP_FREED=1`` starts the processes with glibc's
 malloc told to keep the memory it frees (``MALLOC_MMAP_THRESHOLD_`` of 1 GiB,
 ``MALLOC_TRIM_THRESHOLD_`` of 8 GiB; see ``mallopt(3)``). By default glibc
-maps each buffer of more than a few MB afresh and returns it to the kernel
-when freed, so every step faults in new pages for the large buffers XLA
-allocates per execution (its temporaries, the outputs that are not
-donated); on a virtual machine a fault costs microseconds per 4 KiB page.
+serves a large block from a fresh mapping (every block above 32 MB; its
+threshold starts at 128 KiB and rises with the blocks freed) and returns
+it to the kernel when freed, so every step faults in new pages for the
+large buffers XLA allocates per execution (its temporaries, the outputs
+that are not donated); on a virtual machine a fault costs microseconds per
+4 KiB page.
 Each record says whether its processes kept freed memory (``keep_freed``);
 ``--quick`` keeps it where glibc is the C library.
 
@@ -180,7 +182,9 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
   if pin and not _CAN_PIN:
     raise ValueError("pin=True needs os.sched_setaffinity (Linux); this platform has none.")
   if keep_freed and not _GLIBC:
-    raise ValueError(f"keep_freed=True needs glibc's malloc; this platform has {platform.libc_ver()}.")
+    raise ValueError(
+        f"keep_freed=True needs glibc's malloc; this platform has {platform.libc_ver()}."
+    )
   cores = sorted(os.sched_getaffinity(0)) if pin else []
   port = _free_port()
   env = dict(os.environ)
