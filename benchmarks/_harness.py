@@ -61,13 +61,17 @@ def median_seconds(
   return statistics.median(times)
 
 
-def interleaved_median_seconds(
+def interleaved_seconds(
     fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10
-) -> dict[str, float]:
-  """Medians of several zero-argument callables timed round-robin.
+) -> dict[str, list[float]]:
+  """Seconds of every timed call of several zero-argument callables, round-robin.
 
   Interleaving spreads machine noise (other processes, turbo) evenly over
   the candidates, so their ratios are fairer than back-to-back blocks.
+  Round ``i`` starts at the ``i``-th candidate (cyclically), so that no
+  candidate always follows the same one: a call runs measurably faster
+  after one that left its inputs in the caches than after one that evicted
+  them. Each call is timed until its outputs are ready.
 
   Args:
     fns: name -> zero-argument callable.
@@ -75,7 +79,7 @@ def interleaved_median_seconds(
     repeats: timed rounds; each round calls every candidate once.
 
   Returns:
-    name -> median seconds.
+    name -> the ``repeats`` seconds of its timed calls, in round order.
 
   Raises:
     ValueError: if ``warmup < 0`` or ``repeats < 1``.
@@ -85,11 +89,25 @@ def interleaved_median_seconds(
     for _ in range(warmup):
       block(fn())
   times: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
+  names = list(fns)
+  for i in range(repeats):
+    first = i % len(names)
+    for name in names[first:] + names[:first]:
       start = time.perf_counter()
-      block(fn())
+      block(fns[name]())
       times[name].append(time.perf_counter() - start)
+  return times
+
+
+def interleaved_median_seconds(
+    fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10
+) -> dict[str, float]:
+  """Medians of :func:`interleaved_seconds`: name -> median seconds.
+
+  Raises:
+    ValueError: if ``warmup < 0`` or ``repeats < 1``.
+  """
+  times = interleaved_seconds(fns, warmup=warmup, repeats=repeats)
   return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -309,26 +309,6 @@ def _runner(step, carry, *args):
   return run
 
 
-def _interleaved_times(
-    fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int
-) -> dict[str, list[float]]:
-  """Per-call seconds of each candidate, timed round-robin.
-
-  The same protocol as ``_harness.interleaved_median_seconds``, keeping every
-  time so that the minimum can be reported next to the median.
-  """
-  for fn in fns.values():
-    for _ in range(warmup):
-      _harness.block(fn())
-  times: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      _harness.block(fn())
-      times[name].append(time.perf_counter() - start)
-  return times
-
-
 def _queued_times(
     fns: dict[str, Callable[[], Any]], *, steps: int, rounds: int
 ) -> dict[str, list[float]]:
@@ -337,7 +317,7 @@ def _queued_times(
   A training loop on a GPU does not wait for each step: JAX dispatches the
   next step while the device runs the last one, so the host's per-call work
   (flattening the state, launching) overlaps the device's. Waiting after
-  every call, as :func:`_interleaved_times` does, adds that host work to
+  every call, as ``_harness.interleaved_seconds`` does, adds that host work to
   each step. Candidates are timed round-robin, ``rounds`` times.
   """
   times: dict[str, list[float]] = {name: [] for name in fns}
@@ -410,7 +390,7 @@ def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
         upd, init = _update_only(name)
         candidates[name] = _runner(upd, init(copy()), grads)
     load_before = _load_average()
-    times = _interleaved_times(candidates, warmup=warmup, repeats=repeats)
+    times = _harness.interleaved_seconds(candidates, warmup=warmup, repeats=repeats)
     queued = None
     if jax.default_backend() == "gpu" and repeats > 5:
       queued = _queued_times(candidates, steps=_QUEUED_STEPS, rounds=max(5, repeats // 10))

@@ -240,10 +240,13 @@ def test_median_seconds_calls_warmup_plus_repeats():
 
 def test_interleaved_median_seconds_round_robin():
   order = []
-  fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
-  times = _harness.interleaved_median_seconds(fns, warmup=1, repeats=3)
-  assert set(times) == {"a", "b"} and all(t >= 0.0 for t in times.values())
-  assert order == ["a", "b"] + ["a", "b"] * 3
+  fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
+  times = _harness.interleaved_median_seconds(fns, warmup=1, repeats=4)
+  assert set(times) == set("abc") and all(t >= 0.0 for t in times.values())
+  # Warm-up in order, then each round starts one candidate later.
+  assert "".join(order) == "abc" + "abc" + "bca" + "cab" + "abc"
+  every = _harness.interleaved_seconds(fns, warmup=0, repeats=2)
+  assert {k: len(v) for k, v in every.items()} == {"a": 2, "b": 2, "c": 2}
 
 
 @pytest.mark.parametrize("warmup,repeats", [(-1, 3), (0, 0)])
