@@ -223,6 +223,26 @@ def test_worker_residuals_have_the_leaf_shapes():
   assert [r.shape for r in state.worker_residual] == [(4,), (1,), (3, 2, 4)]
 
 
+@pytest.mark.parametrize("scale", ["column", "l1"])
+def test_donated_worker_keeps_no_gradient_sized_temporaries(scale):
+  # v = g + r is not kept for the residual update: kept, every leaf's v
+  # stays alive until all pairs are known, and a donated worker (its
+  # outputs in the residual's buffers) holds them all as temporaries.
+  shapes = [(256, 512), (512,), (512, 128), (128,)]
+  layout = sign_layout.make_layout(shapes, scale, 4)
+  grads = [jnp.ones(s) for s in shapes]
+  residual = tuple(jnp.zeros(s) for s in shapes)
+  fn = jax.jit(
+      lambda g, r: sign_codec.worker_step(g, r, layout, scale, decode=False)[:3],
+      donate_argnums=1,
+  )
+  memory = fn.lower(grads, residual).compile().memory_analysis()
+  if memory is None:
+    pytest.skip("this backend reports no memory analysis")
+  gradient_bytes = 4 * sum(int(np.prod(s)) for s in shapes)
+  assert memory.temp_size_in_bytes < gradient_bytes / 2, (memory.temp_size_in_bytes, gradient_bytes)
+
+
 def test_final_decode_transposes_no_float_buffer():
   # The decode writes a word-packed leaf in its own order: the only
   # transposes in its compiled program are of packed bits (bytes or words).

@@ -337,6 +337,12 @@ def _packed_rows(x: jax.Array, scale: str):
   return packed.reshape(-1), _column_pairs(sums[0], sums[1] * 0.5, count, n)
 
 
+def _leaf_sum(x: jax.Array, r, shape) -> jax.Array:
+  """``v = x + r`` in float32, in ``shape`` (``x`` alone without a residual)."""
+  v = x.astype(jnp.float32).reshape(shape)
+  return v if r is None else v + r.reshape(shape)
+
+
 def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
   """Leaf ``i``: ``(v, bits in buffer order, pairs, decoded)``.
 
@@ -345,12 +351,20 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
   ``v - decoded`` that broadcasts each column's pair along the rows then
   runs at memory speed (XLA:CPU indexes a broadcast along the minor axis of
   a flattened output element by element).
+
+  The statistics add ``x + r`` again, behind an optimization barrier, so
+  that XLA does not keep one ``v`` for both: kept, every leaf's ``v`` is a
+  temporary alive until the finiteness of all pairs is known, a block the
+  size of the gradients (which a donated step, its outputs in the donated
+  buffers, allocates afresh at every call). Added twice, ``v`` is never
+  stored: the statistics and the residual update each read ``x`` and ``r``,
+  and the residual update writes in place over a donated ``r``.
   """
+  shape = (layout.rows(i), layout.shapes[i][-1]) if layout.transpose[i] else x.shape
+  v = _leaf_sum(x, r, shape)
+  vs = _leaf_sum(*lax.optimization_barrier((x, r)), shape)  # the same values
   if not layout.transpose[i]:
-    v = x.astype(jnp.float32)
-    if r is not None:
-      v = v + r.reshape(v.shape)
-    flat = v.reshape(-1)
+    flat = vs.reshape(-1)
     if flat.shape[0] % 8 == 0 and layout.offsets[i] % 8 == 0:  # whole bytes
       bits, pairs = _packed_rows(flat[None], scale)
     else:
@@ -359,21 +373,16 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
   # Column scales: the sums are reductions over the rows; the residual
   # update and, where the rows allow packed words, the bits stay in the
   # leaf's own order.
-  rows, cols = layout.rows(i), layout.shapes[i][-1]
-  v = x.astype(jnp.float32).reshape(rows, cols)
-  if r is not None:
-    v = v + r.reshape(rows, cols)
-  nonneg = v >= 0
-  word = layout.word_bits(i)
-  if word:  # bits, sums and counts in one pass over the floats
-    bits, pos, neg, count = _column_statistics(v)
+  rows = shape[0]
+  if layout.word_bits(i):  # bits, sums and counts in one pass over the floats
+    bits, pos, neg, count = _column_statistics(vs)
   else:
+    nonneg = vs >= 0
     bits = nonneg.T.reshape(-1)
     count = jnp.sum(nonneg, axis=0, dtype=jnp.float32)
-    pos, neg = _signed_sums_over_rows(v)
+    pos, neg = _signed_sums_over_rows(vs)
   pairs = _column_pairs(pos, neg, count, rows)
-  decoded = jnp.where(nonneg, pairs[:, 0], pairs[:, 1])
-  return v, bits, pairs, decoded
+  return v, bits, pairs, jnp.where(v >= 0, pairs[:, 0], pairs[:, 1])
 
 
 def _pack_pieces(pieces, n_pad: int) -> jax.Array:
