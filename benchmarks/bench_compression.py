@@ -23,7 +23,9 @@ with LLVM's optimizations off (``xla_backend_optimization_level=0``), which
 changes the machine code, not the HLO and its collectives.
 
 Part 2, throughput: one device, each direction of the 1-bit codec for K = 8
-(``_worker``: residual add, scales, bits, packing, new residual; ``_owner``:
+(``_worker``: residual add, scales, bits, packing, new residual;
+``_worker_donated``: the same with the residual donated, as a train step
+runs it, each call's new residual the next call's; ``_owner``:
 unpack and decode the K received chunks, average, add the server residual,
 re-quantize, pack; ``_decode``: the gathered bits to the leaves), the
 bfloat16/float8 quantize + dequantize (``compressed_mean()`` without an
@@ -151,6 +153,11 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
     pairs = jnp.tile(jnp.asarray([0.5, -0.5], jnp.float32), (k, m, 1))
     e = jnp.zeros((s,), jnp.float32)
     calls[f"1bit_{scale}_worker{suffix}"] = (jax.jit(worker), (grads, r))
+    # As a train step runs it: the residual donated, each call's new one
+    # passed to the next (argument 1 <- output 2).
+    r_donated = tuple(jnp.zeros_like(x) for x in r)
+    calls[f"1bit_{scale}_worker_donated{suffix}"] = (
+        jax.jit(worker, donate_argnums=1), (grads, r_donated), (1, 2))
     calls[f"1bit_{scale}_owner{suffix}"] = (
         jax.jit(lambda b, p, e, i, layout=layout, scale=scale: sign_codec.owner_step(b, p, e, i, layout, scale)),
         (bits, pairs, e, jnp.int32(k // 2)),
@@ -171,6 +178,21 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
   return calls
 
 
+class _Call:
+  """``fn(*args)`` as a zero-argument call; with ``carry=(i, j)``, output ``j``
+  replaces argument ``i`` after each call (a donated argument's successor)."""
+
+  def __init__(self, fn, args, carry=None):
+    self.fn, self.args, self.carry = fn, tuple(args), carry
+
+  def __call__(self):
+    out = self.fn(*self.args)
+    if self.carry is not None:
+      i, j = self.carry
+      self.args = self.args[:i] + (out[j],) + self.args[i + 1:]
+    return out
+
+
 def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None) -> list[dict]:
   calls = {}
   sizes = {}
@@ -180,12 +202,11 @@ def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None)
     sizes.update({name: (suffix, sum(int(np.prod(s)) for s in shapes)) for name in part})
   if compiler_options:
     calls = {
-        name: (fn.lower(*args).compile(compiler_options=compiler_options), args)
-        for name, (fn, args) in calls.items()
+        name: (call[0].lower(*call[1]).compile(compiler_options=compiler_options),) + call[1:]
+        for name, call in calls.items()
     }
   times = _harness.interleaved_median_seconds(
-      {name: (lambda fn=fn, args=args: fn(*args)) for name, (fn, args) in calls.items()},
-      repeats=repeats,
+      {name: _Call(*call) for name, call in calls.items()}, repeats=repeats
   )
   records = []
   for name, t in times.items():

@@ -161,8 +161,19 @@ def _check_activation_memory_records(records):
   assert all(r["remat"] == "none" and r["argument_bytes"] > 0 for r in compiled)
 
 
+def _check_compression_records(records):
+  # Every 1-bit scale's worker is timed undonated and donated, against the copy.
+  by = {r["scheme"]: r for r in records if r["part"] == "throughput"}
+  assert by["elementwise_x_plus_1"]["vs_copy"] == 1.0
+  for scale in ("column", "l1", "l2"):
+    for name in ("worker", "worker_donated", "owner", "decode"):
+      record = by[f"1bit_{scale}_{name}"]
+      assert record["seconds"] > 0 and record["vs_copy"] > 0, record
+
+
 _QUICK_RECORD_CHECKS = {
     "activation_memory": _check_activation_memory_records,
+    "compression": _check_compression_records,
     "multiprocess": _check_multiprocess_records,
 }
 
@@ -170,6 +181,24 @@ _QUICK_RECORD_CHECKS = {
 # --------------------------------------------------------------------------
 # The entry point.
 # --------------------------------------------------------------------------
+
+
+def test_compression_call_passes_a_donated_output_on():
+  from benchmarks import bench_compression
+
+  seen = []
+
+  def fn(g, r):
+    seen.append(r)
+    return g, g, r + 1
+
+  call = bench_compression._Call(fn, (10, 0), carry=(1, 2))
+  for _ in range(3):
+    call()
+  assert seen == [0, 1, 2]
+  plain = bench_compression._Call(fn, (10, 0))
+  plain(), plain()
+  assert seen[-2:] == [0, 0]
 
 
 def test_main_lists_benchmarks(capsys):
