@@ -56,6 +56,48 @@ def test_buckets_take_the_last_leaves_first_and_split_by_dtype():
     buckets.bucket_sizes(tree, 0)
 
 
+def test_mean_buckets_leave_a_leaf_that_fills_a_bucket_alone():
+  tree = _tree()  # leaves a (60 bytes as float32), b (28), c (16), d (16)
+  # Where bucket_sizes starts a new bucket with a large leaf anyway, the
+  # buckets are the same.
+  assert buckets.bucket_sizes(tree, 24, jnp.float32) == [[3, 2], [1], [0]]
+  assert buckets.mean_buckets(tree, 24, jnp.float32) == [[3, 2], [1], [0]]
+  assert buckets.bucket_sizes(tree, 40, jnp.float32) == [[3, 2, 1], [0]]
+  assert buckets.mean_buckets(tree, 40, jnp.float32) == [[3, 2, 1], [0]]
+  # bucket_sizes copies a (60 bytes) into b's bucket; mean_buckets leaves it alone.
+  assert buckets.bucket_sizes(tree, 30, jnp.float32) == [[3, 2], [1, 0]]
+  assert buckets.mean_buckets(tree, 30, jnp.float32) == [[3, 2], [1], [0]]
+  # In their own dtypes: c (8 bytes of bfloat16) apart from the float32 leaves.
+  assert buckets.mean_buckets(tree, 20) == [[3], [2], [1], [0]]
+  assert buckets.mean_buckets(tree, 10**6) == buckets.bucket_sizes(tree, 10**6)
+  with pytest.raises(ValueError, match="bucket_bytes must be a positive int, got 0"):
+    buckets.mean_buckets(tree, 0)
+
+
+def test_mean_buckets_leave_a_leaf_of_4_mib_alone_in_larger_buckets():
+  four_mib = buckets.ALONE_FROM_BYTES // 4
+  tree = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(8,), (four_mib,), (four_mib - 1,), (4,)]]
+  assert buckets.bucket_sizes(tree, 25 * 2**20) == [[3, 2, 1, 0]]
+  assert buckets.mean_buckets(tree, 25 * 2**20) == [[3, 2, 0], [1]]
+  # In bfloat16 the same leaf is 2 MiB: in the bucket.
+  assert buckets.mean_buckets(tree, 25 * 2**20, jnp.bfloat16) == [[3, 2, 1, 0]]
+
+
+def test_bucketed_mean_averages_a_large_leaf_where_it_is():
+  # The large leaf reaches its own all-reduce (raveled: a bitcast, not a
+  # copy into a flat buffer shared with the small ones, which bucket_sizes
+  # would make: one bucket of 2060 elements).
+  tree = {"big": jnp.ones((64, 32)), "s1": jnp.ones(8), "s2": jnp.ones(4)}
+  fn = jax.pmap(lambda t: buckets.bucketed_mean(t, "i", 1024), axis_name="i",
+                devices=jax.devices()[:2])
+  stacked = jax.tree.map(lambda x: jnp.stack([x, 3 * x]), tree)
+  operands = sorted(shape for op in jmp_train.collective_ops(fn.lower(stacked).compile())
+                    if op.kind == "all-reduce" for _, shape in op.operand_types)
+  assert operands == [(12,), (2048,)]
+  expected = jax.tree.map(lambda x: jnp.stack([2 * x, 2 * x]), tree)
+  chex.assert_trees_all_close(fn(stacked), expected)
+
+
 def test_bucketed_mean_equals_the_mean_per_leaf():
   tree = jax.tree.map(lambda x: jnp.stack([x * (i + 1) for i in range(4)]), _tree())
   per_leaf = jax.vmap(lambda t: lax.pmean(t, "i"), axis_name="i")(tree)
@@ -102,8 +144,8 @@ def test_compiled_step_runs_one_all_reduce_per_bucket(mode, reduce_dtype):
   x = np.ones((16, 6), np.float32)
   batch = step.shard_batch((x, np.zeros(16, np.int32)))
   operands = _gradient_all_reduces(step, state, batch)
-  layout = buckets.bucket_sizes(params, bucket_bytes, reduce_dtype)
-  assert len(layout) > 1
+  layout = buckets.mean_buckets(params, bucket_bytes, reduce_dtype)
+  assert len(layout) > 1 and any(len(b) > 1 for b in layout)
   leaves = jax.tree.leaves(params)
   assert sorted(int(np.prod(shape)) for _, shape in operands) == sorted(
       sum(leaves[i].size for i in bucket) for bucket in layout)

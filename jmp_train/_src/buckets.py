@@ -9,7 +9,9 @@ so XLA may start a bucket's collective as soon as its gradients exist.
 
 :func:`flatten_to_buckets` and :func:`unflatten_from_buckets` are inverse to
 each other (up to the dtype cast); :func:`bucketed_mean` averages a pytree
-across a mapped axis with one ``pmean`` per bucket.
+across a mapped axis with one ``pmean`` per bucket of :func:`mean_buckets`,
+which leaves a leaf of 4 MiB or more in a bucket of its own (flattening
+would copy it in and out for no collective saved).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from jax import lax
 
 __all__ = [
     "assemble", "flatten_to_buckets", "unflatten_from_buckets", "bucketed_mean", "bucket_sizes",
-    "check_bucket_bytes",
+    "mean_buckets", "check_bucket_bytes",
 ]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -90,13 +92,61 @@ def bucket_sizes(tree: Any, bucket_bytes: int, dtype: Any = None) -> list[list[i
   filled, current_dtype = 0, None
   for i in reversed(range(len(leaves))):
     leaf_dtype = np.dtype(dtype if dtype is not None else leaves[i].dtype)
-    nbytes = int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * leaf_dtype.itemsize
     if not buckets or filled >= bucket_bytes or leaf_dtype != current_dtype:
       buckets.append([])
       filled, current_dtype = 0, leaf_dtype
     buckets[-1].append(i)
-    filled += nbytes
+    filled += _nbytes(leaves[i], dtype)
   return buckets
+
+
+def _nbytes(leaf: Any, dtype: Any) -> int:
+  """Bytes of ``leaf`` in ``dtype`` (its own dtype if ``None``)."""
+  itemsize = np.dtype(dtype if dtype is not None else leaf.dtype).itemsize
+  return int(np.prod(np.shape(leaf), dtype=np.int64)) * itemsize
+
+
+# Leaves from this size on are averaged on their own (see mean_buckets).
+ALONE_FROM_BYTES = 4 * 2**20
+
+
+def mean_buckets(tree: Any, bucket_bytes: int, dtype: Any = None) -> list[list[int]]:
+  """The buckets of :func:`bucketed_mean`: a leaf of ``bucket_bytes`` or 4 MiB or more alone.
+
+  The other leaves are grouped as :func:`bucket_sizes` groups them. A leaf
+  in a bucket with others is copied into the bucket's flat buffer and out
+  again, to save a collective's fixed cost. A leaf that fills a bucket by
+  itself saves none; nor, in practice, does one of ``ALONE_FROM_BYTES``
+  (4 MiB) or more: its two copies cost more than the collective (measured
+  with gloo across processes on CPU). Such leaves are averaged where they
+  are.
+
+  Args:
+    tree: a pytree of arrays (or ``jax.ShapeDtypeStruct`` s).
+    bucket_bytes: the target bytes per bucket, positive.
+    dtype: the dtype the buckets are cast to, or ``None`` for the leaves' own.
+
+  Returns:
+    A list of buckets, each a list of leaf indices in the order they are
+    concatenated; the buckets holding later leaves first.
+
+  Raises:
+    ValueError: if ``bucket_bytes`` is not a positive integer.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> tree = [jnp.ones(2), jnp.ones(8), jnp.ones(1)]
+    >>> bucket_sizes(tree, bucket_bytes=16), mean_buckets(tree, bucket_bytes=16)
+    ([[2, 1], [0]], [[2, 0], [1]])
+  """
+  check_bucket_bytes(bucket_bytes)
+  leaves = jax.tree.leaves(tree)
+  alone = min(bucket_bytes, ALONE_FROM_BYTES)
+  small = [i for i, x in enumerate(leaves) if _nbytes(x, dtype) < alone]
+  grouped = bucket_sizes([leaves[i] for i in small], bucket_bytes, dtype)
+  out = [[small[j] for j in bucket] for bucket in grouped]
+  out += [[i] for i, x in enumerate(leaves) if _nbytes(x, dtype) >= alone]
+  return sorted(out, key=lambda bucket: -bucket[0])
 
 
 def flatten_to_buckets(tree: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -120,9 +170,12 @@ def flatten_to_buckets(tree: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     >>> [b.shape for b in flatten_to_buckets(tree)]
     [(10,)]
   """
-  leaves = jax.tree.leaves(tree)
+  return _flatten(jax.tree.leaves(tree), bucket_sizes(tree, bucket_bytes, dtype), dtype)
+
+
+def _flatten(leaves, layout: list[list[int]], dtype: Any) -> list[jax.Array]:
   out = []
-  for bucket in bucket_sizes(tree, bucket_bytes, dtype):
+  for bucket in layout:
     parts = [jnp.ravel(leaves[i]) for i in bucket]
     common = jnp.result_type(*parts)
     starts = np.cumsum([0] + [p.size for p in parts[:-1]]).tolist()
@@ -156,14 +209,18 @@ def unflatten_from_buckets(buckets: list[jax.Array], like: Any,
     >>> back["a"].dtype, bool((back["a"] == tree["a"]).all())
     (dtype('float32'), True)
   """
-  leaves, treedef = jax.tree.flatten(like)
-  out: list[Any] = [None] * len(leaves)
   layout = bucket_sizes(like, bucket_bytes, dtype)
   if len(layout) != len(buckets):
     raise ValueError(
         f"Got {len(buckets)} buckets for a tree that makes {len(layout)} with "
         f"bucket_bytes={bucket_bytes} and dtype={dtype}."
     )
+  return _unflatten(buckets, like, layout)
+
+
+def _unflatten(buckets: list[jax.Array], like: Any, layout: list[list[int]]) -> Any:
+  leaves, treedef = jax.tree.flatten(like)
+  out: list[Any] = [None] * len(leaves)
   for bucket, flat in zip(layout, buckets):
     offset = 0
     for i in bucket:
@@ -176,7 +233,7 @@ def unflatten_from_buckets(buckets: list[jax.Array], like: Any,
 
 def bucketed_mean(tree: Any, axis_name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                   dtype: Any = None) -> Any:
-  """Averages ``tree`` over ``axis_name`` with one ``pmean`` per bucket.
+  """Averages ``tree`` over ``axis_name`` with one ``pmean`` per bucket of :func:`mean_buckets`.
 
   .. math::
 
@@ -208,6 +265,6 @@ def bucketed_mean(tree: Any, axis_name: str, bucket_bytes: int = DEFAULT_BUCKET_
   """
   if not jax.tree.leaves(tree):
     return tree
-  buckets = flatten_to_buckets(tree, bucket_bytes, dtype)
-  buckets = [lax.pmean(b, axis_name) for b in buckets]
-  return unflatten_from_buckets(buckets, tree, bucket_bytes, dtype)
+  layout = mean_buckets(tree, bucket_bytes, dtype)
+  buckets = [lax.pmean(b, axis_name) for b in _flatten(jax.tree.leaves(tree), layout, dtype)]
+  return _unflatten(buckets, tree, layout)

@@ -135,7 +135,8 @@ def make_train_step(
       the gradients with one ``pmean`` per bucket of about this many bytes
       (flattened leaves, the last leaves first, so that a bucket's
       collective can start as soon as its gradients exist) instead of one
-      per leaf. Default 25 MiB.
+      per leaf; a leaf of ``bucket_bytes`` or 4 MiB or more is averaged on
+      its own, without being copied into a bucket. Default 25 MiB.
     grad_reduce_dtype: ``None`` (the gradients' dtype), ``"float32"``,
       ``"bfloat16"`` or ``"float16"``: the dtype the buckets are averaged
       in. XLA may move a convert across an all-reduce (XLA:CPU runs a
