@@ -9,7 +9,8 @@ own batch shard; local gradients, then one exchange) with:
   leaf, what a plain optax step does);
 * ``float32_buckets``: the same mean over the gradients flattened into
   25 MB buckets, last layers first (:func:`jmp_train.make_train_step`'s
-  uncompressed exchange);
+  uncompressed exchange; a leaf of 4 MB or more is averaged where it
+  is); ``float32_b4MB``: the same with 4 MB buckets;
 * ``bfloat16`` / ``float8_e4m3``: :func:`jmp_train.compressed_mean`
   (``bfloat16_b4MB``: the same in 4 MB buckets, last layers first);
 * ``1bit_column`` / ``1bit_l1``: :func:`jmp_train.sign_compression`
@@ -98,8 +99,8 @@ SIZES = {  # MLP layer widths (input 784, output 10)
     "8M": (784, 2048, 2048, 1024, 10),
     "32M": (784, 4096, 4096, 2048, 10),
 }
-SCHEMES = ("float32", "float32_buckets", "bfloat16", "bfloat16_b4MB", "float8_e4m3",
-           "1bit_column", "1bit_column_b4MB", "1bit_l1", "1bit_l1_b4MB")
+SCHEMES = ("float32", "float32_buckets", "float32_b4MB", "bfloat16", "bfloat16_b4MB",
+           "float8_e4m3", "1bit_column", "1bit_column_b4MB", "1bit_l1", "1bit_l1_b4MB")
 PER_PROCESS_BATCH = 32
 # glibc's malloc keeps freed memory: no mmap per large buffer, no trim.
 KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**33)}
@@ -309,6 +310,8 @@ def _transform(scheme: str, axis_name):
       return optax.identity()
     if scheme == "float32_buckets":
       mean = lambda u: buckets.bucketed_mean(u, axis_name, buckets.DEFAULT_BUCKET_BYTES)
+    elif scheme == "float32_b4MB":
+      mean = lambda u: buckets.bucketed_mean(u, axis_name, 4 * 2**20)
     else:
       mean = lambda u: jax.lax.pmean(u, axis_name)
     return optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (mean(u), s))
