@@ -179,8 +179,11 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
 
 
 class _Call:
-  """``fn(*args)`` as a zero-argument call; with ``carry=(i, j)``, output ``j``
-  replaces argument ``i`` after each call (a donated argument's successor)."""
+  """``fn(*args)`` as a zero-argument call, optionally feeding an output back.
+
+  With ``carry=(i, j)``, output ``j`` replaces argument ``i`` after each
+  call: the successor of a donated argument, which the call deletes.
+  """
 
   def __init__(self, fn, args, carry=None):
     self.fn, self.args, self.carry = fn, tuple(args), carry
