@@ -133,7 +133,7 @@ def _bytes_records(shapes, ks, all_devices) -> list[dict]:
 
 def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
   """name -> (jitted function, args), for every direction of every codec."""
-  from jmp_train._src import sign_codec, sign_layout
+  from jmp_train._src import sign_bits, sign_codec, sign_layout
   from jmp_train._src.compressed_mean import compressed_mean
 
   keys = jax.random.split(jax.random.key(0), len(shapes))
@@ -172,7 +172,7 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
       tx = compressed_mean(wire=wire)
       calls[f"{wire}_quantize_dequantize"] = (jax.jit(tx.update), (tree, tx.init(tree)))
     calls["pack_unpack_bits"] = (
-        jax.jit(lambda x: sign_codec.unpack(sign_codec.pack(x >= 0))),
+        jax.jit(lambda x: sign_bits.unpack(sign_bits.pack(x >= 0))),
         (flat[: n - n % 8],),
     )
   return calls

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_train
 from jmp_train import SignCompressionState, sign_compression, sign_compression_specs
-from jmp_train._src import sign_codec, sign_layout
+from jmp_train._src import sign_bits, sign_codec, sign_layout
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
     AXIS, SHAPES, buffer_residual, make_grads, pmapped, ref_step, ref_unflatten,
@@ -123,9 +123,9 @@ def test_update_outside_the_axis_names_it():
 
 def test_pack_matches_numpy_and_round_trips():
   bits = np.random.default_rng(0).random((3, 64)) > 0.5
-  packed = sign_codec.pack(jnp.asarray(bits))
+  packed = sign_bits.pack(jnp.asarray(bits))
   np.testing.assert_array_equal(np.asarray(packed), np.packbits(bits, axis=-1, bitorder="little"))
-  np.testing.assert_array_equal(np.asarray(sign_codec.unpack(packed)), bits)
+  np.testing.assert_array_equal(np.asarray(sign_bits.unpack(packed)), bits)
 
 
 @pytest.mark.parametrize("scale", ["column", "l1"])
@@ -147,10 +147,10 @@ def test_compiled_exchange_has_no_gather_scatter_or_sort(scale):
 def test_unpack_columns_inverts_packing_the_transpose(rows, cols, word):
   bits = np.random.default_rng(rows).random((rows, cols)) > 0.5
   packed = np.packbits(bits.T.reshape(-1), bitorder="little")
-  got = sign_codec.pack_columns(jnp.asarray(bits), word)
+  got = sign_bits.pack_columns(jnp.asarray(bits), word)
   np.testing.assert_array_equal(np.asarray(got), packed)
   np.testing.assert_array_equal(
-      np.asarray(sign_codec.unpack_columns(jnp.asarray(packed), rows, cols, word)), bits
+      np.asarray(sign_bits.unpack_columns(jnp.asarray(packed), rows, cols, word)), bits
   )
 
 

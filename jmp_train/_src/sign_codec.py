@@ -3,13 +3,14 @@
 Each step works on the static runs of :mod:`jmp_train._src.sign_layout`: a
 run is a ``(count, length)`` view of the flat buffer, so the per-segment sums
 are row reductions and decoding is a broadcast of one ``(hi, lo)`` pair per
-row. Bits are packed eight to a ``uint8`` with shifts over a ``(-1, 8)``
-view (``bitorder="little"``: element ``8i + b`` is bit ``b`` of byte ``i``).
+row. The bits' packing and their transposes as words live in
+:mod:`jmp_train._src.sign_bits`.
 
 The final decode writes a column-scale leaf in its own ``(rows, columns)``
 order: its bits cross from the buffer's column-by-column order as packed
-32-, 16- or 8-bit words (:func:`unpack_columns`), so no float buffer is transposed (a
-transpose runs several times slower than a copy on XLA:CPU).
+32-, 16- or 8-bit words (``sign_bits.unpack_columns``), so no float buffer
+is transposed (a transpose runs several times slower than a copy on
+XLA:CPU).
 
 * :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``,
   each leaf in its own order (the residuals are per leaf). The bits and the
@@ -36,80 +37,12 @@ from jax import lax
 
 from jmp_train._src.buckets import assemble
 from jmp_train._src.loss_scale import all_finite
+from jmp_train._src.sign_bits import (
+    SHIFTS, bit_lanes, pack, unpack, unpack_columns, wider_words, words_to_bytes,
+)
 from jmp_train._src.sign_layout import Layout, Run, from_flat_leaf
 
-__all__ = [
-    "pack", "unpack", "pack_columns", "unpack_columns", "quantize_rows",
-    "worker_step", "owner_step", "final_decode",
-]
-
-_SHIFTS = tuple(range(8))
-
-
-def pack(bits: jax.Array) -> jax.Array:
-  """Packs a boolean ``(..., 8n)`` array to ``uint8`` ``(..., n)``, little bit order."""
-  b = bits.reshape(bits.shape[:-1] + (-1, 8)).astype(jnp.uint8)
-  shifts = jnp.asarray(_SHIFTS, jnp.uint8)
-  return jnp.sum(b << shifts, axis=-1, dtype=jnp.uint8)
-
-
-def _bit_lanes(packed: jax.Array) -> jax.Array:
-  """``uint8`` ``(..., n)`` to boolean ``(..., n, 8)``: bit ``b`` of each byte in lane ``b``."""
-  return ((packed[..., None] >> jnp.asarray(_SHIFTS, jnp.uint8)) & jnp.uint8(1)).astype(jnp.bool_)
-
-
-def unpack(packed: jax.Array) -> jax.Array:
-  """Inverse of :func:`pack`: ``uint8`` ``(..., n)`` to boolean ``(..., 8n)``."""
-  return _bit_lanes(packed).reshape(packed.shape[:-1] + (-1,))
-
-
-_WORDS = {32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8}
-
-
-def _column_words(bits: jax.Array, word: int) -> jax.Array:
-  """``(rows, cols)`` bools as ``(rows / word, cols)`` words: row ``word q + j`` in bit ``j``."""
-  r, c = bits.shape
-  dtype = _WORDS[word]
-  shifts = jnp.arange(word, dtype=dtype)[None, :, None]
-  return jnp.sum(bits.reshape(r // word, word, c).astype(dtype) << shifts, axis=1, dtype=dtype)
-
-
-def _words_to_bytes(words: jax.Array) -> jax.Array:
-  """The transposed words of :func:`_column_words` as little-endian bytes."""
-  if words.dtype == jnp.uint8:
-    return words.T.reshape(-1)
-  return lax.bitcast_convert_type(words.T, jnp.uint8).reshape(-1)
-
-
-def pack_columns(bits: jax.Array, word: int = 32) -> jax.Array:
-  """Packs a boolean ``(rows, columns)`` matrix in column-by-column order.
-
-  Equals ``pack(bits.T.reshape(-1))`` for ``rows`` a multiple of ``word``
-  (32, 16 or 8), with no transpose of the bits: ``word`` rows are packed
-  into one unsigned word per column, the ``(rows / word, columns)`` words
-  are transposed and read as little-endian bytes.
-  """
-  return _words_to_bytes(_column_words(bits, word))
-
-
-def unpack_columns(packed: jax.Array, rows: int, cols: int, word: int = 32) -> jax.Array:
-  """Inverse of :func:`pack_columns`: ``rows * cols / 8`` bytes to ``(rows, columns)`` bool.
-
-  The bytes are transposed before they are read as words, so the words come
-  out as ``(rows / word, columns)`` and each row of bits reads a contiguous
-  row of words (XLA:CPU fuses a transpose of the words into their reader,
-  which then reads one word per column several times slower).
-  """
-  dtype = _WORDS[word]
-  if word == 8:
-    words = packed.reshape(cols, rows // 8).T
-  else:
-    by_row = packed.reshape(cols, rows // word, word // 8).transpose(1, 0, 2)
-    words = lax.bitcast_convert_type(by_row, dtype)
-  shifts = jnp.arange(word, dtype=dtype)[None, :, None]
-  b = (words[:, None, :] >> shifts) & jnp.asarray(1, dtype)
-  return b.astype(jnp.bool_).reshape(rows, cols)
-
+__all__ = ["quantize_rows", "worker_step", "owner_step", "final_decode"]
 
 def _column_sums(x: jax.Array):
   """Per row: sum of the non-negative entries, of the negative ones, their count.
@@ -160,7 +93,7 @@ def _bits_and_sums(blocks: jax.Array, axis: int, scale: str):
     terms = (jnp.abs(blocks) if scale == "l1" else jnp.square(blocks),)
   shape = [1] * blocks.ndim
   shape[axis] = 8
-  shifts = jnp.asarray(_SHIFTS, jnp.uint8).reshape(shape)
+  shifts = jnp.asarray(SHIFTS, jnp.uint8).reshape(shape)
   return lax.reduce(
       ((blocks >= 0).astype(jnp.uint8) << shifts,) + terms,
       (jnp.zeros((), jnp.uint8),) + (zero,) * len(terms),
@@ -171,27 +104,6 @@ def _bits_and_sums(blocks: jax.Array, axis: int, scale: str):
 
 # Columns from which a column leaf's bytes are transposed as wider words.
 _WIDEN_FROM_COLUMNS = 2048
-
-
-def _wider_words(words: jax.Array) -> jax.Array:
-  """``uint8`` ``(blocks, columns)`` as ``uint32`` (or ``uint16``) ``(blocks / 4, columns)``.
-
-  Byte ``j`` of word ``q`` is block ``4q + j`` (``2q + j``), so the words
-  read as little-endian bytes are the blocks in order. XLA:CPU transposes
-  element by element: the transpose in :func:`_words_to_bytes` then moves
-  a quarter (a half) as many elements. It pays for wide matrices only
-  (``_WIDEN_FROM_COLUMNS`` columns on): at 2048 and 4096 columns (rows of
-  bytes 2 and 4 KiB apart) the byte transpose took 1.5 to 2.5 times as
-  long as the words'; on narrower ones the extra pass and the words' split
-  back into bytes cost more than the plain byte transpose.
-  """
-  n = next(n for n in (4, 2, 1) if words.shape[0] % n == 0)
-  if n == 1:
-    return words
-  dtype = _WORDS[8 * n]
-  shifts = (8 * jnp.arange(n, dtype=dtype))[:, None]
-  b = words.reshape(-1, n, words.shape[1]).astype(dtype) << shifts
-  return lax.reduce(b, jnp.zeros((), dtype), lax.add, (1,))
 
 
 def _column_statistics(v: jax.Array):
@@ -211,7 +123,7 @@ def _column_statistics(v: jax.Array):
   rows, cols = v.shape
   words, pos, neg = _bits_and_sums(v.reshape(rows // 8, 8, cols), 1, "column")
   count = _sum_by_product(lax.population_count(words).astype(jnp.float32), 0)
-  packed = _words_to_bytes(_wider_words(words) if cols >= _WIDEN_FROM_COLUMNS else words)
+  packed = words_to_bytes(wider_words(words) if cols >= _WIDEN_FROM_COLUMNS else words)
   return packed, _sum_by_product(pos, 0), _sum_by_product(neg, 0) * 0.5, count
 
 
@@ -293,7 +205,7 @@ def _decode_packed(packed: jax.Array, run: Run, pairs: jax.Array) -> jax.Array:
   several times slower. Any other run unpacks the bytes that hold it.
   """
   if run.start % 8 == 0 and run.length % 8 == 0:
-    bits = _bit_lanes(packed[run.start // 8 : (run.start + run.size) // 8].reshape(run.count, -1))
+    bits = bit_lanes(packed[run.start // 8 : (run.start + run.size) // 8].reshape(run.count, -1))
     out = jnp.where(bits, pairs[:, 0, None, None], pairs[:, 1, None, None])
     return out.reshape(run.count, run.length)
   first = run.start // 8
@@ -560,7 +472,7 @@ def _decode_pieces(flat_bytes, all_pairs, layout: Layout, i: int) -> jax.Array:
   decoded pieces at about half the speed of this single fused decode.
   """
   off, size = layout.offsets[i], layout.sizes[i]
-  bits = _bit_lanes(flat_bytes[off // 8 : (off + size) // 8])  # (size / 8, 8)
+  bits = bit_lanes(flat_bytes[off // 8 : (off + size) // 8])  # (size / 8, 8)
   (j, row, _), *later = layout.leaf_runs(i)
   hi, lo = all_pairs[j, row, 0], all_pairs[j, row, 1]
   index = lax.broadcasted_iota(jnp.int32, (size // 8, 1), 0)
