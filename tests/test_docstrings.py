@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import inspect
 import pkgutil
 
 import jax
@@ -41,3 +42,55 @@ def test_the_public_modules_have_examples():
   }
   for name, tests in attempted.items():
     assert sum(len(t.examples) for t in tests) > 0, name
+
+
+
+PUBLIC_MODULES = ("jmp_train", "jmp_train.flax", "jmp_train.diagnostics")
+
+
+def _docstrings(obj, name):
+  """``(name, docstring)`` of ``obj`` and, for a class, of its methods and properties.
+
+  A class's methods inherited from the library's own base classes count (a
+  user reads them as the class's); Python's and other libraries' do not.
+  """
+  yield name, obj.__doc__
+  if not inspect.isclass(obj):
+    return
+  for klass in obj.__mro__:
+    if not klass.__module__.startswith("jmp_train"):
+      continue
+    for attr, value in vars(klass).items():
+      if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+      elif isinstance(value, property):
+        value = value.fget
+      if inspect.isfunction(value):
+        yield f"{name}.{attr}", value.__doc__
+
+
+def _public_examples():
+  """``(public name, example source)`` for every docstring example a user reads."""
+  parser = doctest.DocTestParser()
+  for module_name in PUBLIC_MODULES:
+    module = importlib.import_module(module_name)
+    for name in module.__all__:
+      obj = getattr(module, name)
+      if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+        continue  # a constant: its docstring is its type's
+      for doc_name, doc in _docstrings(obj, f"{module_name}.{name}"):
+        for example in parser.get_examples(doc or ""):
+          yield doc_name, example.source
+
+
+def test_public_examples_use_public_names():
+  # The examples show the public API (``import jmp_train``), not the private
+  # modules behind it.
+  private = sorted({name for name, source in _public_examples() if "jmp_train._src" in source})
+  assert not private, f"examples importing jmp_train._src: {private}"
+
+
+def test_public_examples_are_found():
+  names = {name for name, _ in _public_examples()}
+  assert {"jmp_train.loss_scaled", "jmp_train.DynamicLossScale",
+          "jmp_train.scale_by_adam"} <= names

@@ -71,12 +71,10 @@ def get_loss_scale(opt_state: Any) -> LossScale:
       one.
 
   Examples:
-    >>> import optax
-    >>> from jmp_train._src.loss_scale import StaticLossScale
-    >>> from jmp_train._src.loss_scaling import loss_scaled
-    >>> tx = optax.chain(optax.clip(1.0), loss_scaled(optax.sgd(0.1),
-    ...     StaticLossScale(8.0)))
-    >>> float(get_loss_scale(tx.init(jnp.zeros(2))).loss_scale)
+    >>> import jmp_train, optax
+    >>> tx = optax.chain(optax.clip(1.0), jmp_train.loss_scaled(
+    ...     optax.sgd(0.1), jmp_train.StaticLossScale(8.0)))
+    >>> float(jmp_train.get_loss_scale(tx.init(jnp.zeros(2))).loss_scale)
     8.0
   """
   return _find_state(opt_state, "get_loss_scale").loss_scale
@@ -99,13 +97,11 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
       one.
 
   Examples:
-    >>> import optax
-    >>> from jmp_train._src.loss_scale import DynamicLossScale
-    >>> from jmp_train._src.loss_scaling import loss_scaled
-    >>> tx = loss_scaled(optax.sgd(0.1), DynamicLossScale(2.0 ** 4))
+    >>> import jmp_train, optax
+    >>> tx = jmp_train.loss_scaled(optax.sgd(0.1), jmp_train.DynamicLossScale(2.0 ** 4))
     >>> state = tx.init(jnp.zeros(2))
     >>> _, state = tx.update(jnp.array([1.0, jnp.nan]), state)
-    >>> {k: v.item() for k, v in loss_scale_metrics(state).items()}
+    >>> {k: v.item() for k, v in jmp_train.loss_scale_metrics(state).items()}
     {'loss_scale': 8.0, 'notfinite_count': 1, 'total_notfinite': 1, 'last_finite': False}
   """
   state = _find_state(opt_state, "loss_scale_metrics")

@@ -37,6 +37,7 @@ from jmp_train._src.loss_scale import LossScale
 from jmp_train._src.loss_scaling_steps import branches
 from jmp_train._src.loss_scaling_steps import unscaled_all_finite
 from jmp_train._src.loss_scaling_steps import unscaler
+from jmp_train._src.pytrees import fresh_arrays
 
 __all__ = ["LossScaledState", "loss_scaled"]
 
@@ -161,6 +162,8 @@ def loss_scaled(
 
   Returns:
     A ``GradientTransformationExtraArgs`` with state :class:`LossScaledState`.
+    Its ``init`` puts copies of ``loss_scale``'s arrays in the state, so a
+    step that donates the state leaves ``loss_scale`` usable.
 
   Raises:
     TypeError: if ``inner`` is not an optax transformation (e.g. a string,
@@ -169,9 +172,8 @@ def loss_scaled(
       unknown ``skip_mode``.
 
   Examples:
-    >>> import optax
-    >>> from jmp_train._src.loss_scale import StaticLossScale
-    >>> tx = loss_scaled(optax.sgd(0.1), StaticLossScale(4.0))
+    >>> import jmp_train, optax
+    >>> tx = jmp_train.loss_scaled(optax.sgd(0.1), jmp_train.StaticLossScale(4.0))
     >>> params = {"w": jnp.ones(2)}
     >>> state = tx.init(params)
     >>> updates, state = tx.update({"w": jnp.full(2, 4.0)}, state, params)
@@ -198,8 +200,9 @@ def loss_scaled(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    # A copy: a step that donates the state must not delete the caller's.
     return LossScaledState(
-        loss_scale=loss_scale,
+        loss_scale=fresh_arrays(loss_scale),
         notfinite_count=jnp.zeros((), jnp.int32),
         total_notfinite=jnp.zeros((), jnp.int32),
         inner_state=inner.init(params),

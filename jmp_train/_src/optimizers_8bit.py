@@ -135,11 +135,9 @@ def scale_by_adam(
       ``optax.masked``).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> from jmp_train._src.optimizers_8bit import scale_by_adam
+    >>> import jax.numpy as jnp, jmp_train
     >>> params = {"w": jnp.ones((64, 64), jnp.bfloat16)}
-    >>> tx = scale_by_adam(mu_dtype="bfloat16", nu_dtype="8bit", min_8bit_size=0)
+    >>> tx = jmp_train.scale_by_adam(mu_dtype="bfloat16", nu_dtype="8bit", min_8bit_size=0)
     >>> state = tx.init(params)
     >>> state.mu["w"].dtype, state.nu["w"].codes.dtype, state.nu["w"].absmax.shape
     (dtype(bfloat16), dtype('uint8'), (16,))
@@ -250,9 +248,8 @@ def adam_8bit(
   Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> import jmp_train
-    >>> from jmp_train._src.optimizers_8bit import adam_8bit
     >>> params = {"w": jnp.zeros((128, 64), jnp.bfloat16)}
-    >>> tx = optax.chain(adam_8bit(1e-3), jmp_train.stochastic_rounding(0))
+    >>> tx = optax.chain(jmp_train.adam_8bit(1e-3), jmp_train.stochastic_rounding(0))
     >>> state = tx.init(params)
     >>> grads = {"w": jnp.ones((128, 64), jnp.bfloat16)}
     >>> updates, state = tx.update(grads, state, params)
@@ -363,10 +360,9 @@ def sgd_8bit(
       ``optax.masked``).
 
   Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> from jmp_train._src.optimizers_8bit import sgd_8bit
+    >>> import jax.numpy as jnp, jmp_train
     >>> params = {"w": jnp.zeros((64, 64))}
-    >>> tx = sgd_8bit(0.1, momentum=0.9, min_8bit_size=0)
+    >>> tx = jmp_train.sgd_8bit(0.1, momentum=0.9, min_8bit_size=0)
     >>> state = tx.init(params)
     >>> state[0].trace["w"].codes.dtype
     dtype('uint8')

@@ -7,8 +7,40 @@ from typing import Any
 
 import flax.serialization
 import jax
+import jax.numpy as jnp
 
-__all__ = ["register_pytree_dataclass"]
+__all__ = ["fresh_arrays", "register_pytree_dataclass"]
+
+
+def fresh_arrays(tree: Any) -> Any:
+  """Copies of the JAX arrays of ``tree``, in buffers of their own.
+
+  optax's contract is that ``init`` returns buffers it made: a train step
+  jitted with ``donate_argnums`` on the optimizer state frees them, and must
+  not free an array a caller still holds. An ``init`` that puts into its
+  state an array captured when the transformation was built (a loss scale's
+  ``loss_scale``, a PRNG key) returns it through this function. Traced
+  (an ``init`` under ``jit`` or ``shard_map``), the copy costs nothing: the
+  compiled program's outputs are new buffers anyway. Leaves that are not JAX
+  arrays (NumPy arrays, Python scalars) are kept: ``jit`` copies them to the
+  device.
+
+  Args:
+    tree: a pytree.
+
+  Returns:
+    ``tree`` with every ``jax.Array`` leaf replaced by a copy (same dtype,
+    shape and sharding, new buffer); its treedef (static fields included)
+    unchanged.
+
+  Examples:
+    >>> scale = jnp.float32(2.0 ** 15)
+    >>> copy = fresh_arrays({"s": scale})["s"]
+    >>> copy is scale, float(copy)
+    (False, 32768.0)
+  """
+  return jax.tree.map(
+      lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 
 def register_pytree_dataclass(cls: type) -> type:

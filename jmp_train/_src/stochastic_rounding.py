@@ -13,6 +13,7 @@ from jmp_train._src.half_updates import check_params
 from jmp_train._src.half_updates import check_structure
 from jmp_train._src.half_updates import is_narrower_than_float32
 from jmp_train._src.policy import is_floating_array
+from jmp_train._src.pytrees import fresh_arrays
 
 __all__ = ["StochasticRoundingState", "stochastic_rounding"]
 
@@ -122,7 +123,8 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update`` requires ``params``;
-    its state is a :class:`StochasticRoundingState`.
+    its state is a :class:`StochasticRoundingState`, whose key ``init``
+    copies (a step that donates the state leaves ``seed`` usable).
 
   Raises:
     ValueError: if ``seed`` is none of the above, or (at trace time) if
@@ -150,7 +152,9 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
 
   def init_fn(params):
     del params
-    return StochasticRoundingState(key=key_data)
+    # A copy: a step that donates the state must not delete the caller's key
+    # (whose buffer ``key_data`` may be) nor this transformation's seed.
+    return StochasticRoundingState(key=fresh_arrays(key_data))
 
   def update_fn(updates, state, params=None):
     check_params(params, "stochastic_rounding")
