@@ -17,7 +17,8 @@ References:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+import sys
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -122,6 +123,18 @@ def autocast(
   Integer, boolean and key values are never touched; Python scalars and
   other non-array leaves are static (closed over at tracing).
 
+  Flax NNX modules (and other NNX graph nodes: ``nnx.Variable`` s,
+  ``nnx.Rngs``, optimizers) may be arguments, anywhere in ``args`` or
+  ``kwargs``: their state updates (BatchNorm's running statistics, RNG
+  counts, any ``nnx.Variable`` ``fun`` writes) are kept, in place, as
+  without autocast, so ``nnx.value_and_grad(autocast(loss_fn, policy))``
+  trains under ``nnx.jit`` as it does without autocast. A module's
+  ``nnx.Param`` leaves are parameters when it is at ``params_argnums``;
+  its other state keeps its dtype, and comes back in the dtype ``fun``
+  gives it (float32 batch statistics stay float32). ``fun`` may neither
+  return a module nor change a module's static attributes (a TypeError
+  says so).
+
   Calls are followed: ``jit`` functions (inlined; their names join the
   scope), ``scan``, ``while_loop``, ``cond``/``switch``, ``checkpoint``,
   ``shard_map`` and ``custom_jvp`` functions (primal and rule both under the
@@ -152,7 +165,8 @@ def autocast(
 
   Raises:
     TypeError: if ``fun`` is not callable, or a list or ``params_argnums``
-      is malformed.
+      is malformed; at a call, if ``fun`` returns an NNX module or changes
+      the structure of one it was given.
     ValueError: if ``policy`` is not a policy or a valid spec, or a list
       entry is not a primitive name nor a ``"scope:"`` entry.
 
@@ -168,6 +182,14 @@ def autocast(
     >>> sorted({str(e.outvars[0].aval.dtype) for e in jaxpr.eqns
     ...         if e.primitive.name in ("dot_general", "exp")})
     ['bfloat16', 'float32']
+
+    An NNX module's state updates are kept:
+
+    >>> from flax import nnx
+    >>> model = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+    >>> _ = autocast(lambda m, x: m(x), "mixed_bfloat16")(model, jnp.arange(6.0).reshape(2, 3))
+    >>> model.mean[...]  # 0.99 * 0 + 0.01 * the batch's mean
+    Array([0.015, 0.025, 0.035], dtype=float32)
 
   References:
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
@@ -201,33 +223,202 @@ def autocast(
           "positional arguments."
       )
     params = {n % len(args) for n in argnums}
-    is_param = [jax.tree.map(lambda _, p=i in params: p, a) for i, a in enumerate(args)]
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    param_flags = jax.tree.leaves((is_param, jax.tree.map(lambda _: False, kwargs)))
-    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+    nnx = _nnx()
+    is_node = (lambda x: False) if nnx is None else functools.partial(_is_graph_node, nnx)
+    is_param = [jax.tree.map(lambda _, p=i in params: p, a, is_leaf=is_node)
+                for i, a in enumerate(args)]
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
+    kw_flags = jax.tree.map(lambda _: False, kwargs, is_leaf=is_node)
+    param_flags = jax.tree.leaves((is_param, kw_flags))
+    if any(is_node(x) for x in leaves):
+      return _call_nnx(nnx, rules, fun, leaves, treedef, param_flags)
 
-    def flat_fun(*dyn):
-      full = list(leaves)
-      for i, x in zip(dynamic, dyn):
-        full[i] = x
+    def call(full):
       a, k = jax.tree.unflatten(treedef, full)
-      return fun(*a, **k)
+      return _check_out(nnx, fun(*a, **k))
 
-    dyn_vals = [leaves[i] for i in dynamic]
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn_vals)
-    vals, tags = [], []
-    for i, x in zip(dynamic, dyn_vals):
-      if _dtype(x) is None:
-        vals.append(x)
-        tags.append(_CONST)
-      elif param_flags[i]:
-        vals.append(_cast(x, policy.param_dtype))
-        tags.append(_PARAM)
-      else:
-        vals.append(_cast(x, policy.compute_dtype))
-        tags.append(_HALF)
-    outs, _ = autocast_calls._closed(rules, closed, vals, tags, ())
+    kinds = [_PARAMETER if p else _ACTIVATION for p in param_flags]
+    outs, out_shape = _evaluate(rules, call, leaves, kinds)
     outs = [_cast(o, policy.output_dtype) for o in outs]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   return wrapped
+
+
+# ---------------------------------------------------------------------------
+# Tracing and evaluation.
+
+# How an argument leaf enters the jaxpr: a parameter (cast to param_dtype),
+# an activation (cast to compute_dtype), or module state (an NNX Variable
+# other than a parameter, e.g. batch statistics: kept in its own dtype). Both
+# parameters and state are tagged as parameters: they never promote an
+# activation.
+_ACTIVATION, _PARAMETER, _STATE = 0, 1, 2
+
+
+def _evaluate(rules: _Rules, call: Callable[[list[Any]], Any], leaves: Sequence[Any],
+              kinds: Sequence[int]) -> tuple[list[Any], Any]:
+  """Traces ``call(leaves)`` and evaluates its jaxpr under ``rules``.
+
+  Args:
+    rules: the op lists and the policy.
+    call: the function, taking the list of leaves.
+    leaves: the arguments' leaves; arrays are traced, the rest closed over.
+    kinds: each leaf's ``_ACTIVATION``, ``_PARAMETER`` or ``_STATE``.
+
+  Returns:
+    The flat outputs as evaluated (no output cast) and the traced output
+    shapes (``jax.ShapeDtypeStruct`` leaves, in ``call``'s output structure).
+  """
+  policy = rules.policy
+  dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+  def flat_fun(*dyn):
+    full = list(leaves)
+    for i, x in zip(dynamic, dyn):
+      full[i] = x
+    return call(full)
+
+  dyn_vals = [leaves[i] for i in dynamic]
+  try:
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn_vals)
+  except Exception as e:
+    errors = sys.modules.get("flax.errors")
+    if errors is not None and isinstance(e, errors.TraceContextError):
+      raise TypeError(
+          "autocast's function wrote to an NNX Variable it closes over, which autocast's "
+          "tracing cannot keep. Pass the module as an argument: "
+          "autocast(lambda model, x: ..., policy)(model, x) keeps its updates."
+      ) from e
+    raise
+  vals, tags = [], []
+  for i, x in zip(dynamic, dyn_vals):
+    if _dtype(x) is None:
+      vals.append(x)
+      tags.append(_CONST)
+    elif kinds[i] == _PARAMETER:
+      vals.append(_cast(x, policy.param_dtype))
+      tags.append(_PARAM)
+    elif kinds[i] == _STATE:
+      vals.append(x)
+      tags.append(_PARAM)
+    else:
+      vals.append(_cast(x, policy.compute_dtype))
+      tags.append(_HALF)
+  outs, _ = autocast_calls._closed(rules, closed, vals, tags, ())
+  return list(outs), out_shape
+
+
+# ---------------------------------------------------------------------------
+# Flax NNX modules as arguments.
+
+
+def _nnx() -> Any:
+  """``flax.nnx`` if it is imported (no NNX object exists otherwise), else ``None``."""
+  return sys.modules.get("flax.nnx")
+
+
+def _is_graph_node(nnx: Any, x: Any) -> bool:
+  """Whether ``x`` is an NNX module, other graph node or ``Variable``."""
+  return isinstance(x, nnx.Variable) or nnx.graph.is_node_module(x)
+
+
+def _check_out(nnx: Any, out: Any) -> Any:
+  """``out``, or a TypeError if it holds an NNX module (it would come back a copy)."""
+  if nnx is None:
+    return out
+  is_module = lambda x: not isinstance(x, nnx.Variable) and nnx.graph.is_node_module(x)
+  found = [type(x).__name__ for x in jax.tree.leaves(out, is_leaf=is_module) if is_module(x)]
+  if found:
+    raise TypeError(
+        f"autocast's function returned NNX modules ({', '.join(found)}), which would come "
+        "back as detached copies. Return nnx.state(module) instead; the modules passed as "
+        "arguments are updated in place."
+    )
+  return out
+
+
+class _Static(NamedTuple):
+  """A value of the new state that is not an array (no output of the jaxpr)."""
+
+  value: Any
+
+
+def _call_nnx(nnx: Any, rules: _Rules, fun: Callable[..., Any], leaves: list[Any],
+              treedef: Any, param_flags: Sequence[bool]) -> Any:
+  """Calls ``fun`` on arguments holding NNX graph nodes, keeping their state updates.
+
+  The graph nodes (modules, ``Variable`` s, ``Rngs``...; those of the
+  arguments at ``params_argnums`` first, so that a ``Variable`` shared with
+  one of them counts as a parameter) are split together into a graphdef and
+  a state. The traced function merges a copy of them from the state, calls
+  ``fun`` and splits the copy again: its outputs are ``fun``'s and the new
+  state, which then updates the original nodes in place, as ``fun`` would.
+
+  ``Param`` leaves of the nodes at ``params_argnums`` are parameters, those
+  of other nodes activations, like any array there; other state (batch
+  statistics, RNG keys and counts, caches) keeps its dtype. The new state
+  comes back in the dtypes ``fun`` gives it without autocast (float32
+  batch statistics stay float32); ``fun``'s own outputs in
+  ``output_dtype``.
+  """
+  policy = rules.policy
+  node_pos = {i for i, x in enumerate(leaves) if _is_graph_node(nnx, x)}
+  order = sorted(node_pos, key=lambda i: (not param_flags[i], i))
+  nodes = tuple(leaves[i] for i in order)
+  graphdef, state = nnx.split(nodes, graph=True)
+
+  # The kind of each state leaf: its Variable's first path entry is the
+  # node's position in `nodes`.
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  kinds = []
+  for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:
+    if isinstance(var, nnx.Param):
+      kind = _PARAMETER if param_flags[order[path[0].key]] else _ACTIVATION
+    else:
+      kind = _STATE
+    kinds += [kind] * len(jax.tree.leaves(var))
+  state_leaves, state_def = jax.tree.flatten(state)
+  rest = [None if i in node_pos else x for i, x in enumerate(leaves)]
+  rest_leaves, rest_def = jax.tree.flatten(rest)
+  kinds += [_PARAMETER if param_flags[i] else _ACTIVATION
+            for i, x in enumerate(leaves) if i not in node_pos]
+  n_state = len(state_leaves)
+  box = {}
+
+  def call(full):
+    copies = nnx.merge(graphdef, jax.tree.unflatten(state_def, full[:n_state]))
+    args_leaves = jax.tree.unflatten(rest_def, full[n_state:])
+    for i, node in zip(order, copies):
+      args_leaves[i] = node
+    a, k = jax.tree.unflatten(treedef, args_leaves)
+    out = _check_out(nnx, fun(*a, **k))
+    new_graphdef, new_state = nnx.split(copies, graph=True)
+    new_leaves, new_def = jax.tree.flatten(new_state)
+    # A leaf that is still its input comes back as it was passed (not as
+    # the jaxpr evaluates it: cast to the dtype of its kind); other arrays
+    # are outputs of the jaxpr; other values (Python scalars) are static.
+    inputs = {id(x): i for i, x in enumerate(full[:n_state])}
+    box.update(graphdef=new_graphdef, state_def=new_def,
+               leaves=[inputs.get(id(x)) if _is_array(x) else _Static(x) for x in new_leaves])
+    return out, [x for x in new_leaves if _is_array(x) and id(x) not in inputs]
+
+  outs, (out_shape, new_shapes) = _evaluate(rules, call, state_leaves + rest_leaves, kinds)
+  n_out = len(jax.tree.leaves(out_shape))
+  out = jax.tree.unflatten(jax.tree.structure(out_shape),
+                           [_cast(o, policy.output_dtype) for o in outs[:n_out]])
+  # The new state in the dtypes `fun` gives it (as traced).
+  new_vals = iter(_cast(x, s.dtype) if _dtype(s) is not None else x
+                  for x, s in zip(outs[n_out:], new_shapes))
+  new_leaves = [next(new_vals) if x is None else x.value if isinstance(x, _Static)
+                else state_leaves[x] for x in box["leaves"]]
+  nnx.update(nodes, jax.tree.unflatten(box["state_def"], new_leaves))
+  if nnx.graphdef(nodes, graph=True) != box["graphdef"]:
+    raise TypeError(
+        "autocast's function changed the structure of its NNX arguments (set or deleted "
+        "a static attribute, or replaced a submodule by one of another structure): autocast "
+        "traces the function on a copy of the modules and carries their Variables' new "
+        "values back, not such changes. Make the change outside the function, or keep the "
+        "value in an nnx.Variable (its updates are carried back)."
+    )
+  return out
