@@ -1,4 +1,4 @@
-"""The check that a tree holds floating leaves only, shared by the optimizers."""
+"""Checks that a tree holds floating leaves only, shared by the optimizers and the gradients."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["check_leaves"]
+__all__ = ["check_leaves", "first_not_differentiable"]
 
 
 def check_leaves(tree: Any, what: str, name: str) -> tuple[list[Any], Any]:
@@ -53,3 +53,33 @@ def check_leaves(tree: Any, what: str, name: str) -> tuple[list[Any], Any]:
       )
     leaves.append(leaf)
   return leaves, treedef
+
+
+def first_not_differentiable(tree: Any) -> tuple[str, str] | None:
+  """The path and dtype of the first leaf ``jax.grad`` refuses, or None.
+
+  ``jax.grad`` needs floating or complex inputs; its own error names the
+  dtype of an integer, boolean or key leaf but not where it is.
+
+  Args:
+    tree: the tree to be differentiated.
+
+  Returns:
+    ``(path, dtype)`` of the first such leaf (``path`` as
+    ``jax.tree_util.keystr`` writes it, a Python ``int`` or ``bool`` leaf
+    named by its type), or ``None`` if there is none.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> first_not_differentiable({"w": jnp.ones(2), "n": jnp.ones(2, jnp.int32)})
+    ("['n']", 'int32')
+    >>> first_not_differentiable({"w": jnp.ones(2)}) is None
+    True
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(leaf, (bool, int)):
+      return jax.tree_util.keystr(path), f"Python {type(leaf).__name__}"
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+      return jax.tree_util.keystr(path), str(dtype)
+  return None

@@ -9,11 +9,12 @@ their static configuration, a :class:`StepConfig`, first.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable
 
-import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -22,6 +23,8 @@ from jax import lax
 from jmp_train._src import buckets
 from jmp_train._src import fp8 as fp8_lib
 from jmp_train._src import fp8_flax
+from jmp_train._src.leaf_checks import first_not_differentiable
+from jmp_train._src.messages import describe, error_summary
 from jmp_train._src.policy import Policy
 from jmp_train._src.train_state import TrainState
 
@@ -61,11 +64,99 @@ def _split_batch(batch: Any) -> tuple[Any, Any]:
   return batch[0], batch[1]
 
 
+# First parameter names of a loss that expects the model, its state or its
+# parameters (a Flax-tutorial ``loss_fn(model, batch)``), not its outputs.
+_MODEL_PARAMETERS = frozenset(
+    {"model", "module", "net", "network", "state", "train_state", "params", "variables"})
+
+_LOSS_SIGNATURE = (
+    "make_train_step calls loss_fn(outputs, targets): outputs is what the model "
+    "returns for the inputs of a batch (inputs, targets), cast to the policy's "
+    "output dtype, and targets is the batch's second element; loss_fn returns a "
+    "scalar loss, or (loss, aux) with aux a dict of scalar metrics and "
+    "has_aux=True."
+)
+
+
+def _loss_signature_mismatch(loss_fn: Callable[..., Any], error: Exception,
+                             outputs: Any, targets: Any) -> str | None:
+  """Why ``error`` from ``loss_fn(outputs, targets)`` is a signature mistake, or None.
+
+  Only three signs count, so that a genuine error inside a loss of the right
+  signature reaches the user unchanged: ``loss_fn`` cannot take two
+  positional arguments; its first parameter is named like the model, its
+  state or its parameters (``model``, ``state``, ``params``, ...); or the
+  error is JAX's refusal to index an array with a string (``batch["label"]``
+  on the targets array).
+  """
+  try:
+    signature = inspect.signature(loss_fn)
+  except (TypeError, ValueError):
+    signature = None
+  shown = "loss_fn" + (str(signature) if signature is not None else "")
+  if signature is not None:
+    try:
+      signature.bind(outputs, targets)
+    except TypeError:
+      return f"The {shown} given cannot be called so ({error_summary(error)})."
+    first = next(iter(signature.parameters), None)
+    if first in _MODEL_PARAMETERS:
+      return (f"The {shown} given takes {first!r} first (make_train_step runs the "
+              "model itself, so a Flax-tutorial loss_fn(model, batch) or "
+              f"loss_fn(params, batch) does not fit) and raised {error_summary(error)}.")
+  if isinstance(error, TypeError) and "string indexing" in str(error):
+    return (f"The {shown} given indexed an array with a string ({error_summary(error)}), "
+            "as a Flax-tutorial loss_fn(model, batch) does with batch['label'].")
+  return None
+
+
+def _call_loss_fn(cfg: StepConfig, outputs, targets):
+  try:
+    return cfg.loss_fn(outputs, targets)
+  except (TypeError, IndexError, KeyError, AttributeError) as e:
+    why = _loss_signature_mismatch(cfg.loss_fn, e, outputs, targets)
+    if why is None:
+      raise
+  raise TypeError(
+      f"{_LOSS_SIGNATURE} {why} Pass the model as apply_fn and a loss of its "
+      "outputs, e.g. lambda logits, labels: optax.softmax_cross_entropy_with_"
+      "integer_labels(logits, labels).mean(), with step(state, (batch['image'], "
+      "batch['label']))."
+  ) from None
+
+
 def _loss(cfg: StepConfig, outputs, targets):
-  result = cfg.loss_fn(cfg.policy.cast_to_output(outputs), targets)
-  loss, aux = result if cfg.has_aux else (result, {})
+  """The float32 scalar loss and the aux metrics of ``loss_fn``.
+
+  Raises:
+    TypeError: if ``loss_fn`` does not take ``(outputs, targets)`` (see
+      :func:`_loss_signature_mismatch`), or returns a tuple without
+      ``has_aux`` or no ``(loss, aux dict)`` with it.
+    ValueError: if the loss is not a scalar.
+  """
+  result = _call_loss_fn(cfg, cfg.policy.cast_to_output(outputs), targets)
+  if cfg.has_aux:
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+      raise TypeError(
+          f"With has_aux=True, loss_fn must return (loss, aux), got {describe(result)}.")
+    loss, aux = result
+    if not isinstance(aux, collections.abc.Mapping):
+      raise TypeError(
+          "With has_aux=True, loss_fn returns (loss, aux) with aux a dict of scalar "
+          f"metrics (averaged and returned with the step's metrics), got aux as "
+          f"{describe(aux)}.")
+  else:
+    if isinstance(result, (tuple, list)):
+      raise TypeError(
+          f"loss_fn returned a {type(result).__name__} of length {len(result)}, not a "
+          "scalar loss: if it returns (loss, aux) with aux a dict of scalar metrics, "
+          "pass make_train_step(..., has_aux=True).")
+    loss, aux = result, {}
   loss = jnp.asarray(loss, jnp.float32)
-  chex.assert_shape(loss, ())
+  if loss.shape != ():
+    raise ValueError(
+        f"loss_fn must return a scalar loss, got shape {loss.shape}: reduce it "
+        "(e.g. with jnp.mean).")
   return loss, aux
 
 
@@ -88,8 +179,28 @@ def _replica(cfg: StepConfig):
   return None if cfg.axis_name is None else lax.axis_index(cfg.axis_name)
 
 
+def _check_params(params: Any) -> None:
+  """Names a leaf of ``params`` that ``jax.grad`` refuses (integer, boolean, key).
+
+  Raises:
+    TypeError: naming its path and dtype, and the two fixes.
+  """
+  found = first_not_differentiable(params)
+  if found is not None:
+    path, dtype = found
+    raise TypeError(
+        f"make_train_step differentiates every leaf of params, but "
+        f"params{path} has dtype {dtype}: gradients need floating-point leaves. "
+        "Cast it to a float dtype before step.init (e.g. jnp.float32), or keep "
+        "integer values out of params: in model_state (another Flax collection, "
+        "step.init(params, model_state={...}); for an NNX module, an nnx.Variable "
+        "that is not an nnx.Param), which the step carries without differentiating."
+    )
+
+
 def _gradients(cfg: StepConfig, state: TrainState, inputs, targets):
   """The loss, aux, new model state, gradients (replica mean unless compressed) and scale."""
+  _check_params(state.params)
   replica = _replica(cfg)
   rng = None
   if state.rng is not None:

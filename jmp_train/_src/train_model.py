@@ -21,6 +21,7 @@ state can be replicated, averaged and checkpointed like any array tree.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -41,6 +42,51 @@ def _is_nnx_module(x: Any) -> bool:
   return isinstance(x, nnx.Module)
 
 
+def _invalid_rng_error() -> type[Exception]:
+  from flax import errors  # pylint: disable=g-import-not-at-top
+
+  return errors.InvalidRngError
+
+
+def _first_line(e: BaseException) -> str:
+  """The first line of ``e``'s message, without Flax's link to its docs."""
+  lines = str(e).strip().splitlines()
+  return re.sub(r"\s*\(https?://[^)]*\)", "", lines[0]) if lines else type(e).__name__
+
+
+def _linen_rng_error(e: Exception, rng: Any, rng_collections: Sequence[str]) -> ValueError:
+  """What make_train_step expects, for a linen ``InvalidRngError`` ``e``."""
+  match = re.search(r'PRNG for "([^"]+)"', str(e))
+  name = match.group(1) if match else None
+  wanted = repr(name) if name else "each collection the model draws from"
+  if rng is None:
+    fix = ("the state holds no PRNG key: make it with step.init(params, rng=0) (an "
+           "int seed or a PRNG key), and make_train_step passes a key, folded with "
+           "the step and the replica, under each name in rng_collections "
+           f"(now {tuple(rng_collections)!r}), which must include {wanted}")
+  else:
+    names = tuple(rng_collections) + ((name,) if name and name not in rng_collections else ())
+    fix = (f"make_train_step passes keys only under the names in rng_collections, "
+           f"now {tuple(rng_collections)!r}: pass make_train_step(..., "
+           f"rng_collections={names!r})")
+  return ValueError(f"The model needs a PRNG key ({_first_line(e)}), but {fix}.")
+
+
+def _nnx_rng_error(e: Exception) -> ValueError | None:
+  """What make_train_step expects, if ``e`` is NNX's Dropout without rngs."""
+  text = str(e)
+  if not re.search(r"no `?rngs`? (argument )?was provided", text):
+    return None
+  return ValueError(
+      f"An nnx.Dropout of the module has no RNG stream ({_first_line(e)}). "
+      "make_train_step passes no rngs to an NNX module (rng_collections and "
+      "step.init's rng are for linen models): each step draws from the module's "
+      "own nnx.Rngs streams, which it stores in model_state. Construct the "
+      "Dropout with a stream, nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0)), or "
+      "pass the module's rngs (an nnx.Rngs with a 'dropout' stream) to it."
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class LinenModel:
   """A Flax linen-style ``apply_fn(variables, inputs, **kwargs)``."""
@@ -55,6 +101,13 @@ class LinenModel:
     return params, {} if model_state is None else dict(model_state)
 
   def train_apply(self, params, model_state, inputs, rng, replica):
+    """Outputs and new model state in training mode.
+
+    Raises:
+      ValueError: if the model needs a PRNG key the step did not pass (no
+        ``rng`` in the state, or a collection missing from
+        ``rng_collections``), saying which.
+    """
     del replica  # Folded into ``rng`` by the step.
     variables = {"params": params, **model_state}
     kwargs = {}
@@ -62,15 +115,32 @@ class LinenModel:
       kwargs["rngs"] = {
           name: jax.random.fold_in(rng, i) for i, name in enumerate(self.rng_collections)
       }
-    if not model_state:
-      return self.apply_fn(variables, inputs, **kwargs), model_state
-    outputs, new_model_state = self.apply_fn(
-        variables, inputs, mutable=list(model_state), **kwargs
-    )
+    try:
+      if not model_state:
+        return self.apply_fn(variables, inputs, **kwargs), model_state
+      outputs, new_model_state = self.apply_fn(
+          variables, inputs, mutable=list(model_state), **kwargs
+      )
+    except _invalid_rng_error() as e:
+      raise _linen_rng_error(e, rng, self.rng_collections) from None
     return outputs, dict(new_model_state)
 
   def eval_apply(self, params, model_state, inputs):
-    return (self.eval_apply_fn or self.apply_fn)({"params": params, **model_state}, inputs)
+    """Outputs in evaluation mode (no ``rngs``, nothing mutable).
+
+    Raises:
+      ValueError: if the model still draws random numbers, naming
+        ``eval_apply_fn``.
+    """
+    try:
+      return (self.eval_apply_fn or self.apply_fn)({"params": params, **model_state}, inputs)
+    except _invalid_rng_error() as e:
+      raise ValueError(
+          f"evaluate calls the model without PRNG keys, but it needs one "
+          f"({_first_line(e)}): pass make_train_step(..., eval_apply_fn=...) an "
+          "apply in evaluation mode, e.g. functools.partial(model.apply, "
+          "train=False), with its Dropout deterministic."
+      ) from None
 
 
 def _key_to_data(tree: Any) -> Any:
@@ -137,12 +207,24 @@ class NnxModel:
     return self._merge(params, model_state, None)
 
   def train_apply(self, params, model_state, inputs, rng, replica):
+    """Outputs and new model state in training mode.
+
+    Raises:
+      ValueError: if an ``nnx.Dropout`` has no RNG stream, saying how to
+        give it one.
+    """
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
     del rng  # The module draws from its own nnx.Rngs streams.
     model = self._merge(params, model_state, replica)
     model.train()
-    outputs = model(inputs)
+    try:
+      outputs = model(inputs)
+    except (ValueError, TypeError) as e:
+      error = _nnx_rng_error(e)
+      if error is None:
+        raise
+      raise error from None
     _, _, rest = nnx.split(model, nnx.Param, ...)
     # Keep the stored (unfolded) keys; the streams' counters move on.
     rest = jax.tree.map(
