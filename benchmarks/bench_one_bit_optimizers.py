@@ -74,6 +74,16 @@ AXIS = digits.AXIS
 B1, B2, EPS = 0.9, 0.999, 1e-8
 
 
+def _one_bit_adam(learning_rate, warmup_steps, **options):
+  """``one_bit_adam`` on ``AXIS``; each option left out takes the paper's rule.
+
+  The rows name what they turn on, so ``one_bit_adam`` is Tang et al.'s
+  frozen-``v`` rule whatever the library's defaults.
+  """
+  options = {"clip_step": False, "rescale_variance": False, **options}
+  return one_bit_adam(learning_rate, axis_name=AXIS, warmup_steps=warmup_steps, **options)
+
+
 def _frozen_v_adam(learning_rate, warmup_steps: int) -> optax.GradientTransformation:
   """Adam on the exact ``pmean`` with ``v`` frozen after warm-up (no compression).
 
@@ -137,24 +147,24 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
          lambda lr=lr: optax.chain(sign_compression(AXIS), optax.adam(lr))),
         ("adam", "adam_frozen_v", peak, name, lambda lr=lr: _frozen_v_adam(lr, warmup)),
         ("adam", "one_bit_adam", peak, name,
-         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup)),
+         lambda lr=lr: _one_bit_adam(lr, warmup)),
         ("adam", "one_bit_adam_clipped", peak, name,
-         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, clip_step=True)),
+         lambda lr=lr: _one_bit_adam(lr, warmup, clip_step=True)),
         ("adam", "one_bit_adam_rescaled", peak, name,
-         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup,
+         lambda lr=lr: _one_bit_adam(lr, warmup,
                                     rescale_variance=True)),
         ("adam", "one_bit_adam_rescaled_clipped", peak, name,
-         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, rescale_variance=True,
+         lambda lr=lr: _one_bit_adam(lr, warmup, rescale_variance=True,
                                     clip_step=True)),
         ("adam", "one_bit_adam_preconditioned", peak, name,
-         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, exchange="preconditioned")),
+         lambda lr=lr: _one_bit_adam(lr, warmup, exchange="preconditioned")),
         ("adam", "one_bit_adam_refresh", peak, name,
-         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh)),
+         lambda lr=lr: _one_bit_adam(lr, warmup, variance_refresh=refresh)),
         ("adam", "one_bit_adam_refresh_clipped", peak, name,
-         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup,
+         lambda lr=lr: _one_bit_adam(lr, warmup,
                                     variance_refresh=refresh, clip_step=True)),
         ("adam", "one_bit_adam_preconditioned_refresh", peak, name,
-         lambda lr=lr: one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh,
+         lambda lr=lr: _one_bit_adam(lr, warmup, variance_refresh=refresh,
                                     exchange="preconditioned")),
     ]
   return rows

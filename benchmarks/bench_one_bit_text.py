@@ -159,10 +159,11 @@ def train_text(
 
 
 def _optimizers(steps: int, quick: bool):
-  from jmp_train import one_bit_adam, one_bit_momentum, sign_compression
+  from jmp_train import one_bit_momentum, sign_compression
 
   from benchmarks.bench_one_bit_convergence import _exact_mean
   from benchmarks.bench_one_bit_optimizers import _frozen_v_adam
+  from benchmarks.bench_one_bit_optimizers import _one_bit_adam
 
   adam, sgdm = schedule(LR_ADAM, steps), schedule(LR_SGDM, steps)
   warmup = max(1, int(ONE_BIT_WARMUP * steps))
@@ -171,16 +172,16 @@ def _optimizers(steps: int, quick: bool):
       ("adam", "adam_float32", LR_ADAM, lambda: optax.chain(_exact_mean(AXIS), optax.adam(adam))),
       ("adam", "adam_frozen_v", LR_ADAM, lambda: _frozen_v_adam(adam, warmup)),
       ("adam", "one_bit_adam", LR_ADAM,
-       lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup)),
+       lambda: _one_bit_adam(adam, warmup)),
       ("adam", "one_bit_adam_clipped", LR_ADAM,
-       lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, clip_step=True)),
+       lambda: _one_bit_adam(adam, warmup, clip_step=True)),
       ("adam", "one_bit_adam_refresh", LR_ADAM,
-       lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh)),
+       lambda: _one_bit_adam(adam, warmup, variance_refresh=refresh)),
       ("adam", "one_bit_adam_refresh_clipped", LR_ADAM,
-       lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, variance_refresh=refresh,
+       lambda: _one_bit_adam(adam, warmup, variance_refresh=refresh,
                             clip_step=True)),
       ("adam", "one_bit_adam_rescaled_clipped", LR_ADAM,
-       lambda: one_bit_adam(adam, axis_name=AXIS, warmup_steps=warmup, rescale_variance=True,
+       lambda: _one_bit_adam(adam, warmup, rescale_variance=True,
                             clip_step=True)),
       ("adam", "adam_grad_1bit", LR_ADAM,
        lambda: optax.chain(sign_compression(AXIS), optax.adam(adam))),

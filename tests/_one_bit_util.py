@@ -38,7 +38,8 @@ def pmapped(k, factory, **kwargs):
 
 
 def adam(**kw):
-  kw.setdefault("axis_name", AXIS)
+  """1-bit Adam under the paper's rule (no step clip, ``v`` frozen as is)."""
+  kw = {"axis_name": AXIS, "clip_step": False, "rescale_variance": False, **kw}
   return one_bit_adam(kw.pop("learning_rate", 1e-2), **kw)
 
 

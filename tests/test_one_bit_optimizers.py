@@ -222,6 +222,32 @@ def test_steps_never_go_beyond_adams_bound_unless_asked(exchange, clip_step, ref
     assert largest > 10 * bound, (largest, bound)
 
 
+def test_defaults_clip_the_step_and_rescale_the_variance():
+  # The defaults are the best measured configuration (clip_step and
+  # rescale_variance on), not the paper's rule, which a user's CNN drove to
+  # NaN: gradients 1000x the warm-up's must not make a step past Adam's bound.
+  k, lr, warmup = 4, 1e-2, 2
+  devices = jax.devices()[:k]
+  tx = one_bit_adam(lr, axis_name=AXIS, warmup_steps=warmup)
+  init = jax.pmap(tx.init, axis_name=AXIS, devices=devices)
+  update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+  _, ref_init, ref_update = pmapped(k, adam, learning_rate=lr, warmup_steps=warmup,
+                                    clip_step=True, rescale_variance=True)
+  params = jax.tree.map(jnp.zeros_like, make_tree(k, seed=0))
+  state, ref_state = init(params), ref_init(params)
+  assert state.sq_mean is not None
+  largest = 0.0
+  for step in range(warmup + 4):
+    grads = make_tree(k, seed=30 + step, scale=1.0 if step < warmup else 1000.0)
+    updates, state = update(grads, state, params)
+    ref_updates, ref_state = ref_update(grads, ref_state, params)
+    for a, b in zip(leaves_of(updates), leaves_of(ref_updates)):
+      np.testing.assert_array_equal(a, b)
+    if step >= warmup:
+      largest = max([largest] + [float(np.abs(u).max()) for u in leaves_of(updates)])
+  assert largest <= lr * (1 - B1) / np.sqrt(1 - B2) * (1 + 1e-5)
+
+
 @pytest.mark.parametrize(
     "factory, exchange",
     [(adam, "momentum"), (adam, "preconditioned"), (momentum, None)],

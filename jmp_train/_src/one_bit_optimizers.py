@@ -56,8 +56,8 @@ late barely changes the trajectory; no gradient arrives late.
   :math:`-\eta_t\,(\mathrm{clip}_B(\hat m / (\sqrt{\hat v} + \epsilon)) + \lambda p)`
   with ``m`` from the compressed exchange (decoupled weight decay, AdamW).
 
-``clip_B`` is the identity, as in the paper, unless ``clip_step=True``:
-then it clips each element to
+With ``clip_step=True`` (the default; ``False`` is the paper's identity)
+``clip_B`` clips each element to
 :math:`B = \max((1-\beta_1)/\sqrt{1-\beta_2}, 1)`, the bound Kingma & Ba
 give for an Adam step (Sec. 2.1: its size after a lone gradient spike).
 Exact Adam, whose ``v`` follows the gradients, does not exceed it. A
@@ -120,7 +120,8 @@ Following the gradients' size with one float per tensor
 --------------------------------------------------------
 Most of what a frozen ``v`` costs is its *size*: on a task whose
 gradients shrink tenfold after warm-up, every later step is held back by
-the early gradients. ``rescale_variance=True`` keeps the frozen ``v`` as
+the early gradients. ``rescale_variance=True`` (the default; ``False``
+keeps the paper's frozen ``v``) keeps the frozen ``v`` as
 the pattern across each tensor's elements and lets its size follow the
 gradients. Each replica takes its gradient's mean square over each tensor
 ``ℓ``; their ``pmean`` (one float per tensor, all tensors in one
