@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import chex
 import flax.linen as nn
 import jax
@@ -132,6 +135,15 @@ def test_a_batch_that_is_not_a_pair_names_what_was_given(batch, expected):
     ({"loss_fn": "mse"}, "loss_fn must be callable"),
     ({"apply_fn": {"params": 1}}, "apply_fn must be callable"),
     ({"compression": optax.sgd, "mode": "pmap"}, "compression must be"),
+    ({"optimizer": jmp_train.one_bit_adam(1e-3, axis_name="batch", warmup_steps=2),
+      "mode": "shard_map"}, "complete optimizer on local gradients .* pass it as compression=, "
+                            "with optimizer=None"),
+    ({"optimizer": jmp_train.one_bit_momentum(0.1, axis_name="batch"), "mode": "pmap"},
+     "pass it as compression="),
+    ({"optimizer": jmp_train.sign_compression("batch"), "mode": "shard_map"},
+     "compressor of local gradients .* pass it as compression=, and an optax optimizer"),
+    ({"optimizer": jmp_train.compressed_mean("batch"), "mode": "shard_map"},
+     "pass it as compression="),
 ])
 def test_bad_arguments_raise_type_error_at_construction(kwargs, message):
   arguments = {"apply_fn": nn.Dense(4).apply, "loss_fn": _xent, "optimizer": optax.sgd(0.1)}
@@ -139,3 +151,16 @@ def test_bad_arguments_raise_type_error_at_construction(kwargs, message):
   with pytest.raises(TypeError, match=message):
     jmp_train.make_train_step(arguments.pop("apply_fn"), arguments.pop("loss_fn"),
                               arguments.pop("optimizer"), **arguments)
+
+
+def test_float16_compute_without_a_loss_scale_warns_once_at_construction():
+  make = functools.partial(jmp_train.make_train_step, nn.Dense(4).apply, _xent, optax.sgd(0.1))
+  with pytest.warns(UserWarning, match="float16 compute without loss scaling") as record:
+    make(policy="mixed_float16")
+  assert len(record) == 1 and "DynamicLossScale" in str(record[0].message)
+  assert record[0].filename == __file__  # the warning points at the user's call
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    make(policy="mixed_float16", loss_scale=jmp_train.DynamicLossScale(2.0**15))
+    make(policy="mixed_bfloat16")
+    make(policy="params=float16,compute=float32,output=float32")

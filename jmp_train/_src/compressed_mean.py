@@ -62,6 +62,7 @@ from jax import lax
 from jmp_train._src import buckets as buckets_lib
 from jmp_train._src.leaf_checks import check_leaves
 from jmp_train._src.loss_scale import all_finite
+from jmp_train._src.replica_averaging import ReplicaCompressor
 from jmp_train._src.sign_layout import axis_size
 from jmp_train._src.wire_messages import append_floats, split_floats
 
@@ -364,6 +365,6 @@ def compressed_mean(
   if error_feedback is None:
     error_feedback = wire != "bfloat16"
   cfg = _Config(axis_name, wire, bool(error_feedback), num_replicas, bucket_bytes)
-  return optax.GradientTransformation(
+  return ReplicaCompressor(
       functools.partial(_init, cfg), functools.partial(_update, cfg)
   )

@@ -16,9 +16,10 @@ from jax import lax
 
 from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
 from jmp_train._src.hyperparams import check_unit, is_static_zero
-from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
-from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.leaf_checks import check_leaves
+from jmp_train._src.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
+from jmp_train._src.replica_averaging import ReplicaOptimizer
+from jmp_train._src.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
 
 __all__ = ["OneBitMomentumState", "one_bit_momentum"]
@@ -167,4 +168,4 @@ def one_bit_momentum(
         optax.safe_increment(state.count), trace, cstate
     )
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return ReplicaOptimizer(init_fn, update_fn)

@@ -144,6 +144,7 @@ from jmp_train._src.buckets import bucket_sizes, check_bucket_bytes
 from jmp_train._src.compressed_mean import CompressedMeanState
 from jmp_train._src.hyperparams import check_bool
 from jmp_train._src.leaf_checks import check_leaves
+from jmp_train._src.replica_averaging import ReplicaCompressor
 from jmp_train._src.sign_layout import Layout, axis_size, make_layout
 from jmp_train._src.wire_messages import append_floats, split_floats
 
@@ -438,7 +439,7 @@ def sign_compression(
       num_replicas=None if num_replicas is None else int(num_replicas),
       bucket_bytes=None if bucket_bytes is None else int(bucket_bytes),
   )
-  return optax.GradientTransformation(
+  return ReplicaCompressor(
       functools.partial(_init, cfg), functools.partial(_update, cfg)
   )
 

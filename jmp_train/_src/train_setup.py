@@ -7,6 +7,7 @@ optimizer chain wrapped in loss scaling.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -17,8 +18,11 @@ from jax.sharding import Mesh
 
 from jmp_train._src import buckets
 from jmp_train._src.hyperparams import check_bool
+from jmp_train._src.replica_averaging import ReplicaCompressor, ReplicaOptimizer
 
-__all__ = ["LossScalingFns", "check_arguments", "compose", "layout"]
+__all__ = [
+    "LossScalingFns", "check_arguments", "compose", "layout", "warn_float16_without_loss_scale",
+]
 
 MODES = ("single", "pmap", "shard_map")
 _REDUCE_DTYPES = ("float32", "bfloat16", "float16")
@@ -49,6 +53,37 @@ def _check_transformation(name: str, tx: Any, allow_none: bool) -> None:
   )
 
 
+def _check_optimizer_slot(optimizer: Any, compression: Any) -> None:
+  """A transformation that averages local gradients itself belongs in ``compression``."""
+  if isinstance(optimizer, ReplicaOptimizer):
+    raise TypeError(
+        "optimizer is a complete optimizer on local gradients (one_bit_adam or "
+        "one_bit_momentum) that averages them across replicas itself: pass it as "
+        "compression=, with optimizer=None, e.g. make_train_step(apply_fn, loss_fn, None, "
+        "compression=one_bit_adam(...), mode='shard_map')."
+    )
+  if isinstance(optimizer, ReplicaCompressor):
+    raise TypeError(
+        "optimizer is a compressor of local gradients (sign_compression or "
+        "compressed_mean), which averages them across replicas and applies no "
+        "learning rate: pass it as compression=, and an optax optimizer as optimizer="
+        ", e.g. make_train_step(apply_fn, loss_fn, optax.sgd(0.1), "
+        "compression=sign_compression('batch'), mode='shard_map')."
+    )
+
+
+def warn_float16_without_loss_scale(policy: Any, loss_scale: Any) -> None:
+  """A ``UserWarning`` when float16 gradients have no loss scale to keep them from flushing."""
+  if loss_scale is None and jnp.dtype(policy.compute_dtype) == jnp.float16:
+    warnings.warn(
+        f"float16 compute without loss scaling (policy {policy}): gradients smaller "
+        "than 2**-24 flush to zero in float16 and larger than 65504 overflow. Pass "
+        "loss_scale=jmp_train.DynamicLossScale(2.0**15), or use a bfloat16 policy "
+        "('mixed_bfloat16'), which needs no loss scale.",
+        UserWarning, stacklevel=3,
+    )
+
+
 def _dtype_name(dtype: Any) -> str | None:
   try:
     return jnp.dtype(dtype).name
@@ -66,6 +101,7 @@ def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype,
     )
   _check_transformation("optimizer", optimizer, allow_none=compression is not None)
   _check_transformation("compression", compression, allow_none=True)
+  _check_optimizer_slot(optimizer, compression)
   if mode not in MODES:
     raise ValueError(f"Unknown mode {mode!r}; valid modes: {', '.join(MODES)}.")
   if compression is not None and mode == "single":
