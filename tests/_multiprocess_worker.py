@@ -15,11 +15,9 @@ import sys
 
 if __name__ == "__main__":
   # Before jax is imported: 2 CPU devices in this process.
-  # (A generous collective timeout: on a busy machine devices drift apart.)
   os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " "
       "--xla_force_host_platform_device_count=2"
-      " --xla_cpu_collective_call_terminate_timeout_seconds=600"
   )
   os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -98,7 +96,8 @@ def train(devices, steps: int = STEPS, collectives: dict | None = None) -> dict[
     )
     if collectives is not None and t == 0:
       collectives.update(collective_bytes(step.lower(params, opt_state, batch).compile()))
-    params, opt_state = step(params, opt_state, batch)
+    # Each step waits for itself: XLA:CPU must not queue more collectives than it can run.
+    params, opt_state = jax.block_until_ready(step(params, opt_state, batch))
   return {name: np.asarray(v.addressable_data(0)) for name, v in params.items()}
 
 

@@ -30,7 +30,6 @@ if __name__ == "__main__":
   os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " "
       f"--xla_force_host_platform_device_count={sys.argv[6]}"
-      " --xla_cpu_collective_call_terminate_timeout_seconds=600"
   )
   os.environ["JAX_PLATFORMS"] = "cpu"
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["compile_single", "compile_pmap", "compile_shard_map", "first", "expand"]
+__all__ = [
+    "compile_single", "compile_pmap", "compile_shard_map", "expand", "first",
+    "waits_for_each_step", "waiting",
+]
 
 
 def first(tree):
@@ -65,3 +68,28 @@ def compile_shard_map(train, evaluate, init, donate, axis_name, mesh):
                     out_specs=spec)
   )
   return step_fn, eval_fn, init_fn
+
+
+def waits_for_each_step(mode: str, devices) -> bool:
+  """Whether a step must finish before the next is queued.
+
+  XLA:CPU runs the collectives of every queued program on one shared thread
+  pool, and each all-reduce waits until all of its devices' threads have
+  arrived. With several CPU devices and steps queued faster than they run,
+  the threads can all be taken by later steps' participants while an
+  earlier all-reduce still waits for one of its own: the rendezvous times
+  out ("Expected N threads ... only N-1 arrived") and the process aborts,
+  or it hangs. GPUs and TPUs queue collectives in streams and do not wait.
+  """
+  devices = list(devices)
+  return mode != "single" and len(devices) > 1 and any(d.platform == "cpu" for d in devices)
+
+
+def waiting(step_fn):
+  """``step_fn`` that returns only once its outputs are computed."""
+
+  def step(state, batch):
+    return jax.block_until_ready(step_fn(state, batch))
+
+  step.lower = step_fn.lower
+  return step

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
@@ -26,6 +27,7 @@ from jmp_train._src.replica_step import train_step
 from jmp_train._src.train_setup import check_arguments
 from jmp_train._src.train_setup import compose
 from jmp_train._src.train_setup import layout
+from jmp_train._src.train_setup import warn_float16_without_loss_scale
 from jmp_train._src.train_state import TrainStep
 
 __all__ = ["make_train_step"]
@@ -108,7 +110,13 @@ def make_train_step(
       differ between replicas). Needs ``mode="pmap"`` or ``"shard_map"``.
     mode: ``"single"`` (``jax.jit``), ``"pmap"`` (``jax.pmap`` over the local
       devices) or ``"shard_map"`` (``jax.jit`` of ``jax.shard_map`` over a
-      1-D mesh of all global devices).
+      1-D mesh of all global devices). On several CPU devices (simulated
+      with ``--xla_force_host_platform_device_count``, or gloo processes)
+      each step of the ``pmap`` and ``shard_map`` modes returns once it has
+      run: XLA:CPU aborts, or hangs, when more steps' all-reduces are queued
+      than its thread pool can run. A hand-written loop over collectives on
+      CPU devices should do the same (``jax.block_until_ready(state)`` after
+      each step).
     axis_name: the data-parallel axis name (``pmap`` and ``shard_map``).
     mesh: the ``shard_map`` mesh; default a 1-D mesh of ``jax.devices()``
       named ``axis_name``.
@@ -155,13 +163,22 @@ def make_train_step(
     TypeError: if ``apply_fn``, ``loss_fn`` or ``remat_policy`` is not
       callable, or ``optimizer`` / ``compression`` is not a transformation
       (a string, or a factory such as ``optax.sgd`` instead of
-      ``optax.sgd(0.1)``); at the first step, if the batch is not a tuple
-      ``(inputs, targets)``.
+      ``optax.sgd(0.1)``); if ``optimizer`` averages local gradients itself
+      (``one_bit_adam``, ``one_bit_momentum``, ``sign_compression``,
+      ``compressed_mean``: pass it as ``compression``); at the first step, if
+      the batch is not a tuple ``(inputs, targets)``, a parameter is not
+      floating (its path named), ``loss_fn`` does not take ``(outputs,
+      targets)`` (a Flax-tutorial ``loss_fn(model, batch)``), or it returns a
+      tuple without ``has_aux`` (or no ``(loss, aux dict)`` with it).
     ValueError: for an unknown ``mode`` or ``grad_reduce_dtype``, a
       non-positive ``bucket_bytes``, a non-string ``axis_name``, a non-bool
       ``has_aux``, ``cast_params`` or ``donate``, ``rng_collections`` that
       are not a sequence of names, a ``compression`` without a
-      data-parallel mode, or a ``mesh`` that lacks ``axis_name``.
+      data-parallel mode, or a ``mesh`` that lacks ``axis_name``; at the
+      first step, for a loss that is not a scalar, or a model that draws
+      random keys the step does not give it (a linen model without
+      ``step.init(..., rng=...)`` or its collection in ``rng_collections``;
+      an ``nnx.Dropout`` without an ``nnx.Rngs`` stream).
 
   Examples:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jmp_train
@@ -175,6 +192,10 @@ def make_train_step(
     >>> sorted(metrics)
     ['grad_norm', 'loss', 'loss_scale', 'skipped_steps']
 
+  Warns:
+    UserWarning: for float16 compute without a ``loss_scale`` (gradients
+      flush to zero or overflow; bfloat16 needs none).
+
   References:
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
     https://arxiv.org/abs/1710.03740
@@ -183,6 +204,7 @@ def make_train_step(
                   axis_name=axis_name, has_aux=has_aux, cast_params=cast_params,
                   donate=donate, rng_collections=rng_collections, remat_policy=remat_policy)
   policy = get_policy(policy)
+  warn_float16_without_loss_scale(policy, loss_scale)
   model = train_model.as_model(apply_fn, eval_apply_fn, rng_collections)
   mesh, num_replicas = layout(mode, axis_name, mesh)
   axis = axis_name if mode != "single" else None
@@ -203,6 +225,9 @@ def make_train_step(
   else:
     compiled = train_modes.compile_shard_map(train, evaluate, tx.init, donate, axis_name, mesh)
   step_fn, eval_fn, init_fn = compiled
+  devices = mesh.devices.flat if mode == "shard_map" else jax.local_devices()
+  if train_modes.waits_for_each_step(mode, devices):
+    step_fn = train_modes.waiting(step_fn)
   return TrainStep(
       tx=tx, policy=policy, mode=mode, axis_name=axis, mesh=mesh,
       num_replicas=num_replicas, _step=step_fn, _eval=eval_fn, _init_opt=init_fn,
