@@ -69,8 +69,8 @@ import numpy as np
 
 from benchmarks import _harness
 from jmp_train.examples import models
-from jmp_train._src.policy import Policy, get_policy
-from jmp_train._src.remat import half_precision_saveable
+from jmp_train._src.policy.policy import Policy, get_policy
+from jmp_train._src.policy.remat import half_precision_saveable
 from jmp_train._src.diagnostics.residuals import saved_residuals
 from jmp_train.flax import apply_policy
 

@@ -38,8 +38,8 @@ import optax
 
 from benchmarks import _harness
 from jmp_train import half_dtype
-from jmp_train._src import remat
-from jmp_train._src.autocast import autocast
+from jmp_train._src.policy import remat
+from jmp_train._src.autocast.transform import autocast
 from jmp_train.examples import models
 from jmp_train.flax import apply_policy
 

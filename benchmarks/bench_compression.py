@@ -2,7 +2,7 @@
 
 Part 1, bytes: for a 1,068,810-parameter MLP (784-1024-256-10), the
 per-device bytes of every collective in the compiled program of one
-gradient exchange (:func:`jmp_train.collective_bytes`), for K = 2..8
+gradient exchange (:func:`jmp_train.diagnostics.collective_bytes`), for K = 2..8
 replicas under ``pmap`` (on a one-GPU machine, over simulated CPU devices):
 
 * ``pmean_f32``: ``lax.pmean`` of float32 gradients (an all-reduce);
@@ -15,7 +15,7 @@ replicas under ``pmap`` (on a one-GPU machine, over simulated CPU devices):
 
 ``operand_bytes`` is what each device hands to the collectives;
 ``wire_bytes`` what it sends with bandwidth-optimal algorithms (ring
-all-reduce ``2(K-1)/K·n``; see :mod:`jmp_train._src.hlo`); ``vs_f32`` is
+all-reduce ``2(K-1)/K·n``; see :mod:`jmp_train._src.diagnostics.hlo`); ``vs_f32`` is
 ``wire_bytes`` over the float32 all-reduce's.
 
 The programs of part 1 are only inspected, never run: they are compiled
@@ -84,8 +84,9 @@ def _throughput_shapes(mlp) -> dict[str, list[tuple[int, ...]]]:
 
 
 def _bytes_records(shapes, ks, all_devices) -> list[dict]:
-  from jmp_train import collective_bytes, sign_compression
-  from jmp_train._src.compressed_mean import compressed_mean
+  from jmp_train import sign_compression
+  from jmp_train.diagnostics import collective_bytes
+  from jmp_train._src.compression.compressed_mean import compressed_mean
 
   n = sum(int(np.prod(s)) for s in shapes.values())
   records = []
@@ -133,8 +134,10 @@ def _bytes_records(shapes, ks, all_devices) -> list[dict]:
 
 def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
   """name -> (jitted function, args), for every direction of every codec."""
-  from jmp_train._src import sign_bits, sign_codec, sign_layout
-  from jmp_train._src.compressed_mean import compressed_mean
+  from jmp_train._src.compression import sign_bits
+  from jmp_train._src.compression import sign_codec
+  from jmp_train._src.compression import sign_layout
+  from jmp_train._src.compression.compressed_mean import compressed_mean
 
   keys = jax.random.split(jax.random.key(0), len(shapes))
   grads = [jax.random.normal(key, s, jnp.float32) for key, s in zip(keys, shapes)]

@@ -23,7 +23,7 @@ codec and communication), ``codec_ms`` (the codec alone in one process, no
 communication: ``axis_name=None``; for 1-bit only the worker side, for
 bfloat16/float8 quantize + dequantize; 0 for float32), ``comm_ms`` =
 ``exchange_ms - codec_ms`` (an estimate), ``wire_bytes`` (per process, from
-the compiled step's HLO, :func:`jmp_train.collective_bytes`) and
+the compiled step's HLO, :func:`jmp_train.diagnostics.collective_bytes`) and
 ``vs_float32`` (step-time ratio; below 1 is faster). Medians of
 interleaved rounds.
 
@@ -302,8 +302,8 @@ def _transform(scheme: str, axis_name):
   import optax
 
   from jmp_train._src import buckets
-  from jmp_train._src.compressed_mean import compressed_mean
-  from jmp_train._src.sign_compression import sign_compression
+  from jmp_train._src.compression.compressed_mean import compressed_mean
+  from jmp_train._src.compression.sign_compression import sign_compression
 
   if scheme.startswith("float32"):
     if axis_name is None:
@@ -333,8 +333,8 @@ def _programs(scheme, mesh, params, batch, grads_local, donate: bool):
   import optax
   from jax.sharding import PartitionSpec as P
 
-  from jmp_train import collective_bytes
-  from jmp_train._src.sign_compression import sign_compression_specs
+  from jmp_train.diagnostics import collective_bytes
+  from jmp_train._src.compression.sign_compression import sign_compression_specs
 
   tx = optax.chain(_transform(scheme, AXIS), optax.sgd(0.01))
   shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)

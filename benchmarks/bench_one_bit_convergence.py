@@ -247,7 +247,7 @@ def momentum_study(
   of ``rel_to_float32``).
   """
   from jmp_train import sign_compression
-  from jmp_train._src.one_bit_optimizers import one_bit_momentum
+  from jmp_train._src.compression import one_bit_momentum
 
   records = []
   for lr in learning_rates:

@@ -34,7 +34,7 @@ optimizer, learning rate and schedule, minus 1 (paired), and
 ``rel_to_float32_max`` the worst seed's; ``test_loss`` (the held-out 20%,
 mean over seeds) with ``rel_test_loss`` / ``rel_test_loss_max`` paired in
 the same way; ``wire_ratio``: bytes one device
-sends per step after warm-up (compiled HLO, :func:`jmp_train.collective_bytes`
+sends per step after warm-up (compiled HLO, :func:`jmp_train.diagnostics.collective_bytes`
 with ``wire=True``, the exact branch excluded: with ``variance_refresh``
 every 50th step sends a float all-reduce instead) over a float32 ring
 all-reduce of the gradients, for the digits MLP (4,810 parameters: the
@@ -123,7 +123,7 @@ def schedule(name: str, peak: float, steps: int):
 def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20):
   """(optimizer, mode, learning rate, schedule name, factory) per row."""
   from jmp_train import sign_compression
-  from jmp_train._src.one_bit_optimizers import one_bit_adam, one_bit_momentum
+  from jmp_train._src.compression import one_bit_adam, one_bit_momentum
 
   exact = digits._exact_mean(AXIS)  # pylint: disable=protected-access
   warmup, refresh = steps * warmup_percent // 100, max(1, steps // 8)
@@ -172,8 +172,8 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
 
 def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float:
   """Bytes sent per device per step after warm-up over a float32 all-reduce's."""
-  from jmp_train import collective_ops
-  from jmp_train._src.hlo import conditional_branches
+  from jmp_train.diagnostics import collective_ops
+  from jmp_train._src.diagnostics.hlo import conditional_branches
 
   devices = jax.devices()[:replicas]
   stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), params)

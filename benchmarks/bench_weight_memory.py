@@ -18,7 +18,7 @@ number of parameters:
   elements keep float32 moments, or every leaf 8-bit with
   ``min_8bit_size=0``, and with bitsandbytes' blocks of 2,048) + stochastic
   rounding or Kahan; Adam with a bfloat16
-  first and float32 second moment (:func:`jmp_train.scale_by_adam`); and
+  first and float32 second moment (:func:`jmp_train.scale_by_narrow_adam`); and
   :func:`jmp_train.sgd_8bit`.
 
 ``codes_per_param`` is the part of the state in 8-bit codes (``uint8``); the
@@ -41,12 +41,12 @@ import optax
 
 from jmp_train.examples import models
 from jmp_train.examples.half_weights import with_float32_state
-from jmp_train._src.kahan_compensation import kahan_compensation
-from jmp_train._src.modified_momentum import modified_momentum_sgd
-from jmp_train._src.stochastic_rounding import stochastic_rounding
-from jmp_train._src.optimizers_8bit import adam_8bit
-from jmp_train._src.optimizers_8bit import scale_by_adam
-from jmp_train._src.optimizers_8bit import sgd_8bit
+from jmp_train._src.low_precision.kahan_compensation import kahan_compensation
+from jmp_train._src.low_precision.modified_momentum import modified_momentum_sgd
+from jmp_train._src.low_precision.stochastic_rounding import stochastic_rounding
+from jmp_train._src.low_precision.optimizers_8bit import adam_8bit
+from jmp_train._src.low_precision.optimizers_8bit import scale_by_narrow_adam
+from jmp_train._src.low_precision.optimizers_8bit import sgd_8bit
 
 NAME = "weight_memory"
 COLUMNS = (
@@ -98,8 +98,8 @@ def _setups() -> list[tuple[str, Any, str, optax.GradientTransformation, bool]]:
       ("bfloat16 + adam_8bit + kahan", BF16, "adam_8bit",
        optax.chain(adam_8bit(lr), kahan_compensation()), False),
       ("bfloat16 + adam(bf16 mu, f32 nu) + stochastic rounding", BF16,
-       "scale_by_adam(mu_dtype=bf16, nu_dtype=f32)",
-       optax.chain(scale_by_adam(mu_dtype="bfloat16", nu_dtype="float32"),
+       "scale_by_narrow_adam(mu_dtype=bf16, nu_dtype=f32)",
+       optax.chain(scale_by_narrow_adam(mu_dtype="bfloat16", nu_dtype="float32"),
                    optax.scale_by_learning_rate(lr), stochastic_rounding(0)), False),
       ("bfloat16 + sgd_8bit + stochastic rounding", BF16, "sgd_8bit(0.9)",
        optax.chain(sgd_8bit(lr, 0.9), stochastic_rounding(0)), False),

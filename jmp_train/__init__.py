@@ -2,8 +2,9 @@
 
 The public surface, re-exported from ``jmp_train._src``. Every name loads on
 first use (PEP 562), so ``import jmp_train`` imports neither JAX nor Flax
-until something is used (the ``jmp-train --help`` command stays fast); three
-submodules too:
+until something is used (the ``jmp-train --help`` command stays fast); the
+``TYPE_CHECKING`` block names each one's module for type checkers and IDEs
+(a test keeps it in step with ``__all__``). Three submodules too:
 
 * ``jmp_train.flax``: policies on linen and NNX modules;
 * ``jmp_train.diagnostics``: histograms, Tensor Core shapes, precision
@@ -13,75 +14,132 @@ submodules too:
 """
 
 import importlib as _importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loads on first use.
+  from jmp_train._src.policy.policy import Policy as Policy
+  from jmp_train._src.policy.policy import cast_floating as cast_floating
+  from jmp_train._src.policy.policy import get_policy as get_policy
+  from jmp_train._src.policy.policy import half_dtype as half_dtype
+  from jmp_train._src.policy.remat import half_precision_saveable as half_precision_saveable
+  from jmp_train._src.autocast.transform import autocast as autocast
+  from jmp_train._src.autocast.lists import DEFAULT_FLOAT32_OPS as DEFAULT_FLOAT32_OPS
+  from jmp_train._src.autocast.lists import DEFAULT_HALF_OPS as DEFAULT_HALF_OPS
+  from jmp_train._src.autocast.lists import DEFAULT_LOOKUP_OPS as DEFAULT_LOOKUP_OPS
+  from jmp_train._src.fp8.scaling import Fp8DotMeta as Fp8DotMeta
+  from jmp_train._src.fp8.scaling import Fp8Recipe as Fp8Recipe
+  from jmp_train._src.fp8.scaling import Fp8TensorMeta as Fp8TensorMeta
+  from jmp_train._src.fp8.products import fp8_conv_general_dilated as fp8_conv_general_dilated
+  from jmp_train._src.fp8.scaling import fp8_dequantize as fp8_dequantize
+  from jmp_train._src.fp8.products import fp8_dot_general as fp8_dot_general
+  from jmp_train._src.fp8.scaling import fp8_quantize as fp8_quantize
+  from jmp_train._src.fp8.scaling import fp8_scale as fp8_scale
+  from jmp_train._src.fp8.scaling import init_fp8_meta as init_fp8_meta
+  from jmp_train._src.fp8.scaling import update_fp8_meta as update_fp8_meta
+  from jmp_train._src.loss_scaling.scales import DynamicLossScale as DynamicLossScale
+  from jmp_train._src.loss_scaling.scales import NoOpLossScale as NoOpLossScale
+  from jmp_train._src.loss_scaling.scales import StaticLossScale as StaticLossScale
+  from jmp_train._src.loss_scaling.scales import all_finite as all_finite
+  from jmp_train._src.loss_scaling.wrapper import LossScaledState as LossScaledState
+  from jmp_train._src.loss_scaling.lookup import get_loss_scale as get_loss_scale
+  from jmp_train._src.loss_scaling.lookup import loss_scale_metrics as loss_scale_metrics
+  from jmp_train._src.loss_scaling.wrapper import loss_scaled as loss_scaled
+  from jmp_train._src.loss_scaling.scaled_grad import scaled_value_and_grad as scaled_value_and_grad
+  from jmp_train._src.low_precision.kahan_compensation import KahanCompensationState as KahanCompensationState
+  from jmp_train._src.low_precision.modified_momentum import ModifiedMomentumState as ModifiedMomentumState
+  from jmp_train._src.low_precision.stochastic_rounding import StochasticRoundingState as StochasticRoundingState
+  from jmp_train._src.low_precision.kahan_compensation import kahan_compensation as kahan_compensation
+  from jmp_train._src.low_precision.modified_momentum import modified_momentum_sgd as modified_momentum_sgd
+  from jmp_train._src.low_precision.stochastic_rounding import stochastic_rounding as stochastic_rounding
+  from jmp_train._src.compression.sign_compression import SignCompressionState as SignCompressionState
+  from jmp_train._src.compression.sign_compression import sign_compression as sign_compression
+  from jmp_train._src.compression.sign_compression import sign_compression_specs as sign_compression_specs
+  from jmp_train._src.compression.compressed_mean import CompressedMeanState as CompressedMeanState
+  from jmp_train._src.compression.compressed_mean import compressed_mean as compressed_mean
+  from jmp_train._src.low_precision.quantized_state import QuantizedArray as QuantizedArray
+  from jmp_train._src.low_precision.optimizers_8bit import QuantizedTraceState as QuantizedTraceState
+  from jmp_train._src.low_precision.optimizers_8bit import adam_8bit as adam_8bit
+  from jmp_train._src.low_precision.optimizers_8bit import scale_by_narrow_adam as scale_by_narrow_adam
+  from jmp_train._src.low_precision.optimizers_8bit import sgd_8bit as sgd_8bit
+  from jmp_train._src.compression.one_bit_adam import OneBitAdamState as OneBitAdamState
+  from jmp_train._src.compression.one_bit_momentum import OneBitMomentumState as OneBitMomentumState
+  from jmp_train._src.compression.one_bit_adam import one_bit_adam as one_bit_adam
+  from jmp_train._src.compression.one_bit_momentum import one_bit_momentum as one_bit_momentum
+  from jmp_train._src.train.state import TrainState as TrainState
+  from jmp_train._src.train.state import TrainStep as TrainStep
+  from jmp_train._src.train.step import make_train_step as make_train_step
+  from jmp_train._src.train.checkpoint import restore_checkpoint as restore_checkpoint
+  from jmp_train._src.train.checkpoint import save_checkpoint as save_checkpoint
+  from jmp_train import diagnostics as diagnostics
+  from jmp_train import examples as examples
+  from jmp_train import flax as flax
 
 # Public name -> the module of jmp_train._src that defines it.
 _EXPORTS = {
     # dtype policies
-    "Policy": "policy",
-    "cast_floating": "policy",
-    "get_policy": "policy",
-    "half_dtype": "policy",
-    "half_precision_saveable": "remat",
+    "Policy": "policy.policy",
+    "cast_floating": "policy.policy",
+    "get_policy": "policy.policy",
+    "half_dtype": "policy.policy",
+    "half_precision_saveable": "policy.remat",
     # autocast: a policy as a function transformation
-    "autocast": "autocast",
-    "DEFAULT_FLOAT32_OPS": "autocast_lists",
-    "DEFAULT_HALF_OPS": "autocast_lists",
-    "DEFAULT_LOOKUP_OPS": "autocast_lists",
+    "autocast": "autocast.transform",
+    "DEFAULT_FLOAT32_OPS": "autocast.lists",
+    "DEFAULT_HALF_OPS": "autocast.lists",
+    "DEFAULT_LOOKUP_OPS": "autocast.lists",
     # FP8 products
-    "Fp8DotMeta": "fp8_scaling",
-    "Fp8Recipe": "fp8_scaling",
-    "Fp8TensorMeta": "fp8_scaling",
-    "fp8_conv_general_dilated": "fp8",
-    "fp8_dequantize": "fp8_scaling",
-    "fp8_dot_general": "fp8",
-    "fp8_quantize": "fp8_scaling",
-    "fp8_scale": "fp8_scaling",
-    "init_fp8_meta": "fp8_scaling",
-    "update_fp8_meta": "fp8_scaling",
+    "Fp8DotMeta": "fp8.scaling",
+    "Fp8Recipe": "fp8.scaling",
+    "Fp8TensorMeta": "fp8.scaling",
+    "fp8_conv_general_dilated": "fp8.products",
+    "fp8_dequantize": "fp8.scaling",
+    "fp8_dot_general": "fp8.products",
+    "fp8_quantize": "fp8.scaling",
+    "fp8_scale": "fp8.scaling",
+    "init_fp8_meta": "fp8.scaling",
+    "update_fp8_meta": "fp8.scaling",
     # loss scaling
-    "DynamicLossScale": "loss_scale",
-    "NoOpLossScale": "loss_scale",
-    "StaticLossScale": "loss_scale",
-    "all_finite": "loss_scale",
-    "LossScaledState": "loss_scaling",
-    "get_loss_scale": "loss_scale_lookup",
-    "loss_scale_metrics": "loss_scale_lookup",
-    "loss_scaled": "loss_scaling",
-    "scaled_value_and_grad": "scaled_grad",
+    "DynamicLossScale": "loss_scaling.scales",
+    "NoOpLossScale": "loss_scaling.scales",
+    "StaticLossScale": "loss_scaling.scales",
+    "all_finite": "loss_scaling.scales",
+    "LossScaledState": "loss_scaling.wrapper",
+    "get_loss_scale": "loss_scaling.lookup",
+    "loss_scale_metrics": "loss_scaling.lookup",
+    "loss_scaled": "loss_scaling.wrapper",
+    "scaled_value_and_grad": "loss_scaling.scaled_grad",
     # half-precision weight updates
-    "KahanCompensationState": "kahan_compensation",
-    "ModifiedMomentumState": "modified_momentum",
-    "StochasticRoundingState": "stochastic_rounding",
-    "kahan_compensation": "kahan_compensation",
-    "modified_momentum_sgd": "modified_momentum",
-    "stochastic_rounding": "stochastic_rounding",
+    "KahanCompensationState": "low_precision.kahan_compensation",
+    "ModifiedMomentumState": "low_precision.modified_momentum",
+    "StochasticRoundingState": "low_precision.stochastic_rounding",
+    "kahan_compensation": "low_precision.kahan_compensation",
+    "modified_momentum_sgd": "low_precision.modified_momentum",
+    "stochastic_rounding": "low_precision.stochastic_rounding",
     # 1-bit SGD with error feedback
-    "collective_bytes": "hlo",
-    "collective_ops": "hlo",
-    "SignCompressionState": "sign_compression",
-    "sign_compression": "sign_compression",
-    "sign_compression_specs": "sign_compression",
-    "CompressedMeanState": "compressed_mean",
-    "compressed_mean": "compressed_mean",
+    "SignCompressionState": "compression.sign_compression",
+    "sign_compression": "compression.sign_compression",
+    "sign_compression_specs": "compression.sign_compression",
+    "CompressedMeanState": "compression.compressed_mean",
+    "compressed_mean": "compression.compressed_mean",
     # 8-bit optimizer state
-    "QuantizedArray": "quantized_state",
-    "QuantizedTraceState": "optimizers_8bit",
-    "adam_8bit": "optimizers_8bit",
-    "scale_by_adam": "optimizers_8bit",
-    "sgd_8bit": "optimizers_8bit",
+    "QuantizedArray": "low_precision.quantized_state",
+    "QuantizedTraceState": "low_precision.optimizers_8bit",
+    "adam_8bit": "low_precision.optimizers_8bit",
+    "scale_by_narrow_adam": "low_precision.optimizers_8bit",
+    "sgd_8bit": "low_precision.optimizers_8bit",
     # 1-bit Adam and 1-bit momentum SGD
-    "OneBitAdamState": "one_bit_adam",
-    "OneBitMomentumState": "one_bit_momentum",
-    "one_bit_adam": "one_bit_adam",
-    "one_bit_momentum": "one_bit_momentum",
+    "OneBitAdamState": "compression.one_bit_adam",
+    "OneBitMomentumState": "compression.one_bit_momentum",
+    "one_bit_adam": "compression.one_bit_adam",
+    "one_bit_momentum": "compression.one_bit_momentum",
     # train-step builder
-    "TrainState": "train",
-    "TrainStep": "train",
-    "make_train_step": "train",
-    "restore_checkpoint": "train",
-    "save_checkpoint": "train",
+    "TrainState": "train.state",
+    "TrainStep": "train.state",
+    "make_train_step": "train.step",
+    "restore_checkpoint": "train.checkpoint",
+    "save_checkpoint": "train.checkpoint",
 }
 
 _SUBMODULES = ("diagnostics", "examples", "flax")

@@ -39,8 +39,8 @@ from jmp_train._src.diagnostics.tensor_cores import MatmulEntry
 from jmp_train._src.diagnostics.tensor_cores import TensorCoreReport
 from jmp_train._src.diagnostics.tensor_cores import pad_to_multiple
 from jmp_train._src.diagnostics.tensor_cores import tensor_core_report
-from jmp_train._src.hlo import collective_bytes
-from jmp_train._src.hlo import collective_ops
+from jmp_train._src.diagnostics.hlo import collective_bytes
+from jmp_train._src.diagnostics.hlo import collective_ops
 
 __all__ = (
     "Fp8CastFractions",

@@ -27,18 +27,18 @@ Examples:
 
 from __future__ import annotations
 
-from jmp_train._src.flax_policy import DEFAULT_FLOAT32_MODULES
-from jmp_train._src.flax_policy import Float32LookupEmbed
-from jmp_train._src.flax_policy import LinenPolicyWrapper
-from jmp_train._src.flax_policy import NNXPolicyWrapper
-from jmp_train._src.flax_policy import apply_policy
-from jmp_train._src.attention import dot_product_attention
-from jmp_train._src.fp8_flax import FP8_COLLECTION
-from jmp_train._src.fp8_flax import Fp8ConvGeneralDilated
-from jmp_train._src.fp8_flax import Fp8DotGeneral
-from jmp_train._src.fp8_flax import Fp8Meta
-from jmp_train._src.fp8_flax import NNXFp8ConvGeneralDilated
-from jmp_train._src.fp8_flax import NNXFp8DotGeneral
+from jmp_train._src.flax.policy import DEFAULT_FLOAT32_MODULES
+from jmp_train._src.flax.policy import Float32LookupEmbed
+from jmp_train._src.flax.policy import LinenPolicyWrapper
+from jmp_train._src.flax.policy import NNXPolicyWrapper
+from jmp_train._src.flax.policy import apply_policy
+from jmp_train._src.flax.attention import dot_product_attention
+from jmp_train._src.fp8.flax_layers import FP8_COLLECTION
+from jmp_train._src.fp8.flax_layers import Fp8ConvGeneralDilated
+from jmp_train._src.fp8.flax_layers import Fp8DotGeneral
+from jmp_train._src.fp8.flax_layers import Fp8Meta
+from jmp_train._src.fp8.flax_layers import NNXFp8ConvGeneralDilated
+from jmp_train._src.fp8.flax_layers import NNXFp8DotGeneral
 
 __all__ = (
     "DEFAULT_FLOAT32_MODULES",

@@ -49,9 +49,10 @@ def train(devices, steps: int = STEPS, collectives: dict | None = None) -> dict[
   Returns the parameters after ``steps`` steps of
   ``chain(sign_compression, sgd with momentum)``; each replica sees its own
   shard of every batch. When ``collectives`` is a dict, it receives
-  :func:`jmp_train.collective_bytes` of the compiled step.
+  :func:`jmp_train.diagnostics.collective_bytes` of the compiled step.
   """
-  from jmp_train import collective_bytes, sign_compression, sign_compression_specs
+  from jmp_train import sign_compression, sign_compression_specs
+  from jmp_train.diagnostics import collective_bytes
 
   mesh = Mesh(np.asarray(devices), (AXIS,))
   k = len(devices)

@@ -12,7 +12,7 @@ from jax._src.lib import cuda_versions  # None without JAX's CUDA plugin
 
 import jmp_train
 from jmp_train import diagnostics
-from jmp_train._src import attention
+from jmp_train._src.flax import attention
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 # One rounding of a value of magnitude ~1 in the half type, a few times over.

@@ -13,7 +13,7 @@ import pytest
 import jmp_train
 import jmp_train.diagnostics as diag
 import jmp_train.flax as jflax
-from jmp_train._src.autocast import autocast
+from jmp_train._src.autocast.transform import autocast
 
 from _autocast_util import (
     BF16, F16, F32, HALF, POLICIES, TOKENS, X_IMG, _dtypes_of, _eqns, _flax_cases,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmp_train._src.autocast import autocast
+from jmp_train._src.autocast.transform import autocast
 
 from _autocast_util import BF16, F32, _eqns, _rel_err, _xent
 

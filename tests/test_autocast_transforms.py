@@ -15,9 +15,9 @@ from jax.sharding import PartitionSpec as P
 import jmp_train
 import jmp_train.diagnostics as diag
 import jmp_train.flax as jflax
-from jmp_train._src.autocast import autocast
-from jmp_train._src.autocast_lists import DEFAULT_FLOAT32_OPS
-from jmp_train._src.autocast_lists import DEFAULT_HALF_OPS
+from jmp_train._src.autocast.transform import autocast
+from jmp_train._src.autocast.lists import DEFAULT_FLOAT32_OPS
+from jmp_train._src.autocast.lists import DEFAULT_HALF_OPS
 from jmp_train.examples import models
 
 from _autocast_util import (
@@ -70,7 +70,7 @@ def test_custom_vjp_rule_is_kept():
 def test_scan_counts_read_both_jax_spellings():
   # JAX <= 0.10 counts constants and carries; newer JAX passes a flat tree
   # of (constants, carries, xs) instead, and open jaxprs (no .consts).
-  from jmp_train._src import autocast_calls
+  from jmp_train._src.autocast import calls as autocast_calls
 
   class FlatTree:  # what jax 0.11's scan equation holds in ``ft_in``
     def unpack(self):

@@ -1,4 +1,4 @@
-"""Tests for jmp_train._src.compressed_mean (bfloat16 / float8 gradient exchange)."""
+"""Tests for jmp_train._src.compression.compressed_mean (bfloat16 / float8 gradient exchange)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_train import collective_bytes, collective_ops, sign_compression_specs
+from jmp_train import sign_compression_specs
+from jmp_train.diagnostics import collective_bytes, collective_ops
 from jmp_train import CompressedMeanState, compressed_mean
 
 AXIS = "i"

@@ -192,15 +192,12 @@ def test_demo_uses_the_public_api():
   """The example modules import jmp_train's public names, not jmp_train._src."""
   import ast  # pylint: disable=g-import-not-at-top
 
-  # Until jmp_train exports one_bit_momentum, demo_configs.py falls back to its module.
-  allowed = {"jmp_train._src.one_bit_optimizers"}
-  for name in ("cli.py", "demo.py", "demo_configs.py", "demo_tasks.py",
-               "demo_training.py", "demo_plot.py"):
-    tree = ast.parse((ROOT / "jmp_train" / "examples" / name).read_text())
+  for path in sorted((ROOT / "jmp_train" / "examples").glob("*.py")):
+    name = path.name
+    tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom) and node.module:
-        assert not node.module.startswith("jmp_train._src") or node.module in allowed, (
-            name, node.module)
+        assert not node.module.startswith("jmp_train._src"), (name, node.module)
       if isinstance(node, ast.Import):
         for alias in node.names:
           assert not alias.name.startswith("jmp_train._src"), (name, alias.name)

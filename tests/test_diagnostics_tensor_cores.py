@@ -197,6 +197,6 @@ def test_pad_to_multiple(n, multiple, expected):
 
 def test_public_module_reexports_collective_bytes():
   import jmp_train  # pylint: disable=g-import-not-at-top
-  assert diag.collective_bytes is jmp_train.collective_bytes
-  assert diag.collective_ops is jmp_train.collective_ops
+  assert diag.collective_bytes is jmp_train.diagnostics.collective_bytes
+  assert diag.collective_ops is jmp_train.diagnostics.collective_ops
   assert set(diag.__all__) >= {"collective_bytes", "collective_ops", "saved_residuals"}

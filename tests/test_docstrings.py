@@ -36,8 +36,8 @@ def test_docstring_examples(name):
 def test_the_public_modules_have_examples():
   attempted = {
       name: doctest.DocTestFinder().find(importlib.import_module(name))
-      for name in ("jmp_train._src.loss_scaling", "jmp_train._src.remat",
-                   "jmp_train._src.policy", "jmp_train._src.diagnostics.histograms",
+      for name in ("jmp_train._src.loss_scaling.wrapper", "jmp_train._src.policy.remat",
+                   "jmp_train._src.policy.policy", "jmp_train._src.diagnostics.histograms",
                    "jmp_train._src.diagnostics.precision_audit")
   }
   for name, tests in attempted.items():
@@ -93,4 +93,4 @@ def test_public_examples_use_public_names():
 def test_public_examples_are_found():
   names = {name for name, _ in _public_examples()}
   assert {"jmp_train.loss_scaled", "jmp_train.DynamicLossScale",
-          "jmp_train.scale_by_adam"} <= names
+          "jmp_train.scale_by_narrow_adam"} <= names

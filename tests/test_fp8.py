@@ -14,8 +14,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jmp_train
 import jmp_train.flax
-from jmp_train._src import fp8 as fp8_lib
-from jmp_train._src import fp8_flax
+from jmp_train._src.fp8 import products as fp8_lib
+from jmp_train._src.fp8 import flax_layers as fp8_flax
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 DN = (((1,), (0,)), ((), ()))
@@ -384,7 +384,7 @@ def test_make_train_step_updates_and_agrees_on_fp8_state(kind, mode):
   for _ in range(2):
     state, metrics = step(state, step.shard_batch((x, y)))
     jax.block_until_ready(state)
-  fp8_state, _ = jmp_train._src.fp8_flax.split_fp8_state(state.model_state)
+  fp8_state, _ = jmp_train._src.fp8.flax_layers.split_fp8_state(state.model_state)
   leaves = {"/".join(str(getattr(k, "key", k)) for k in p).removesuffix("/.value"): np.asarray(v)
             for p, v in jax.tree_util.tree_leaves_with_path(fp8_state)}
   hist = [v for k, v in leaves.items() if k.endswith("input_amax_history")][0]

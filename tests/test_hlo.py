@@ -1,4 +1,4 @@
-"""Tests for jmp_train._src.hlo and the wire format of sign_compression."""
+"""Tests for jmp_train._src.diagnostics.hlo and the wire format of sign_compression."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_train import collective_bytes, collective_ops, sign_compression, sign_compression_specs
-from jmp_train._src.hlo import conditional_branches
+from jmp_train import sign_compression, sign_compression_specs
+from jmp_train.diagnostics import collective_bytes, collective_ops
+from jmp_train._src.diagnostics.hlo import conditional_branches
 
 AXIS = "i"
 

@@ -152,8 +152,8 @@ CASES = {
         jmp_train.modified_momentum_sgd(1e-2), jnp.bfloat16),
     "adam_8bit": lambda: _local(jmp_train.adam_8bit(1e-2, min_8bit_size=8)),
     "sgd_8bit": lambda: _local(jmp_train.sgd_8bit(1e-2, min_8bit_size=8)),
-    "scale_by_adam": lambda: _local(
-        jmp_train.scale_by_adam(mu_dtype="8bit", nu_dtype=jnp.bfloat16, min_8bit_size=8)),
+    "scale_by_narrow_adam": lambda: _local(
+        jmp_train.scale_by_narrow_adam(mu_dtype="8bit", nu_dtype=jnp.bfloat16, min_8bit_size=8)),
     "init_fp8_meta": _fp8,
     "sign_compression": lambda: _replicated(
         optax.chain(jmp_train.sign_compression(AXIS), optax.sgd(0.1))),
@@ -232,7 +232,7 @@ EAGER = {
     "modified_momentum_sgd": lambda: jmp_train.modified_momentum_sgd(1e-2),
     "adam_8bit": lambda: jmp_train.adam_8bit(1e-2, min_8bit_size=8),
     "sgd_8bit": lambda: jmp_train.sgd_8bit(1e-2, min_8bit_size=8),
-    "scale_by_adam": lambda: jmp_train.scale_by_adam(mu_dtype="8bit", min_8bit_size=8),
+    "scale_by_narrow_adam": lambda: jmp_train.scale_by_narrow_adam(mu_dtype="8bit", min_8bit_size=8),
     "sign_compression": lambda: jmp_train.sign_compression(AXIS, num_replicas=NUM_DEVICES),
     "compressed_mean": lambda: jmp_train.compressed_mean(AXIS, num_replicas=NUM_DEVICES),
     "one_bit_adam": lambda: jmp_train.one_bit_adam(

@@ -1,4 +1,4 @@
-"""Tests for jmp_train._src.loss_scale: loss-scale values and all_finite."""
+"""Tests for jmp_train._src.loss_scaling.scales: loss-scale values and all_finite."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for jmp_train._src.loss_scaling_steps: the finite and skipped steps (state dtypes, what the compiled step moves)."""
+"""Tests for jmp_train._src.loss_scaling.steps: the finite and skipped steps (state dtypes, what the compiled step moves)."""
 
 from __future__ import annotations
 

@@ -12,14 +12,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_train
-from jmp_train import SignCompressionState, collective_ops, sign_compression_specs
-from jmp_train._src.hlo import conditional_branches
-from jmp_train._src.one_bit_optimizers import (
-    OneBitAdamState,
-    OneBitMomentumState,
-    one_bit_adam,
-    one_bit_momentum,
-)
+from jmp_train import OneBitAdamState, OneBitMomentumState, SignCompressionState
+from jmp_train import one_bit_adam, one_bit_momentum, sign_compression_specs
+from jmp_train.diagnostics import collective_ops
+from jmp_train._src.diagnostics.hlo import conditional_branches
 
 import _processes
 from _one_bit_util import AXIS, SHAPES, adam, adam_rescaled, make_tree, momentum, pmapped
@@ -107,13 +103,13 @@ def test_one_bit_momentum_without_warmup_has_no_float_all_reduce():
   devices = jax.devices()[:k]
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
   compiled = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(params, state).compile()
-  counts = jmp_train.collective_bytes(compiled)
+  counts = jmp_train.diagnostics.collective_bytes(compiled)
   assert counts["all-reduce"] == 0
   n = 64 * 256 + 256
   # The packed bits with their reconstruction pairs (8 bytes per segment piece).
   assert n // 8 < counts["all-to-all:u8"] <= n // 8 + 8 * k * 4
   assert not any(key.endswith(":f32") for key in counts)
-  wire = jmp_train.collective_bytes(compiled, wire=True)["total"]
+  wire = jmp_train.diagnostics.collective_bytes(compiled, wire=True)["total"]
   assert wire <= 2 * (k - 1) / k * 4 * n / 28
 
 

@@ -1,4 +1,4 @@
-"""Tests of Adam and momentum SGD with 8-bit moments (jmp_train._src.optimizers_8bit)."""
+"""Tests of Adam and momentum SGD with 8-bit moments (jmp_train._src.low_precision.optimizers_8bit)."""
 
 import functools
 
@@ -12,11 +12,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_train
-from jmp_train._src import quantized_state as qs
-from jmp_train._src.optimizers_8bit import QuantizedTraceState
-from jmp_train._src.optimizers_8bit import adam_8bit
-from jmp_train._src.optimizers_8bit import scale_by_adam
-from jmp_train._src.optimizers_8bit import sgd_8bit
+from jmp_train._src.low_precision import quantized_state as qs
+from jmp_train._src.low_precision.optimizers_8bit import QuantizedTraceState
+from jmp_train._src.low_precision.optimizers_8bit import adam_8bit
+from jmp_train._src.low_precision.optimizers_8bit import scale_by_narrow_adam
+from jmp_train._src.low_precision.optimizers_8bit import sgd_8bit
 
 SHAPES = {"w": (64, 96), "b": (96,), "v": (40, 130)}  # b stays float32 by default
 
@@ -76,7 +76,7 @@ def _adam_float32(lr, steps):
 @pytest.mark.parametrize("mu_dtype,nu_dtype", [(None, None), ("float32", "float32"), ("bfloat16", "float32")])
 def test_float_moments_match_optax(mu_dtype, nu_dtype):
   params = _params()
-  ours = scale_by_adam(mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+  ours = scale_by_narrow_adam(mu_dtype=mu_dtype, nu_dtype=nu_dtype)
   ref = optax.scale_by_adam(mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype))
   s1, s2 = ours.init(params), ref.init(params)
   update1, update2 = jax.jit(ours.update), jax.jit(ref.update)
@@ -95,10 +95,10 @@ def test_float_moments_match_optax(mu_dtype, nu_dtype):
 
 def test_nu_dtype_independent_of_params():
   params = _params(jnp.bfloat16)
-  state = scale_by_adam(nu_dtype="float32").init(params)
+  state = scale_by_narrow_adam(nu_dtype="float32").init(params)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.mu))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.nu))
-  state = scale_by_adam(mu_dtype=jnp.float16, nu_dtype="8bit", min_8bit_size=0).init(params)
+  state = scale_by_narrow_adam(mu_dtype=jnp.float16, nu_dtype="8bit", min_8bit_size=0).init(params)
   assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(state.mu))
   assert all(isinstance(x, qs.QuantizedArray) for x in jax.tree.leaves(
       state.nu, is_leaf=lambda x: isinstance(x, qs.QuantizedArray)))
@@ -109,7 +109,7 @@ def test_bfloat16_nu_stalls_where_8bit_follows():
   g = {"w": jnp.full((64, 64), 1e-2, jnp.float32)}
   results = {}
   for nu_dtype in ("bfloat16", "8bit", "float32"):
-    tx = scale_by_adam(b1=0.0, nu_dtype=nu_dtype, min_8bit_size=0)
+    tx = scale_by_narrow_adam(b1=0.0, nu_dtype=nu_dtype, min_8bit_size=0)
     state = tx.init(g)
     for _ in range(300):
       _, state = jax.jit(tx.update)(g, state)
@@ -204,7 +204,7 @@ def _is_q(x):
 @pytest.mark.parametrize("make", [
     lambda: adam_8bit(1e-3),
     lambda: adam_8bit(1e-3, code="linear", block_size=100, rounding="nearest"),
-    lambda: scale_by_adam(mu_dtype="bfloat16", nu_dtype="8bit"),
+    lambda: scale_by_narrow_adam(mu_dtype="bfloat16", nu_dtype="8bit"),
     lambda: sgd_8bit(1e-2, nesterov=True),
 ], ids=["adam_8bit", "adam_8bit_linear", "mixed", "sgd_8bit"])
 def test_state_dtypes_stable_across_steps(dtype, make):
@@ -350,9 +350,9 @@ def test_after_sign_compression_under_pmap(num_devices):
 
 def test_errors():
   with pytest.raises(ValueError, match=r"nu_dtype must be None .*'float32', 'bfloat16'.*'8bit'.*got 'fp4'"):
-    scale_by_adam(nu_dtype="fp4")
+    scale_by_narrow_adam(nu_dtype="fp4")
   with pytest.raises(ValueError, match="mu_dtype .*got 'int32'"):
-    scale_by_adam(mu_dtype="int32")
+    scale_by_narrow_adam(mu_dtype="int32")
   with pytest.raises(ValueError, match=r"b2 must be in \[0, 1\), got 1.5"):
     adam_8bit(1e-3, b2=1.5)
   with pytest.raises(ValueError, match=r"rounding must be one of \('stochastic', 'nearest'\)"):
@@ -374,10 +374,10 @@ def test_errors():
   with pytest.raises(ValueError, match="eps must be finite and >= 0, got -1.0"):
     adam_8bit(1e-3, eps=-1.0)
   with pytest.raises(ValueError, match="eps_root must be finite and >= 0, got inf"):
-    scale_by_adam(eps_root=float("inf"))
+    scale_by_narrow_adam(eps_root=float("inf"))
   with pytest.raises(ValueError, match="weight_decay must be finite and >= 0, got -0.01"):
     adam_8bit(1e-3, weight_decay=-0.01)
-  assert scale_by_adam(mu_dtype="int8", nu_dtype="8BIT") is not None  # aliases
+  assert scale_by_narrow_adam(mu_dtype="int8", nu_dtype="8BIT") is not None  # aliases
 
 
 def test_inject_hyperparams():
@@ -402,7 +402,7 @@ def test_block_layout_injected_as_an_array_is_named():
 
 
 @pytest.mark.parametrize("make, name", [
-    (lambda: adam_8bit(1e-3, min_8bit_size=0), "scale_by_adam"),
+    (lambda: adam_8bit(1e-3, min_8bit_size=0), "scale_by_narrow_adam"),
     (lambda: sgd_8bit(1e-2, min_8bit_size=0), "sgd_8bit"),
 ])
 def test_integer_leaves_are_named_and_masked_ones_pass(make, name):

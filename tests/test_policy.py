@@ -1,4 +1,4 @@
-"""Tests for jmp_train._src.policy."""
+"""Tests for jmp_train._src.policy.policy."""
 
 import dataclasses
 

@@ -73,3 +73,30 @@ def test_import_and_help_load_no_jax():
 def test_unknown_attribute_raises_attribute_error():
   with pytest.raises(AttributeError, match="no_such_name"):
     jmp_train.no_such_name  # noqa: B018
+
+
+def test_type_checkers_see_every_public_name_where_it_loads():
+  # The TYPE_CHECKING block of jmp_train/__init__.py imports each name of
+  # __all__ from the module it loads from at run time, and nothing else.
+  import ast
+
+  tree = ast.parse(pathlib.Path(jmp_train.__file__).read_text())
+  block = next(n for n in tree.body if isinstance(n, ast.If)
+               and getattr(n.test, "id", None) == "TYPE_CHECKING")
+  seen = {}
+  for node in block.body:
+    assert isinstance(node, ast.ImportFrom), ast.dump(node)
+    for alias in node.names:
+      assert alias.asname == alias.name, alias.name  # an explicit re-export
+      seen[alias.name] = node.module
+  submodules = {"diagnostics", "examples", "flax"}
+  assert set(seen) == set(jmp_train.__all__) | submodules
+  for name in jmp_train.__all__:
+    assert seen[name] == "jmp_train._src." + jmp_train._EXPORTS[name], name  # pylint: disable=protected-access
+
+
+def test_each_public_name_is_exported_once():
+  # A name lives in one public namespace: jmp_train, jmp_train.flax or
+  # jmp_train.diagnostics (collective_bytes is a diagnostic).
+  names = [n for m in PUBLIC_MODULES for n in m.__all__]
+  assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

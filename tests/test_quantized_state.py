@@ -1,4 +1,4 @@
-"""Tests of blockwise 8-bit quantization (jmp_train._src.quantized_state)."""
+"""Tests of blockwise 8-bit quantization (jmp_train._src.low_precision.quantized_state)."""
 
 import math
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmp_train._src import quantized_state as qs
+from jmp_train._src.low_precision import quantized_state as qs
 
 CODES_SIGNED = [(c, s) for c in qs.CODES for s in (True, False)]
 

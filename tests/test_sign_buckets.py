@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jmp_train import collective_ops, one_bit_adam, one_bit_momentum, sign_compression
+from jmp_train import one_bit_adam, one_bit_momentum, sign_compression
+from jmp_train.diagnostics import collective_ops
 
 from _sign_reference import AXIS, WIDE_SHAPES, make_grads, replicated_zeros  # noqa: E402
 

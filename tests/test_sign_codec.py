@@ -13,7 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_train
 from jmp_train import SignCompressionState, sign_compression, sign_compression_specs
-from jmp_train._src import sign_bits, sign_codec, sign_layout
+from jmp_train._src.compression import sign_bits
+from jmp_train._src.compression import sign_codec
+from jmp_train._src.compression import sign_layout
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
     AXIS, SHAPES, buffer_residual, make_grads, pmapped, ref_step, ref_unflatten,

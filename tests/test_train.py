@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jmp_train
-from jmp_train._src.sign_compression import sign_compression
+from jmp_train._src.compression.sign_compression import sign_compression
 
 import _processes
 from _flax_policy_util import fill

@@ -13,7 +13,7 @@ from jax import lax
 
 import jmp_train
 from jmp_train._src import buckets
-from jmp_train._src.sign_compression import sign_compression
+from jmp_train._src.compression.sign_compression import sign_compression
 
 
 def _tree():
@@ -91,7 +91,7 @@ def test_bucketed_mean_averages_a_large_leaf_where_it_is():
   fn = jax.pmap(lambda t: buckets.bucketed_mean(t, "i", 1024), axis_name="i",
                 devices=jax.devices()[:2])
   stacked = jax.tree.map(lambda x: jnp.stack([x, 3 * x]), tree)
-  operands = sorted(shape for op in jmp_train.collective_ops(fn.lower(stacked).compile())
+  operands = sorted(shape for op in jmp_train.diagnostics.collective_ops(fn.lower(stacked).compile())
                     if op.kind == "all-reduce" for _, shape in op.operand_types)
   assert operands == [(12,), (2048,)]
   expected = jax.tree.map(lambda x: jnp.stack([2 * x, 2 * x]), tree)
@@ -127,7 +127,7 @@ def _gradient_all_reduces(step, state, batch):
   scalar metric and loss-scale reductions are not gradient exchanges.
   """
   compiled = step.lower(state, batch).compile()
-  return [(dtype, shape) for op in jmp_train.collective_ops(compiled)
+  return [(dtype, shape) for op in jmp_train.diagnostics.collective_ops(compiled)
           if op.kind == "all-reduce" for dtype, shape in op.operand_types
           if np.prod(shape) > 1]
 
@@ -154,7 +154,7 @@ def test_compiled_step_runs_one_all_reduce_per_bucket(mode, reduce_dtype):
     wire = np.dtype("float32")  # XLA:CPU runs bfloat16 all-reduces in float32.
   assert {dtype for dtype, _ in operands} == {
       {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[wire.name]}
-  bytes_moved = jmp_train.collective_bytes(step.lower(state, batch).compile())
+  bytes_moved = jmp_train.diagnostics.collective_bytes(step.lower(state, batch).compile())
   scalars = 64  # the metrics and the loss scale: a few scalars
   assert n * wire.itemsize <= bytes_moved["all-reduce"] <= n * wire.itemsize + scalars
   state, metrics = step(state, batch)

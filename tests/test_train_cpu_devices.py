@@ -19,7 +19,7 @@ import textwrap
 import jax
 import pytest
 
-from jmp_train._src import train_modes
+from jmp_train._src.train import modes as train_modes
 
 ROOT = pathlib.Path(__file__).parent.parent
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmp_train._src.wire_messages import append_floats, split_floats
+from jmp_train._src.compression.wire_messages import append_floats, split_floats
 
 
 @pytest.mark.parametrize(

@@ -251,7 +251,7 @@ def bucketed_mean(tree: Any, axis_name: str, bucket_bytes: int = DEFAULT_BUCKET_
       e.g. ``jnp.bfloat16`` for half the bytes of float32. XLA may move a
       convert across an all-reduce (XLA:CPU runs bfloat16 all-reduces in
       float32); check the compiled step with
-      :func:`jmp_train.collective_bytes`.
+      :func:`jmp_train.diagnostics.collective_bytes`.
 
   Returns:
     The average, with the structure and dtypes of ``tree``.

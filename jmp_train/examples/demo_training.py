@@ -158,7 +158,7 @@ def run_config(
   t0 = time.perf_counter()
   compiled = step.lower(state, step.shard_batch(_local_rows(task.train_batch(0), step))).compile()
   compile_s = time.perf_counter() - t0
-  wire = jmp_train.collective_bytes(compiled, wire=True)["total"] if cfg.devices > 1 else 0
+  wire = jmp_train.diagnostics.collective_bytes(compiled, wire=True)["total"] if cfg.devices > 1 else 0
   state_bytes = _tree_bytes(step.unreplicate((state.params, state.opt_state)))
   state, metrics, curves, steps_per_s = _train(step, compiled, state, task, s, progress)
   evals = _evaluate(step, state, task)

@@ -20,8 +20,8 @@ from jax.extend import source_info_util
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train._src import policy as policy_lib
-from jmp_train._src.policy import is_floating_array
+from jmp_train._src.policy import policy as policy_lib
+from jmp_train._src.policy.policy import is_floating_array
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)

@@ -18,7 +18,7 @@ import numpy as np
 
 from jmp_train._src.diagnostics import _casts
 from jmp_train._src.diagnostics import _common
-from jmp_train._src.fp8_scaling import fp8_dtype
+from jmp_train._src.fp8.scaling import fp8_dtype
 
 __all__ = ["Fp8CastFractions", "fp8_cast_fractions"]
 

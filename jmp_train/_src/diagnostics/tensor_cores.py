@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_train._src import tables
-from jmp_train._src.fp8 import FP8_SCOPE
+from jmp_train._src.fp8.products import FP8_SCOPE
 from jmp_train._src.diagnostics import _common
 
 __all__ = ["MatmulEntry", "TensorCoreReport", "pad_to_multiple", "tensor_core_report"]

@@ -1,0 +1,9 @@
+"""A policy as a function transformation: :func:`~jmp_train.autocast`.
+
+* ``transform``: :func:`~jmp_train.autocast` itself (tracing, NNX modules
+  among the arguments, the output cast).
+* ``lists``: the AMP op lists (allow, deny, lookup) and their defaults.
+* ``interpreter``: the rules that choose each equation's dtype.
+* ``calls``: how calls are followed (``jit``, ``scan``, ``cond``,
+  ``checkpoint``, ``shard_map``, ``custom_jvp``).
+"""

@@ -1,0 +1,482 @@
+r"""1-bit SGD with error feedback: compressed gradient exchange as optax.
+
+Each replica quantizes its local gradient to one bit per element plus a few
+float reconstruction values, and keeps what the quantization lost (the
+residual) to add to its next gradient (Seide et al., 2014). The replicas then
+average the quantized gradients with two collectives that move packed bits:
+
+1. **worker side** (every replica): ``v = g + r``; bit ``b = [v >= 0]``;
+   reconstruction values ``(hi, lo)`` per segment (see *Scales*);
+   ``r <- v - decode(b)``. The bits of the whole gradient tree are laid out
+   in one flat buffer of ``N`` elements, padded to ``N_pad``, a multiple of
+   ``8·K`` for ``K`` replicas, packed eight to a ``uint8``, and cut into
+   ``K`` chunks of ``S = N_pad / K`` elements: chunk ``k`` is *owned* by
+   replica ``k``.
+2. **all-to-all**: replica ``j`` sends chunk ``k`` (``S/8`` bytes) to replica
+   ``k``, with the ``(hi, lo)`` pairs of the segments that overlap chunk ``k``
+   (a few floats, appended to the chunk's bytes: one ``uint8`` message).
+3. **owner side** (replica ``k``): decode the ``K`` received chunks, average
+   them, add the server residual ``e``: ``u = mean_j decode_j + e``;
+   re-quantize ``u`` to bits and pairs, ``e <- u - decode(u)``.
+4. **all-gather** of the owners' packed chunks with their pairs (again one
+   ``uint8`` message each); every replica
+   decodes the whole buffer, the same bits and floats everywhere, so the
+   output is identical on every replica.
+
+Bytes each replica sends per step: ``2·(K-1)/K·N/8`` plus the pairs, against
+``2·(K-1)/K·4N`` for a float32 ring all-reduce: 32 times fewer. Gathering
+every replica's packed bits instead would cost ``(K-1)·N/8``.
+
+Scales
+------
+A *segment* is a set of elements that share reconstruction values:
+
+* ``scale="column"`` (Seide et al.): every column of a weight, i.e. every
+  index of its **last axis** (Flax's output feature of a ``Dense`` kernel
+  ``(in, out)``, the output channel of a ``Conv`` kernel ``(h, w, in, out)``);
+  vectors and scalars are one column. ``hi`` is the mean of the non-negative
+  entries of the column, ``lo`` the mean of the negative ones (``0`` when
+  there are none). The flat buffer stores each leaf column by column, so a
+  column is a contiguous run of elements.
+* ``scale="l1"`` (EF-SignSGD, Karimireddy et al., 2019): one segment per
+  leaf, ``hi = -lo = ‖v‖₁/d``.
+* ``scale="l2"`` (1-bit Adam, Tang et al., 2021): one segment per leaf,
+  ``hi = -lo = ‖v‖₂/√d``.
+
+Element ``x`` decodes to ``hi`` when ``x >= 0`` (so ``0`` maps to ``hi``;
+``jnp.sign(0) == 0`` is not used) and to ``lo`` otherwise.
+
+A segment may straddle chunk boundaries. The worker sends owner ``k`` the
+pairs of the ``M`` segments overlapping chunk ``k`` (``M`` is the most any
+chunk overlaps, about ``#segments / K + 2``; unused rows are padding):
+``K·M·2`` float32, small next to the bits, carried as bytes after each
+chunk's bits so that each phase is a single collective (on a slow link
+every collective pays its own latency). The owner uses
+the same kind of scale **restricted to its chunk**: with ``"column"`` the
+part of each column that lies in its chunk gets its own ``(hi, lo)``, with
+``"l1"``/``"l2"`` the part of each leaf in its chunk gets its own norm.
+Its ``M`` pairs are all-gathered with the bits. The padding is a segment of
+its own whose values are always zero and decode to zero.
+
+Residuals
+---------
+The worker residual ``r`` is float32, one vector per gradient leaf in the
+leaf's own (row-major) order, so ``v = g + r`` and the update of ``r`` are
+elementwise on each leaf (in place when the state is donated); the padding
+needs none (its values are zero and decode to zero). The server residual
+``e`` is float32 of ``S`` elements, the replica's own chunk; it depends on
+``K``: ``init`` must know the replica count (it reads it when it runs inside
+``pmap`` / ``shard_map``, or takes ``num_replicas``). Conservation holds exactly up to
+one float32 rounding per step: ``v = decode(b) + r`` and ``u = decode(u) +
+e``. A residual is never updated from a non-finite ``v`` (or ``u``): the
+previous residual is kept (the check reads the reconstruction values, which
+are non-finite exactly when a segment holds an inf or NaN, or when its sums
+overflow), and the non-finite values still reach the output so that a
+wrapper (:func:`jmp_train.loss_scaled` with ``axis_name``) can skip the step
+on every replica.
+
+The static layout (segments, chunks, runs) lives in
+:mod:`jmp_train._src.compression.sign_layout`, the worker and owner steps and the final
+decode in :mod:`jmp_train._src.compression.sign_codec`.
+
+Local gradients under ``shard_map``
+-----------------------------------
+The input must be each replica's *own* gradient. Under ``shard_map``,
+parameters passed with ``P()`` are invariant along the data axis, and
+``jax.grad`` with respect to an invariant input returns the gradient
+*summed over the axis* (JAX inserts a float ``psum``): the float all-reduce
+this transformation exists to avoid. Mark the parameters varying first::
+
+  local_params = jax.lax.pcast(params, "data", to="varying")
+  grads = jax.grad(loss_fn)(local_params, batch)   # this replica's gradient
+  updates, opt_state = tx.update(grads, opt_state, params)
+
+(``pmap`` has no such coupling: its gradients are always local.) Check the
+compiled step with :func:`jmp_train.diagnostics.collective_bytes`: its ``"all-reduce"``
+entry must be ``0``.
+
+Several hosts
+-------------
+The transformation only uses named-axis collectives (``all_to_all``,
+``all_gather``; ``psum`` during warm-up), so the same code runs on one
+device, several devices of one process, and several processes. On each
+host, before any other JAX call::
+
+  jax.distributed.initialize(coordinator_address="host0:1234",
+                             num_processes=P, process_id=i)
+  # CPU only: jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+then build a ``Mesh`` over ``jax.devices()`` (all processes' devices), put
+the batch on it with ``jax.make_array_from_process_local_data``, create the
+state with ``shard_map(tx.init, ...)`` (residuals sharded along the data
+axis: :func:`sign_compression_specs`) and run the same
+``jax.jit(jax.shard_map(step, ...))`` in every process. The test
+``tests/test_sign_compression_multiprocess.py`` does this with two processes
+on ``127.0.0.1``.
+
+References:
+  Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its
+  Application to Data-Parallel Distributed Training of Speech DNNs",
+  Interspeech 2014. https://www.isca-archive.org/interspeech_2014/seide14_interspeech.html
+
+  Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and
+  other Gradient Compression Schemes", ICML 2019.
+  https://arxiv.org/abs/1901.09847
+
+  Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
+  with Adam's Convergence Speed", ICML 2021. https://arxiv.org/abs/2102.02888
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jmp_train._src.compression import sign_codec
+from jmp_train._src.buckets import bucket_sizes, check_bucket_bytes
+from jmp_train._src.compression.compressed_mean import CompressedMeanState
+from jmp_train._src.hyperparams import check_bool
+from jmp_train._src.leaf_checks import check_leaves
+from jmp_train._src.compression.replica_averaging import ReplicaCompressor
+from jmp_train._src.compression.sign_layout import Layout, axis_size, make_layout
+from jmp_train._src.compression.wire_messages import append_floats, split_floats
+
+__all__ = [
+    "SignCompressionState",
+    "sign_compression",
+    "sign_compression_specs",
+    "SCALES",
+]
+
+SCALES = ("column", "l1", "l2")
+
+
+class SignCompressionState(NamedTuple):
+  """State of :func:`sign_compression`, per replica.
+
+  Attributes:
+    count: int32 scalar, the number of updates so far (the same on every
+      replica).
+    worker_residual: a tuple of float32 arrays, one per gradient leaf (in
+      ``jax.tree.leaves`` order) and in the leaf's shape (``(1,)`` for a
+      scalar leaf), each the leaf's quantization error on this replica
+      (zeros without error feedback).
+    server_residual: float32 ``(N_pad // K,)``, the error of re-quantizing
+      the chunk this replica owns (with ``bucket_bytes``, its chunk of every
+      bucket, end to end; zeros without server error feedback; ``(0,)`` when
+      ``axis_name`` is ``None``).
+  """
+
+  count: jax.Array
+  worker_residual: tuple[jax.Array, ...]
+  server_residual: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """The factory's arguments, validated once (see :func:`_validate`)."""
+
+  axis_name: str | None
+  scale: str
+  error_feedback: bool
+  server_error_feedback: bool
+  warmup_steps: int
+  num_replicas: int | None
+  bucket_bytes: int | None
+
+
+def _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes, **flags) -> None:
+  if scale not in SCALES:
+    raise ValueError(f"Unknown scale {scale!r}; valid scales: {', '.join(SCALES)}.")
+  for name, value in flags.items():
+    check_bool(value, name)
+  if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
+  if axis_name is not None and not isinstance(axis_name, str):
+    raise ValueError(
+        f"axis_name must be a string or None, got {axis_name!r}; to compress over "
+        "several mesh axes, name one combined axis."
+    )
+  if num_replicas is not None and (
+      not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1
+  ):
+    raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+  check_bucket_bytes(bucket_bytes, allow_none=True)
+
+
+# A bucket: the indices of its leaves (in tree order) and their layout.
+_Bucket = tuple[tuple[int, ...], Layout]
+
+
+def _buckets(cfg: _Config, leaves, where: str) -> tuple[_Bucket, ...]:
+  """The leaves' buckets, last leaves first: each is exchanged on its own."""
+  k = 1 if cfg.axis_name is None else axis_size(cfg.axis_name, cfg.num_replicas, where)
+  if cfg.bucket_bytes is None:
+    groups = [range(len(leaves))]
+  else:
+    like = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32) for x in leaves]
+    groups = [sorted(b) for b in bucket_sizes(like, cfg.bucket_bytes)]
+  return tuple(
+      (tuple(g), make_layout([tuple(np.shape(leaves[i])) for i in g], cfg.scale, k))
+      for g in groups
+  )
+
+
+def _residual_shapes(leaves, buckets: tuple[_Bucket, ...], cfg: _Config):
+  worker = tuple(tuple(np.shape(x)) or (1,) for x in leaves)
+  server = 0 if cfg.axis_name is None else sum(layout.chunk for _, layout in buckets)
+  return worker, (server,)
+
+
+def _check_state(state: SignCompressionState, leaves, buckets, cfg: _Config) -> None:
+  expected = _residual_shapes(leaves, buckets, cfg)
+  workers = state.worker_residual
+  got = (
+      tuple(tuple(np.shape(r)) for r in workers)
+      if isinstance(workers, (tuple, list)) else tuple(np.shape(workers)),
+      tuple(state.server_residual.shape),
+  )
+  if got != expected:
+    raise ValueError(
+        f"SignCompressionState residual shapes {got} do not match the gradients "
+        f"and {buckets[0][1].k if buckets else 1} replica(s), which need {expected}: "
+        "the state was made (or checkpointed) for another replica count, other "
+        "parameters or other buckets (bucket_bytes); init a new state (1-bit "
+        "residuals cannot be moved between replica counts)."
+    )
+
+
+def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
+  """One bucket's worker step, exchange, owner step and final decode: ``(leaves, r, e)``."""
+  local = cfg.axis_name is None
+  bits, pairs, new_r, decoded = sign_codec.worker_step(
+      leaves, r if cfg.error_feedback else None, layout, cfg.scale, decode=local
+  )
+  r = r if new_r is None else new_r
+  if local:
+    return decoded, r, e
+  axis, k, s = cfg.axis_name, layout.k, layout.chunk
+  # Phase 1: packed chunks, each with its pieces' pairs, to their owners.
+  sent_pairs = pairs[layout.send_index]
+  recv = lax.all_to_all(append_floats(bits.reshape(k, s // 8), sent_pairs), axis, 0, 0)
+  o_bits, o_pairs, new_e = sign_codec.owner_step(
+      *split_floats(recv, s // 8, sent_pairs.shape[1:]), e if cfg.server_error_feedback else None,
+      lax.axis_index(axis), layout, cfg.scale,
+  )
+  e = e if new_e is None else new_e
+  # Phase 2: everyone gathers the owners' packed chunks and pairs.
+  gathered = lax.all_gather(append_floats(o_bits, o_pairs), axis, to="invarying")
+  all_bits, all_pairs = split_floats(gathered, s // 8, o_pairs.shape)
+  out = sign_codec.final_decode(all_bits, all_pairs, layout, [jnp.float32] * len(leaves))
+  return out, r, e
+
+
+def _compress(leaves, state: SignCompressionState, buckets, cfg: _Config):
+  """Every bucket compressed and exchanged, last leaves first: ``(leaves, r, e)``."""
+  out, r = list(leaves), list(state.worker_residual)
+  e_parts, start = [], 0
+  for idx, layout in buckets:
+    size = 0 if cfg.axis_name is None else layout.chunk
+    o, r_b, e_b = _compress_bucket(
+        [leaves[i] for i in idx], tuple(r[i] for i in idx),
+        state.server_residual[start : start + size], layout, cfg,
+    )
+    for j, i in enumerate(idx):
+      out[i], r[i] = o[j], r_b[j]
+    e_parts.append(e_b)
+    start += size
+  if not e_parts:  # no leaves
+    return out, tuple(r), state.server_residual
+  return out, tuple(r), e_parts[0] if len(e_parts) == 1 else jnp.concatenate(e_parts)
+
+
+def _exact(leaves, state: SignCompressionState, cfg: _Config):
+  """The warm-up branch: a float32 ``pmean`` of the leaves, residuals kept."""
+  out = [x.astype(jnp.float32) for x in leaves]
+  if cfg.axis_name is not None:
+    out = lax.pmean(out, cfg.axis_name)
+  return out, state.worker_residual, state.server_residual
+
+
+def _init(cfg: _Config, params) -> SignCompressionState:
+  leaves, _ = check_leaves(params, "parameters", "sign_compression")
+  worker, server = _residual_shapes(leaves, _buckets(cfg, leaves, "init"), cfg)
+  return SignCompressionState(
+      count=jnp.zeros((), jnp.int32),
+      worker_residual=tuple(jnp.zeros(shape, jnp.float32) for shape in worker),
+      server_residual=jnp.zeros(server, jnp.float32),
+  )
+
+
+def _update(cfg: _Config, updates, state: SignCompressionState, params=None):
+  del params
+  leaves, treedef = check_leaves(updates, "gradients", "sign_compression")
+  buckets = _buckets(cfg, leaves, "update")
+  _check_state(state, leaves, buckets, cfg)
+  if cfg.warmup_steps == 0:
+    out, r, e = _compress(leaves, state, buckets, cfg)
+  else:
+    out, r, e = lax.cond(
+        state.count < cfg.warmup_steps,
+        lambda: _exact(leaves, state, cfg),
+        lambda: _compress(leaves, state, buckets, cfg),
+    )
+  out = [o.astype(x.dtype) for o, x in zip(out, leaves)]
+  return jax.tree.unflatten(treedef, out), SignCompressionState(
+      count=optax.safe_increment(state.count),
+      worker_residual=r,
+      server_residual=e,
+  )
+
+
+def sign_compression(
+    axis_name: str | None = None,
+    *,
+    scale: str = "column",
+    error_feedback: bool = True,
+    server_error_feedback: bool = True,
+    warmup_steps: int = 0,
+    num_replicas: int | None = None,
+    bucket_bytes: int | None = None,
+) -> optax.GradientTransformation:
+  r"""Averages gradients across replicas with 1-bit compression and error feedback.
+
+  Input: each replica's *local* gradients (not averaged). Output: their
+  average, compressed as described in the module docstring, identical on
+  every replica and in the input leaves' dtypes. Put it first in an
+  ``optax.chain``, before the optimizer::
+
+    tx = optax.chain(sign_compression("data"), optax.sgd(0.1, momentum=0.9))
+
+  Worker side, per element with residual :math:`r` and segment
+  reconstruction values :math:`(h, l)`:
+
+  .. math::
+    v = g + r, \quad \hat v = \begin{cases} h & v \ge 0 \\ l & v < 0
+    \end{cases}, \quad r \leftarrow v - \hat v;
+
+  owner side, for its chunk with server residual :math:`e`:
+  :math:`u = \frac1K \sum_j \hat v_j + e`, :math:`e \leftarrow u - \hat u`;
+  the output is :math:`\hat u` everywhere.
+
+  Args:
+    axis_name: the named axis of the replicas (``pmap``'s ``axis_name`` or a
+      ``Mesh`` axis under ``shard_map``). ``None``: no communication; each
+      replica quantizes its own gradient with error feedback (to study the
+      quantization on one device).
+    scale: reconstruction values: ``"column"`` (per column, Seide et al.),
+      ``"l1"`` (per tensor ``‖v‖₁/d``) or ``"l2"`` (per tensor ``‖v‖₂/√d``).
+    error_feedback: keep the worker residual (otherwise it stays zero).
+    server_error_feedback: keep the owner's residual (otherwise zero).
+    warmup_steps: average exactly (a float32 ``pmean``) for this many first
+      steps, then compress. The branch is a ``lax.cond`` on the step
+      counter, which is the same on every replica: no compression work is
+      done during warm-up and no float all-reduce runs after it (the
+      compiled program holds both branches; the float all-reduce sits in
+      the warm-up branch's computation only). Residuals stay untouched
+      during warm-up.
+    num_replicas: the size of ``axis_name``, needed by ``init`` only when it
+      runs outside ``pmap``/``shard_map``; checked against the axis
+      otherwise.
+    bucket_bytes: ``None``: one exchange for the whole tree. An int: the
+      leaves are cut into buckets of about this many float32 bytes, last
+      leaves first (as ``make_train_step``'s ``bucket_bytes``; a leaf is
+      never split), and each bucket is compressed and exchanged on its own,
+      so the exchange of the last layers' gradients depends on those
+      gradients only and may start while the backward pass still computes
+      earlier layers' (PyTorch DDP's buckets; Seide et al.'s double
+      buffering). Each bucket is a flat buffer of its own (its own padding
+      and chunks); the server residual is the buckets' chunks end to end,
+      so ``init`` and ``update`` (and a restored state) need the same
+      ``bucket_bytes``.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`SignCompressionState`.
+
+  Raises:
+    ValueError: at construction for an unknown ``scale``, a negative
+      ``warmup_steps``, a non-positive ``bucket_bytes`` or a non-bool
+      ``error_feedback`` / ``server_error_feedback``; at trace time when
+      ``axis_name`` is not bound, when a gradient leaf is not floating, or
+      when the state does not match the gradients (other parameters or
+      another replica count).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> tx = optax.chain(sign_compression("i"), optax.sgd(0.1))
+    >>> k = jax.local_device_count()
+    >>> params = {"w": jnp.zeros((k, 4, 3))}
+    >>> state = jax.pmap(tx.init, axis_name="i")(params)
+    >>> grads = {"w": jnp.arange(k * 12.0).reshape(k, 4, 3)}
+    >>> updates, state = jax.pmap(tx.update, axis_name="i")(grads, state)
+    >>> bool((updates["w"] == updates["w"][0]).all())  # same everywhere
+    True
+
+  References:
+    Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
+    Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
+    https://www.isca-archive.org/interspeech_2014/seide14_interspeech.html
+
+    Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
+    Compression Schemes", ICML 2019. https://arxiv.org/abs/1901.09847
+  """
+  _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes,
+            error_feedback=error_feedback, server_error_feedback=server_error_feedback)
+  cfg = _Config(
+      axis_name=axis_name,
+      scale=scale,
+      error_feedback=error_feedback,
+      server_error_feedback=server_error_feedback,
+      warmup_steps=int(warmup_steps),
+      num_replicas=None if num_replicas is None else int(num_replicas),
+      bucket_bytes=None if bucket_bytes is None else int(bucket_bytes),
+  )
+  return ReplicaCompressor(
+      functools.partial(_init, cfg), functools.partial(_update, cfg)
+  )
+
+
+def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
+  """``PartitionSpec`` s for an optimizer state holding compression states.
+
+  Under ``shard_map``, every replica keeps its own residuals: their global
+  arrays are the replicas' residuals concatenated along their first axis
+  over ``axis_name`` (``P(axis_name)``); every other leaf (the counter, an
+  optimizer's moments of replicated parameters) is replicated (``P()``).
+
+  Args:
+    opt_state: an optimizer state (or its ``jax.eval_shape``) that may
+      contain :class:`SignCompressionState` s or
+      :class:`~jmp_train.CompressedMeanState` s anywhere.
+    axis_name: the mesh axis of the replicas.
+
+  Returns:
+    A pytree of ``jax.sharding.PartitionSpec`` matching ``opt_state``.
+
+  Examples:
+    >>> from jax.sharding import PartitionSpec as P
+    >>> state = SignCompressionState(jnp.zeros((), jnp.int32), (jnp.zeros(8),), jnp.zeros(4))
+    >>> sign_compression_specs(state, "data")
+    SignCompressionState(count=P(), worker_residual=P('data',), server_residual=P('data',))
+  """
+  P = jax.sharding.PartitionSpec
+  is_state = lambda x: isinstance(x, (SignCompressionState, CompressedMeanState))
+
+  def residual(r):
+    # An absent residual (optax.EmptyState) has no arrays to place.
+    return r if isinstance(r, optax.EmptyState) else P(axis_name)
+
+  def spec(x):
+    if is_state(x):
+      return type(x)(P(), residual(x.worker_residual), residual(x.server_residual))
+    return P()
+
+  return jax.tree.map(spec, opt_state, is_leaf=is_state)

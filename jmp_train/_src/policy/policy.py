@@ -1,0 +1,389 @@
+"""Dtype policies: which dtype parameters, computation and outputs use.
+
+A policy is three dtypes (after Micikevicius et al., "Mixed Precision
+Training", ICLR 2018, section 3): parameters are stored in ``param_dtype``
+(float32 masters), the forward and backward pass compute in ``compute_dtype``
+(float16 or bfloat16 so matmuls and convolutions use Tensor Cores), and the
+model returns ``output_dtype`` (float32, so the loss is computed in float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_train._src.fp8.products import Fp8Recipe
+
+__all__ = [
+    "Policy",
+    "get_policy",
+    "half_dtype",
+    "cast_floating",
+    "parse_dtype",
+    "is_floating_array",
+]
+
+# Names accepted for floating dtypes. "half" resolves per backend at parse time.
+_DTYPE_ALIASES: dict[str, str] = {
+    "float16": "float16",
+    "f16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "f32": "float32",
+    "fp32": "float32",
+    "full": "float32",
+    "float64": "float64",
+    "f64": "float64",
+    "fp64": "float64",
+}
+_KEY_ALIASES: dict[str, str] = {
+    "params": "param",
+    "param": "param",
+    "p": "param",
+    "compute": "compute",
+    "c": "compute",
+    "output": "output",
+    "o": "output",
+}
+_PRESETS: dict[str, tuple[str, str, str]] = {
+    "mixed_float16": ("float32", "float16", "float32"),
+    "mixed_bfloat16": ("float32", "bfloat16", "float32"),
+    "mixed_half": ("float32", "half", "float32"),
+    "float32": ("float32", "float32", "float32"),
+}
+_FP8_PRESETS: dict[str, Fp8Recipe] = {
+    "mixed_float8": Fp8Recipe(),
+}
+# Keys of a spec that choose FP8 matmuls and their scaling recipe.
+_MATMUL_VALUES = {"fp8": "delayed", "fp8_delayed": "delayed", "fp8_current": "current"}
+_FP8_KEYS = ("matmul", "fp8_history", "fp8_margin", "fp8_amax")
+_ACCEPTED_DTYPES = sorted(set(_DTYPE_ALIASES) | {"half"})
+_ACCEPTED_KEYS = sorted(set(_KEY_ALIASES) | set(_FP8_KEYS))
+
+
+def half_dtype() -> np.dtype:
+  """Returns the half-precision dtype suited to the default backend.
+
+  float16 on GPU (Tensor Cores run float16 and bfloat16 alike, and float16
+  keeps 3 more bits of mantissa); bfloat16 on TPU and CPU (TPUs' native half
+  type; CPUs emulate both, and bfloat16 needs no loss scaling).
+
+  Returns:
+    ``jnp.float16`` or ``jnp.bfloat16`` as a NumPy dtype.
+
+  Examples:
+    >>> import jmp_train
+    >>> jmp_train.half_dtype() in (jnp.float16, jnp.bfloat16)
+    True
+  """
+  if jax.default_backend() in ("gpu", "cuda", "rocm"):
+    return np.dtype(jnp.float16)
+  return np.dtype(jnp.bfloat16)
+
+
+def parse_dtype(value: Any) -> np.dtype:
+  """Parses a floating dtype from a name (``"bf16"``, ``"half"``) or a dtype.
+
+  Args:
+    value: a dtype name, alias, NumPy/JAX dtype or scalar type.
+
+  Returns:
+    The NumPy dtype.
+
+  Raises:
+    ValueError: if the name is unknown or the dtype is not floating point.
+  """
+  if isinstance(value, str):
+    name = value.strip().lower()
+    if name == "half":
+      return half_dtype()
+    if name not in _DTYPE_ALIASES:
+      try:
+        known = np.dtype(name)
+      except TypeError:
+        known = None
+      if known is not None and not jnp.issubdtype(known, jnp.floating):
+        raise ValueError(
+            f"{value!r} is not a floating dtype; a policy needs one of "
+            f"{', '.join(_ACCEPTED_DTYPES)}."
+        )
+      raise ValueError(
+          f"Unknown dtype {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}."
+      )
+    return np.dtype(getattr(jnp, _DTYPE_ALIASES[name]))
+  try:
+    dtype = np.dtype(value)
+  except TypeError as e:
+    raise ValueError(
+        f"Not a dtype: {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}."
+    ) from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f"{dtype.name!r} is not a floating dtype; a policy needs one of "
+        f"{', '.join(_ACCEPTED_DTYPES)}."
+    )
+  return dtype
+
+
+def is_floating_array(x: Any) -> bool:
+  """Whether ``x`` is a floating-point array (or tracer, or shape struct).
+
+  The one leaf predicate of the library: Python scalars have no dtype, and
+  typed PRNG keys have an extended dtype that is not floating, so both are
+  left alone wherever the library casts, scales or inspects leaves.
+  """
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not hasattr(x, "shape"):
+    return False
+  try:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+  except TypeError:  # extended dtypes (typed PRNG keys)
+    return False
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+  """Casts the floating-point array leaves of ``tree`` to ``dtype``.
+
+  Integer, boolean and key arrays, ``None`` and non-array leaves (Python
+  numbers, strings) are returned untouched; leaves already in ``dtype`` are
+  returned as they are (no copy).
+
+  Args:
+    tree: any pytree.
+    dtype: the target floating dtype (name or dtype).
+
+  Returns:
+    A pytree of the same structure.
+
+  Examples:
+    >>> tree = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
+    >>> out = cast_floating(tree, "bf16")
+    >>> out["w"].dtype, out["step"].dtype
+    (dtype(bfloat16), dtype('int32'))
+  """
+  dtype = parse_dtype(dtype)
+
+  def cast(x):
+    if is_floating_array(x) and hasattr(x, "astype") and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """An immutable, hashable mixed-precision policy.
+
+  Attributes:
+    param_dtype: dtype parameters are created and stored in.
+    compute_dtype: dtype of the forward and backward computation.
+    output_dtype: dtype of the model's outputs.
+    fp8: ``None``, or the :class:`~jmp_train.Fp8Recipe` with which matmuls
+      and convolutions run in FP8 (E4M3 operands, E5M2 gradients; the rest
+      of the computation stays in ``compute_dtype``).
+
+  Being frozen and hashable, a policy can be a static argument of
+  ``jax.jit``. ``str(policy)`` is a spec that :func:`get_policy` parses back.
+
+  Examples:
+    >>> policy = Policy("float32", "bfloat16", "float32")
+    >>> x = policy.cast_to_compute({"x": jnp.ones(3), "label": jnp.arange(3)})
+    >>> x["x"].dtype, x["label"].dtype
+    (dtype(bfloat16), dtype('int32'))
+    >>> str(policy)
+    'params=float32,compute=bfloat16,output=float32'
+
+  References:
+    Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+    https://arxiv.org/abs/1710.03740
+  """
+
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+  fp8: Fp8Recipe | None = None
+
+  def __post_init__(self):
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+      object.__setattr__(self, field, parse_dtype(getattr(self, field)))
+    if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
+      raise TypeError(f"fp8 must be None or a jmp_train.Fp8Recipe, got {self.fp8!r}.")
+
+  def cast_to_param(self, tree: Any) -> Any:
+    """Casts floating leaves of ``tree`` to ``param_dtype``."""
+    return cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: Any) -> Any:
+    """Casts floating leaves of ``tree`` to ``compute_dtype``."""
+    return cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: Any) -> Any:
+    """Casts floating leaves of ``tree`` to ``output_dtype``."""
+    return cast_floating(tree, self.output_dtype)
+
+  def with_output_dtype(self, dtype: Any) -> "Policy":
+    """Returns a copy of this policy with another output dtype."""
+    return dataclasses.replace(self, output_dtype=dtype)
+
+  @property
+  def is_mixed(self) -> bool:
+    """Whether computation runs in a narrower dtype than the parameters."""
+    return self.compute_dtype.itemsize < self.param_dtype.itemsize
+
+  def __str__(self) -> str:
+    text = (
+        f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+        f"output={self.output_dtype.name}"
+    )
+    return text + _fp8_spec(self.fp8)
+
+
+def _fp8_spec(recipe: Fp8Recipe | None) -> str:
+  """The spec keys of an FP8 recipe (its non-default fields only)."""
+  if recipe is None:
+    return ""
+  default = Fp8Recipe()
+  text = f",matmul=fp8_{recipe.scaling}"
+  if recipe.amax_history_len != default.amax_history_len:
+    text += f",fp8_history={recipe.amax_history_len}"
+  if recipe.margin != default.margin:
+    text += f",fp8_margin={recipe.margin}"
+  if recipe.amax_compute_algo != default.amax_compute_algo:
+    text += f",fp8_amax={recipe.amax_compute_algo}"
+  return text
+
+
+def _parse_fp8(spec: str, fp8_parts: dict[str, str]) -> Fp8Recipe | None:
+  """The recipe named by a spec's ``matmul=``/``fp8_*=`` parts."""
+  if not fp8_parts:
+    return None
+  matmul = fp8_parts.get("matmul")
+  if matmul is None:
+    raise ValueError(
+        f"Policy spec {spec!r} sets {', '.join(sorted(fp8_parts))} without "
+        f"matmul=; add matmul= one of {', '.join(sorted(_MATMUL_VALUES))}."
+    )
+  if matmul not in _MATMUL_VALUES:
+    raise ValueError(
+        f"In policy spec {spec!r}, matmul={matmul!r}; accepted: "
+        f"{', '.join(sorted(_MATMUL_VALUES))}."
+    )
+  kwargs: dict[str, Any] = {"scaling": _MATMUL_VALUES[matmul]}
+  for key, field in (("fp8_history", "amax_history_len"), ("fp8_margin", "margin")):
+    if key in fp8_parts:
+      try:
+        kwargs[field] = int(fp8_parts[key])
+      except ValueError:
+        raise ValueError(
+            f"In policy spec {spec!r}, {key} must be an integer, got {fp8_parts[key]!r}."
+        ) from None
+  if "fp8_amax" in fp8_parts:
+    kwargs["amax_compute_algo"] = fp8_parts["fp8_amax"]
+  try:
+    return Fp8Recipe(**kwargs)
+  except ValueError as e:
+    raise ValueError(f"In policy spec {spec!r}: {e}") from None
+
+
+def get_policy(spec: str | Policy) -> Policy:
+  """Parses a policy from a string.
+
+  Accepted forms:
+
+  * ``"params=float32,compute=float16,output=float32"``, with short keys
+    and names too: ``"p=f32,c=bf16,o=f32"``; ``half`` is the backend's half
+    type (:func:`half_dtype`), ``full`` is float32;
+  * one dtype for all three: ``"bfloat16"``;
+  * presets: ``"mixed_float16"``, ``"mixed_bfloat16"``, ``"mixed_half"``,
+    ``"float32"``, and ``"mixed_float8"`` (float32 parameters, FP8 matmuls
+    and convolutions with delayed scaling, bfloat16 elsewhere, float32
+    output);
+  * FP8 matmuls in any spec: ``matmul=fp8`` (or ``fp8_delayed``) or
+    ``matmul=fp8_current``, with optional ``fp8_history=N``,
+    ``fp8_margin=M`` and ``fp8_amax=max|most_recent`` (the fields of
+    :class:`~jmp_train.Fp8Recipe`), e.g.
+    ``"p=f32,c=bf16,o=f32,matmul=fp8_current"``.
+
+  Args:
+    spec: the string, or a :class:`Policy` (returned as is).
+
+  Returns:
+    The :class:`Policy`; ``get_policy(str(p)) == p`` for every policy ``p``.
+
+  Raises:
+    ValueError: naming the bad part (unknown key or dtype, non-floating dtype,
+      a key given twice, a missing key) and the accepted values.
+
+  Examples:
+    >>> get_policy("p=f32,c=bf16,o=f32") == get_policy("mixed_bfloat16")
+    True
+    >>> str(get_policy("mixed_float8"))
+    'params=float32,compute=bfloat16,output=float32,matmul=fp8_delayed'
+  """
+  if isinstance(spec, Policy):
+    return spec
+  if not isinstance(spec, str):
+    raise ValueError(f"A policy spec must be a string or a Policy, got {spec!r}.")
+  text = spec.strip().lower()
+  if not text:
+    raise ValueError(
+        "Empty policy spec; give e.g. 'params=float32,compute=float16,"
+        f"output=float32' or a preset: {', '.join(sorted(_PRESETS) + sorted(_FP8_PRESETS))}."
+    )
+  if text in _PRESETS:
+    return Policy(*_PRESETS[text])
+  if text in _FP8_PRESETS:
+    return Policy("float32", "bfloat16", "float32", fp8=_FP8_PRESETS[text])
+  if "=" not in text:
+    try:
+      dtype = parse_dtype(text)
+    except ValueError as e:
+      raise ValueError(
+          f"Unknown policy spec {spec!r}: {e} Accepted forms: a preset "
+          f"({', '.join(sorted(_PRESETS) + sorted(_FP8_PRESETS))}), one dtype for all three, or "
+          "'params=...,compute=...,output=...'."
+      ) from None
+    return Policy(dtype, dtype, dtype)
+  values: dict[str, np.dtype] = {}
+  fp8_parts: dict[str, str] = {}
+  for part in text.split(","):
+    if "=" not in part:
+      raise ValueError(
+          f"Bad part {part.strip()!r} in policy spec {spec!r}: expected "
+          f"key=dtype with a key in {', '.join(_ACCEPTED_KEYS)}."
+      )
+    key, _, value = (s.strip() for s in part.partition("="))
+    if key in _FP8_KEYS:
+      if key in fp8_parts:
+        raise ValueError(f"Key {key!r} given twice in policy spec {spec!r}.")
+      fp8_parts[key] = value
+      continue
+    if key not in _KEY_ALIASES:
+      raise ValueError(
+          f"Unknown key {key!r} in policy spec {spec!r}; accepted keys: "
+          f"{', '.join(_ACCEPTED_KEYS)}."
+      )
+    canonical = _KEY_ALIASES[key]
+    if canonical in values:
+      raise ValueError(
+          f"Key {key!r} ({canonical}) given twice in policy spec {spec!r}."
+      )
+    try:
+      values[canonical] = parse_dtype(value)
+    except ValueError as e:
+      raise ValueError(f"In policy spec {spec!r}, key {key!r}: {e}") from None
+  missing = [k for k in ("param", "compute", "output") if k not in values]
+  if missing:
+    raise ValueError(
+        f"Policy spec {spec!r} is missing {', '.join(missing)}; it needs "
+        "params=, compute= and output= (or p=, c=, o=)."
+    )
+  return Policy(values["param"], values["compute"], values["output"],
+                fp8=_parse_fp8(spec, fp8_parts))

@@ -1,0 +1,12 @@
+"""The train step: :func:`~jmp_train.make_train_step` and its checkpoints.
+
+* ``step``: :func:`~jmp_train.make_train_step`.
+* ``setup``: argument checks and the composed optimizer.
+* ``replica_step``: one replica's step (policy casts, loss, gradients,
+  exchange, update, skip).
+* ``modes``: the compiled forms for one device, ``pmap`` and ``shard_map``.
+* ``model``: adapters for linen applies, linen modules and NNX modules.
+* ``state``: :class:`~jmp_train.TrainState` and :class:`~jmp_train.TrainStep`.
+* ``checkpoint``: :func:`~jmp_train.save_checkpoint`,
+  :func:`~jmp_train.restore_checkpoint` (orbax).
+"""

@@ -1,0 +1,301 @@
+"""The per-replica train and eval steps that :func:`~jmp_train.make_train_step` compiles.
+
+Three pieces (:func:`_forward`: policy casts, model and loss;
+:func:`_gradients`: the (loss-scaled) gradient and its replica average;
+:func:`_update`: the optimizer and the skip of non-finite steps) make
+:func:`train_step`; :func:`eval_step` is the forward pass alone. Both take
+their static configuration, a :class:`StepConfig`, first.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jmp_train._src import buckets
+from jmp_train._src.fp8 import products as fp8_lib
+from jmp_train._src.fp8 import flax_layers as fp8_flax
+from jmp_train._src.leaf_checks import first_not_differentiable
+from jmp_train._src.messages import describe, error_summary
+from jmp_train._src.policy.policy import Policy
+from jmp_train._src.train.state import TrainState
+
+__all__ = ["StepConfig", "eval_step", "train_step"]
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """What the per-replica step needs to know (static)."""
+
+  model: Any
+  loss_fn: Callable[..., Any]
+  tx: optax.GradientTransformationExtraArgs
+  policy: Policy
+  ls_api: Any  # LossScalingFns, or None without loss scaling
+  axis_name: str | None
+  exchange: bool  # average the gradients here (no compression)
+  has_aux: bool
+  cast_params: bool
+  remat_policy: Callable[..., bool] | None
+  bucket_bytes: int
+  reduce_dtype: Any
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+  if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+    what = f"a {type(batch).__name__}"
+    if hasattr(batch, "shape") and hasattr(batch, "dtype"):
+      what = f"a single array of shape {tuple(batch.shape)} and dtype {batch.dtype}"
+    elif isinstance(batch, (tuple, list)):
+      what += f" of length {len(batch)}"
+    elif isinstance(batch, dict):
+      what += f" with keys {sorted(batch)}"
+    raise TypeError(
+        f"The batch must be a tuple (inputs, targets), got {what}. Pass "
+        f"step(state, (inputs, targets)), e.g. (batch['image'], batch['label'])."
+    )
+  return batch[0], batch[1]
+
+
+# First parameter names of a loss that expects the model, its state or its
+# parameters (a Flax-tutorial ``loss_fn(model, batch)``), not its outputs.
+_MODEL_PARAMETERS = frozenset(
+    {"model", "module", "net", "network", "state", "train_state", "params", "variables"})
+
+_LOSS_SIGNATURE = (
+    "make_train_step calls loss_fn(outputs, targets): outputs is what the model "
+    "returns for the inputs of a batch (inputs, targets), cast to the policy's "
+    "output dtype, and targets is the batch's second element; loss_fn returns a "
+    "scalar loss, or (loss, aux) with aux a dict of scalar metrics and "
+    "has_aux=True."
+)
+
+
+def _loss_signature_mismatch(loss_fn: Callable[..., Any], error: Exception,
+                             outputs: Any, targets: Any) -> str | None:
+  """Why ``error`` from ``loss_fn(outputs, targets)`` is a signature mistake, or None.
+
+  Only three signs count, so that a genuine error inside a loss of the right
+  signature reaches the user unchanged: ``loss_fn`` cannot take two
+  positional arguments; its first parameter is named like the model, its
+  state or its parameters (``model``, ``state``, ``params``, ...); or the
+  error is JAX's refusal to index an array with a string (``batch["label"]``
+  on the targets array).
+  """
+  try:
+    signature = inspect.signature(loss_fn)
+  except (TypeError, ValueError):
+    signature = None
+  shown = "loss_fn" + (str(signature) if signature is not None else "")
+  if signature is not None:
+    try:
+      signature.bind(outputs, targets)
+    except TypeError:
+      return f"The {shown} given cannot be called so ({error_summary(error)})."
+    first = next(iter(signature.parameters), None)
+    if first in _MODEL_PARAMETERS:
+      return (f"The {shown} given takes {first!r} first (make_train_step runs the "
+              "model itself, so a Flax-tutorial loss_fn(model, batch) or "
+              f"loss_fn(params, batch) does not fit) and raised {error_summary(error)}.")
+  if isinstance(error, TypeError) and "string indexing" in str(error):
+    return (f"The {shown} given indexed an array with a string ({error_summary(error)}), "
+            "as a Flax-tutorial loss_fn(model, batch) does with batch['label'].")
+  return None
+
+
+def _call_loss_fn(cfg: StepConfig, outputs, targets):
+  try:
+    return cfg.loss_fn(outputs, targets)
+  except (TypeError, IndexError, KeyError, AttributeError) as e:
+    why = _loss_signature_mismatch(cfg.loss_fn, e, outputs, targets)
+    if why is None:
+      raise
+  raise TypeError(
+      f"{_LOSS_SIGNATURE} {why} Pass the model as apply_fn and a loss of its "
+      "outputs, e.g. lambda logits, labels: optax.softmax_cross_entropy_with_"
+      "integer_labels(logits, labels).mean(), with step(state, (batch['image'], "
+      "batch['label']))."
+  ) from None
+
+
+def _loss(cfg: StepConfig, outputs, targets):
+  """The float32 scalar loss and the aux metrics of ``loss_fn``.
+
+  Raises:
+    TypeError: if ``loss_fn`` does not take ``(outputs, targets)`` (see
+      :func:`_loss_signature_mismatch`), or returns a tuple without
+      ``has_aux`` or no ``(loss, aux dict)`` with it.
+    ValueError: if the loss is not a scalar.
+  """
+  result = _call_loss_fn(cfg, cfg.policy.cast_to_output(outputs), targets)
+  if cfg.has_aux:
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+      raise TypeError(
+          f"With has_aux=True, loss_fn must return (loss, aux), got {describe(result)}.")
+    loss, aux = result
+    if not isinstance(aux, collections.abc.Mapping):
+      raise TypeError(
+          "With has_aux=True, loss_fn returns (loss, aux) with aux a dict of scalar "
+          f"metrics (averaged and returned with the step's metrics), got aux as "
+          f"{describe(aux)}.")
+  else:
+    if isinstance(result, (tuple, list)):
+      raise TypeError(
+          f"loss_fn returned a {type(result).__name__} of length {len(result)}, not a "
+          "scalar loss: if it returns (loss, aux) with aux a dict of scalar metrics, "
+          "pass make_train_step(..., has_aux=True).")
+    loss, aux = result, {}
+  loss = jnp.asarray(loss, jnp.float32)
+  if loss.shape != ():
+    raise ValueError(
+        f"loss_fn must return a scalar loss, got shape {loss.shape}: reduce it "
+        "(e.g. with jnp.mean).")
+  return loss, aux
+
+
+def _forward(cfg: StepConfig, params, model_state, inputs, targets, rng, replica):
+  """The loss of one replica's batch, its aux metrics and the new model state."""
+  if cfg.cast_params:
+    params = cfg.policy.cast_to_compute(params)
+  outputs, new_model_state = cfg.model.train_apply(
+      params, model_state, cfg.policy.cast_to_compute(inputs), rng, replica
+  )
+  # Keep the model state's dtypes stable across steps.
+  new_model_state = jax.tree.map(
+      lambda new, old: jnp.asarray(new, old.dtype), new_model_state, model_state
+  )
+  loss, aux = _loss(cfg, outputs, targets)
+  return loss, (aux, new_model_state)
+
+
+def _replica(cfg: StepConfig):
+  return None if cfg.axis_name is None else lax.axis_index(cfg.axis_name)
+
+
+def _check_params(params: Any) -> None:
+  """Names a leaf of ``params`` that ``jax.grad`` refuses (integer, boolean, key).
+
+  Raises:
+    TypeError: naming its path and dtype, and the two fixes.
+  """
+  found = first_not_differentiable(params)
+  if found is not None:
+    path, dtype = found
+    raise TypeError(
+        f"make_train_step differentiates every leaf of params, but "
+        f"params{path} has dtype {dtype}: gradients need floating-point leaves. "
+        "Cast it to a float dtype before step.init (e.g. jnp.float32), or keep "
+        "integer values out of params: in model_state (another Flax collection, "
+        "step.init(params, model_state={...}); for an NNX module, an nnx.Variable "
+        "that is not an nnx.Param), which the step carries without differentiating."
+    )
+
+
+def _gradients(cfg: StepConfig, state: TrainState, inputs, targets):
+  """The loss, aux, new model state, gradients (replica mean unless compressed) and scale."""
+  _check_params(state.params)
+  replica = _replica(cfg)
+  rng = None
+  if state.rng is not None:
+    rng = jax.random.fold_in(state.rng, state.step)
+    if replica is not None:
+      rng = jax.random.fold_in(rng, replica)
+  # FP8 products' scaling state is differentiated too: its "gradient" is its
+  # new value (see jmp_train.fp8_dot_general).
+  fp8, rest = fp8_flax.split_fp8_state(state.model_state)
+  has_fp8 = bool(jax.tree.leaves(fp8))
+
+  def objective(diff):
+    params, model_state = diff, state.model_state
+    if has_fp8:
+      params, model_state = diff[0], fp8_flax.merge_fp8_state(diff[1], rest)
+    return _forward(cfg, params, model_state, inputs, targets, rng, replica)
+
+  if cfg.remat_policy is not None:
+    objective = jax.checkpoint(objective, policy=cfg.remat_policy)
+  diff = (state.params, fp8) if has_fp8 else state.params
+  if cfg.ls_api is None:
+    scale = jnp.ones((), jnp.float32)
+    (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(diff)
+  else:
+    current = cfg.ls_api.get_loss_scale(state.opt_state)
+    scale = jnp.asarray(current.loss_scale, jnp.float32)
+    (loss, (aux, model_state)), grads = cfg.ls_api.scaled_value_and_grad(
+        objective, has_aux=True
+    )(current, diff)
+  if has_fp8:
+    grads, fp8_grads = grads
+  if cfg.exchange:
+    grads = buckets.bucketed_mean(grads, cfg.axis_name, cfg.bucket_bytes, cfg.reduce_dtype)
+  if cfg.axis_name is not None:
+    # Batch statistics from each replica's share of the batch, averaged so
+    # that every replica keeps the same model state (as Flax's examples do).
+    model_state = jax.tree.map(
+        lambda x: lax.pmean(x, cfg.axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+        model_state,
+    )
+  if has_fp8:
+    new_fp8 = fp8_lib.update_fp8_meta(fp8, fp8_grads, cfg.axis_name)
+    model_state = fp8_flax.merge_fp8_state(new_fp8, fp8_flax.split_fp8_state(model_state)[1])
+  return loss, aux, model_state, grads, scale
+
+
+def _update(cfg: StepConfig, state: TrainState, grads, model_state):
+  """Applies the optimizer; keeps the old model state on a skipped step."""
+  updates, opt_state = cfg.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  if cfg.ls_api is None:
+    return params, opt_state, model_state, None, jnp.zeros((), jnp.int32)
+  ls_metrics = cfg.ls_api.loss_scale_metrics(opt_state)
+  finite = jnp.asarray(ls_metrics["last_finite"], jnp.bool_)
+  model_state = jax.tree.map(
+      lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
+  )
+  skipped = jnp.asarray(ls_metrics["total_notfinite"], jnp.int32)
+  return params, opt_state, model_state, ls_metrics["loss_scale"], skipped
+
+
+def _mean(cfg: StepConfig, x):
+  x = jnp.asarray(x)
+  if cfg.axis_name is None:
+    return x
+  if jnp.issubdtype(x.dtype, jnp.integer):
+    return lax.pmax(x, cfg.axis_name)
+  return lax.pmean(x, cfg.axis_name)
+
+
+def train_step(cfg: StepConfig, state: TrainState, batch):
+  """One step on one replica: ``(state, metrics)``."""
+  inputs, targets = _split_batch(batch)
+  loss, aux, model_state, grads, scale = _gradients(cfg, state, inputs, targets)
+  grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / scale
+  params, opt_state, model_state, new_scale, skipped = _update(cfg, state, grads, model_state)
+  new_state = state.replace(
+      step=optax.safe_increment(state.step),
+      params=params,
+      opt_state=opt_state,
+      model_state=model_state,
+  )
+  metrics = {
+      "loss": loss,
+      "loss_scale": scale if new_scale is None else new_scale,
+      "skipped_steps": skipped,
+      "grad_norm": grad_norm,
+      **aux,
+  }
+  return new_state, jax.tree.map(functools.partial(_mean, cfg), metrics)
+
+
+def eval_step(cfg: StepConfig, state: TrainState, batch):
+  inputs, targets = _split_batch(batch)
+  params = cfg.policy.cast_to_compute(state.params) if cfg.cast_params else state.params
+  outputs = cfg.model.eval_apply(params, state.model_state, cfg.policy.cast_to_compute(inputs))
+  loss, aux = _loss(cfg, outputs, targets)
+  return jax.tree.map(functools.partial(_mean, cfg), {"loss": loss, **aux})

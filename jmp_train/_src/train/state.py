@@ -1,0 +1,255 @@
+"""The state a train step carries, and the compiled step with its layout helpers.
+
+:class:`TrainState` is the pytree a step maps to the next one;
+:class:`TrainStep` (built by :func:`jmp_train.make_train_step`) holds the
+compiled step and lays out its inputs for the mode: plain arrays for one
+device, one copy per device (a leading device axis) for ``pmap`` and
+``shard_map``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmp_train._src import pytrees
+from jmp_train._src.policy.policy import Policy
+
+__all__ = ["TrainState", "TrainStep", "tree_bytes"]
+
+
+@pytrees.register_pytree_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """Everything a training run carries from one step to the next.
+
+  A pytree of arrays only (no functions), so it can be donated, checkpointed
+  and sharded as a whole. In the ``pmap`` and ``shard_map`` modes every leaf
+  has a leading axis with one entry per device (as with
+  ``flax.jax_utils.replicate``): per-device optimizer state, such as the
+  error-feedback residuals of 1-bit SGD, lives there.
+
+  Attributes:
+    step: ``int32`` scalar, the number of steps taken (skipped ones included,
+      so that ``step`` also indexes the data stream).
+    params: parameters, stored in the policy's ``param_dtype``.
+    opt_state: the optimizer state (with the loss scale inside it when loss
+      scaling is on).
+    model_state: mutable Flax collections other than ``params`` (for example
+      ``{"batch_stats": ...}``); ``{}`` if the model has none. For an
+      ``nnx.Module``: its ``nnx.State`` other than ``nnx.Param`` (batch
+      statistics, RNG stream counters and ``uint32`` key data).
+    rng: a ``jax.random.key_data``-style ``uint32`` key, or ``None``. Each step
+      folds in the step number (and the device index) so that a resumed run
+      draws the same dropout masks.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  model_state: Any
+  rng: jax.Array | None
+
+  def replace(self, **changes: Any) -> "TrainState":
+    """A copy with ``changes`` (``dataclasses.replace``)."""
+    return dataclasses.replace(self, **changes)
+
+
+def tree_bytes(tree: Any) -> int:
+  """Bytes of the array leaves of ``tree`` (per replica for replicated trees).
+
+  Args:
+    tree: any pytree of arrays.
+
+  Returns:
+    The sum of ``size * itemsize`` over leaves with a ``dtype``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> tree_bytes({"w": jnp.ones((3, 4)), "b": jnp.ones(5, jnp.bfloat16), "n": None})
+    58
+  """
+  return int(
+      sum(
+          np.prod(np.shape(x), dtype=np.int64) * np.dtype(x.dtype).itemsize
+          for x in jax.tree.leaves(tree)
+          if hasattr(x, "dtype")
+      )
+  )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainStep:
+  """A compiled train step, with the helpers that lay out its inputs.
+
+  Built by :func:`make_train_step`; call it as ``state, metrics =
+  step(state, batch)``.
+
+  Attributes:
+    tx: the composed optax transformation (loss scaling around compression
+      around the optimizer); ``state.opt_state`` is its state.
+    policy: the dtype policy.
+    mode: ``"single"``, ``"pmap"`` or ``"shard_map"``.
+    axis_name: the data-parallel axis name (``None`` in ``"single"`` mode).
+    mesh: the 1-D device mesh of the ``"shard_map"`` mode, else ``None``.
+    num_replicas: data-parallel replicas over all processes.
+  """
+
+  tx: optax.GradientTransformationExtraArgs
+  policy: Policy
+  mode: str
+  axis_name: str | None
+  mesh: Mesh | None
+  num_replicas: int
+  _step: Callable[..., Any]
+  _eval: Callable[..., Any]
+  _init_opt: Callable[..., Any]
+  _model: Any = None
+
+  def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Runs one step. ``batch`` is ``(inputs, targets)`` laid out by :meth:`shard_batch`."""
+    return self._step(state, batch)
+
+  def evaluate(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
+    """Loss (and the loss function's aux values) without an update."""
+    return self._eval(state, batch)
+
+  def lower(self, state: TrainState, batch: Any) -> Any:
+    """``jax.stages.Lowered`` of the step, e.g. for :func:`jmp_train.diagnostics.collective_bytes`."""
+    return self._step.lower(state, batch)
+
+  def init(
+      self,
+      params: Any = None,
+      *,
+      model_state: Any = None,
+      rng: jax.Array | int | None = None,
+  ) -> TrainState:
+    """Builds the initial :class:`TrainState`, laid out for the mode.
+
+    Args:
+      params: parameters (any float dtype; cast to ``policy.param_dtype``).
+        Identical on every process in multi-process runs. For a step built
+        from an ``nnx.Module``: that module (or another instance of the same
+        structure), or ``None`` for the module the step was built from; its
+        ``nnx.Param`` s become ``params`` and everything else (batch
+        statistics, RNG streams) ``model_state``.
+      model_state: other Flax collections (``{"batch_stats": ...}``) or None.
+      rng: a PRNG key or an int seed for dropout-style randomness, or None.
+        (An ``nnx.Module`` draws from its own ``nnx.Rngs`` streams instead.)
+
+    Returns:
+      The state: plain arrays in ``"single"`` mode; one copy per device (a
+      leading device axis) in ``"pmap"`` and ``"shard_map"`` modes.
+    """
+    params, model_state = self._model.initial(params, model_state)
+    params = self.policy.cast_to_param(params)
+    if isinstance(rng, int):
+      rng = jax.random.PRNGKey(rng)
+    elif rng is not None and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+      rng = jax.random.key_data(rng)
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=None,
+        model_state=model_state,
+        rng=rng,
+    )
+    state = self.replicate(state)
+    # The optimizer state is made per replica, inside the mapped context, so
+    # that transformations that talk across replicas (sign_compression) see
+    # their axis.
+    return state.replace(opt_state=self._init_opt(state.params))
+
+  def to_nnx(self, state: TrainState) -> Any:
+    """The ``nnx.Module`` holding a state's parameters and model state.
+
+    For a step built from an ``nnx.Module``: a new module of the same graph,
+    with the first replica's ``params`` and ``model_state`` (RNG streams
+    with typed keys again). Use it directly or copy it into the original
+    with ``nnx.update(model, nnx.state(step.to_nnx(state)))``.
+
+    Raises:
+      TypeError: if the step was not built from an ``nnx.Module``.
+    """
+    if not hasattr(self._model, "to_module"):
+      raise TypeError("to_nnx needs a step built from an nnx.Module.")
+    return self._model.to_module(
+        self.unreplicate(state.params), self.unreplicate(state.model_state)
+    )
+
+  def replicate(self, tree: Any) -> Any:
+    """Copies a per-replica tree to every device in this mode's layout."""
+    if self.mode == "single":
+      # A copy: the step donates its input, which must not delete the caller's.
+      return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+    if self.mode == "pmap":
+      devices = jax.local_devices()
+      sharding = NamedSharding(Mesh(np.asarray(devices), ("local",)), P("local"))
+      return jax.tree.map(
+          lambda x: jax.device_put(
+              np.broadcast_to(np.asarray(x), (len(devices), *np.shape(x))), sharding
+          ),
+          tree,
+      )
+    sharding = NamedSharding(self.mesh, P(self.axis_name))
+
+    def put(x):
+      x = np.asarray(x)
+      shape = (self.num_replicas, *x.shape)
+      return jax.make_array_from_callback(
+          shape, sharding, lambda index: np.broadcast_to(x, shape)[index]
+      )
+
+    return jax.tree.map(put, tree)
+
+  def unreplicate(self, tree: Any) -> Any:
+    """The first local replica of a replicated tree (identity in ``"single"`` mode)."""
+    if self.mode == "single":
+      return tree
+    return jax.tree.map(lambda x: x.addressable_shards[0].data[0], tree)
+
+  def shard_batch(self, batch: Any) -> Any:
+    """Lays out this process's share of a global batch for the step.
+
+    Args:
+      batch: a pytree of host arrays whose leading axis is this process's
+        examples (the global batch divided by the number of processes).
+
+    Returns:
+      Device arrays: as given in ``"single"`` mode; split into
+      ``(local_devices, per_device, ...)`` for ``"pmap"``; one global array
+      sharded along its first axis for ``"shard_map"``.
+
+    Raises:
+      ValueError: if the local batch does not divide among the local devices.
+    """
+    n_local = 1 if self.mode == "single" else jax.local_device_count()
+    if self.mode == "shard_map":
+      n_local = len(
+          [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+      )
+    for x in jax.tree.leaves(batch):
+      if np.shape(x)[0] % n_local:
+        raise ValueError(
+            f"A batch of {np.shape(x)[0]} examples per process does not divide "
+            f"among {n_local} local devices in mode {self.mode!r}; use a "
+            f"multiple of {n_local}."
+        )
+    if self.mode == "single":
+      return jax.tree.map(jnp.asarray, batch)
+    if self.mode == "pmap":
+      return jax.tree.map(
+          lambda x: np.reshape(x, (n_local, -1, *np.shape(x)[1:])), batch
+      )
+    sharding = NamedSharding(self.mesh, P(self.axis_name))
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+        batch,
+    )
