@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from jmp_train._src.train import state as train_state
-from jmp_train._src.tables import format_table  # re-exported for benchmarks
+from jmp_train._src.tables import format_table as format_table  # re-exported for benchmarks
 
 RESULTS_DIR = pathlib.Path(__file__).parent / "results"
 
