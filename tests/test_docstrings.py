@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import inspect
+import pathlib
 import pkgutil
+import re
 
 import jax
 import jax.numpy as jnp
@@ -94,3 +97,25 @@ def test_public_examples_are_found():
   names = {name for name, _ in _public_examples()}
   assert {"jmp_train.loss_scaled", "jmp_train.DynamicLossScale",
           "jmp_train.scale_by_narrow_adam"} <= names
+
+
+def _docstrings(path):
+  tree = ast.parse(path.read_text())
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      yield getattr(node, "name", "module"), ast.get_docstring(node) or ""
+
+
+LIBRARY_FILES = sorted(p for p in pathlib.Path(jmp_train._src.__file__).parent.parent.rglob("*.py")
+                       if "examples" not in p.parts)
+
+
+@pytest.mark.parametrize("path", LIBRARY_FILES, ids=lambda p: str(p).split("jmp_train/", 1)[-1])
+def test_docstrings_state_contracts_not_history(path):
+  # A module docstring a reader takes in at once; no dates, and no paths the
+  # wheel does not ship (measurements live in the generated benchmarks report).
+  for name, doc in _docstrings(path):
+    if name == "module":
+      assert len(doc.splitlines()) <= 60, f"{path}: module docstring of {len(doc.splitlines())} lines"
+    assert not re.search(r"\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b", doc), f"{path}:{name} has a date"
+    assert "benchmarks/" not in doc, f"{path}:{name} cites a benchmarks/ path"

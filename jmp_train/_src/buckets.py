@@ -117,9 +117,8 @@ def mean_buckets(tree: Any, bucket_bytes: int, dtype: Any = None) -> list[list[i
   in a bucket with others is copied into the bucket's flat buffer and out
   again, to save a collective's fixed cost. A leaf that fills a bucket by
   itself saves none; nor, in practice, does one of ``ALONE_FROM_BYTES``
-  (4 MiB) or more: its two copies cost more than the collective (measured
-  with gloo across processes on CPU). Such leaves are averaged where they
-  are.
+  (4 MiB) or more: its two copies cost more than the collective (with gloo
+  across processes on CPU). Such leaves are averaged where they are.
 
   Args:
     tree: a pytree of arrays (or ``jax.ShapeDtypeStruct`` s).

@@ -97,7 +97,7 @@ def _custom_jvp(rules, eqn, vals, tags, scope):
              for o, a in zip(outs[:n], out_avals)]
     nz_out = iter(outs[n:])
     t_out = []
-    for p, a, z in zip(p_out, out_avals, out_zeros):
+    for a, z in zip(out_avals, out_zeros):
       if z:
         t_out.append(jnp.zeros(a.shape, jax.dtypes.float0 if not _is_float(a.dtype) else a.dtype))
       else:

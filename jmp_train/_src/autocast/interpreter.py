@@ -4,8 +4,8 @@ Values carry a tag (constant, parameter, half-precision activation, float32
 activation) that decides which dtype an "infer" op casts its operands to;
 :func:`eval_jaxpr` evaluates a jaxpr equation by equation, binding ordinary
 primitives, so the enclosing trace (jit, grad, vmap...) sees plain JAX ops.
-Calls and control flow are handled in :mod:`jmp_train._src.autocast.calls`,
-registered in :data:`HANDLERS`.
+Calls and control flow are handled in ``calls``, registered in
+``HANDLERS``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`autocast` traces a function to a jaxpr and evaluates the jaxpr again
 with each equation's floating-point operands cast after the AMP op lists
-(:mod:`jmp_train._src.autocast.lists`): matmuls and convolutions in the
+(``lists``): matmuls and convolutions in the
 policy's compute dtype, ``exp``/``log``/reductions and the patterns they form
 (softmax, log-softmax, normalization statistics) in float32, everything else
 following its inputs. Evaluation binds ordinary primitives, so the result

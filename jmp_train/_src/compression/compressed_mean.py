@@ -301,9 +301,10 @@ def compressed_mean(
   r"""Averages gradients across replicas, moving ``wire``-format bytes only.
 
   Input: each replica's *local* gradients. Output: their average, the same
-  on every replica, in the input leaves' dtypes. The exchange is the
-  two-phase one of the module docstring: an all-to-all of chunks to their
-  owners, a float32 sum at the owner, an all-gather. Per chunk of ``S``
+  on every replica, in the input leaves' dtypes. The exchange has two
+  phases: an all-to-all of chunks to their owners (the wire elements
+  bitcast to unsigned integers, so that no compiler pass widens them), a
+  float32 sum at the owner, an all-gather of the owners' results. Per chunk of ``S``
   elements, with residuals :math:`r` (worker) and :math:`e` (owner):
 
   .. math::

@@ -1,7 +1,57 @@
-"""1-bit Adam: Adam whose momentum crosses devices as 1 bit per element.
+r"""1-bit Adam: Adam whose momentum crosses devices as 1 bit per element.
 
-See :mod:`jmp_train._src.compression` for why the momentum, not the
-gradient, is compressed, and what freezing the second moment costs.
+1-bit gradients in front of Adam feed it ``ḡ_t + r_{t-1} - r_t`` (``r`` the
+error-feedback residual): part of every gradient arrives steps late, and
+Adam's second moment squares that error. Here each replica updates the
+momentum with its *own* gradient and the momentum goes through the 1-bit
+exchange ``C`` of :func:`jmp_train.sign_compression`; the average replaces
+it on every replica (Tang et al., 2021):
+
+.. math::
+  m_j = \beta_1 m + (1-\beta_1) g_j, \qquad m \leftarrow C(m_1, \dots, m_K).
+
+What the residuals hold back is then part of a slowly varying average, and
+no gradient arrives late.
+
+* **warm-up** (``count < warmup_steps``): ``optax.adamw`` on the ``pmean``
+  of the gradients (a float all-reduce); **after**, ``v`` is frozen and the
+  update is :math:`-\eta_t(\mathrm{clip}_B(\hat m/(\sqrt{\hat v}+\epsilon))
+  + \lambda p)`. The switch is a ``lax.cond`` on the step counter, the same
+  on every replica: after warm-up no float all-reduce of gradient size runs.
+* ``clip_step`` (default on): ``clip_B`` clips each element to
+  :math:`B = \max((1-\beta_1)/\sqrt{1-\beta_2}, 1)`, Kingma & Ba's bound on
+  an Adam step (Sec. 2.1), which exact Adam does not exceed and a frozen
+  ``v`` can; off, ``clip_B`` is the identity (the paper).
+* ``rescale_variance`` (default on): each tensor's frozen ``v`` follows the
+  change of its gradients' size. With ``s_ℓ`` the bias-corrected
+  ``β2``-average of the replicas' mean of ``mean(g_j²)`` over tensor ``ℓ``
+  (one float per tensor, all in one all-reduce), the step's :math:`\hat v_\ell`
+  is the frozen one times :math:`s_\ell(t) / s_\ell(f)`, ``f`` the
+  last step that updated ``v``. Off: ``v`` stays as frozen (the paper).
+* ``variance_refresh=k`` (0/1 Adam, Lu et al.): every ``k``-th step after
+  warm-up is exact (a float all-reduce): ``m`` takes the exact average and
+  :math:`v \leftarrow \beta_2^k v + (1-\beta_2^k)\bar g^2`.
+* ``exchange="preconditioned"`` sends ``m / (sqrt(v_hat) + eps)``, each
+  element clipped to the same bound, and multiplies back (the preconditioner
+  is the same on every replica).
+
+Elements whose frozen ``v`` is 0 keep ``m = 0``: a later gradient there
+would step by ``m/eps``. Bias corrections follow ``optax.adamw``; with
+``warmup_steps`` past the last step the optimizer is ``optax.adamw`` on the
+averaged gradients.
+
+State: ``mu`` and ``nu`` are the same on every replica; the residuals inside
+``compression`` are per replica (:func:`jmp_train.sign_compression_specs`).
+They survive checkpoints, depend on the replica count (``update`` raises
+``ValueError`` on a state made for another) and need the same
+``bucket_bytes``. Moments are float32; updates come out in the gradients'
+dtypes.
+
+References:
+  Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
+  with Adam's Convergence Speed", ICML 2021. https://arxiv.org/abs/2102.02888
+  Lu et al., "Maximizing Communication Efficiency for Large-scale Training
+  via 0/1 Adam", ICLR 2023. https://arxiv.org/abs/2202.06009
 """
 
 from __future__ import annotations
@@ -18,7 +68,7 @@ from jax import lax
 from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
 from jmp_train._src.hyperparams import check_unit, is_number, is_static_zero, static_hint
 from jmp_train._src.leaf_checks import check_leaves
-from jmp_train._src.compression.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
+from jmp_train._src.compression.one_bit_common import check_common, f32, lr_at
 from jmp_train._src.compression.replica_averaging import ReplicaOptimizer
 from jmp_train._src.compression.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -52,7 +102,7 @@ class OneBitAdamState(NamedTuple):
 
 
 def one_bit_adam(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -84,11 +134,11 @@ def one_bit_adam(
   ``B = max((1-β1)/sqrt(1-β2), 1)``, with ``clip_step`` (else the
   identity). With ``rescale_variance``, each tensor's ``v`` is multiplied by
   the change of its mean squared gradient since the freeze. Both are on by
-  default: they are the configuration that trains best in the project's
-  convergence benchmarks (``one_bit_optimizers``, ``one_bit_text``), where
-  the paper's rule as written (both off) ends well above exact Adam's loss.
-  Pass ``clip_step=False, rescale_variance=False`` for Tang et al.'s
-  frozen-``v`` rule. See :mod:`jmp_train._src.compression`.
+  default: a ``v`` frozen early keeps the size of the early, large
+  gradients and holds back every later step, and a step whose momentum
+  outgrew the frozen ``v`` can throw the weights out of a minimum. Pass
+  ``clip_step=False, rescale_variance=False`` for Tang et al.'s frozen-``v``
+  rule.
 
   Args:
     learning_rate: a float or a schedule ``count -> lr``.
@@ -98,17 +148,21 @@ def one_bit_adam(
     weight_decay: decoupled weight decay ``λ`` (AdamW); needs ``params``.
     axis_name: the replicas' mapped axis (``pmap`` / ``shard_map``).
     warmup_steps: exact Adam steps before ``v`` freezes (DeepSpeed's
-      ``freeze_step``; their tutorials use 15–25% of the steps). At least 1.
+      ``freeze_step``; its tutorials freeze after a sixth to a quarter of
+      the steps). At least 1.
     scale: reconstruction values of the exchange: ``"l2"`` (1-bit Adam's
       ``‖m‖₂/√d`` per tensor), ``"l1"`` or ``"column"``.
     exchange: what crosses devices: ``"momentum"`` (``m``, Tang et al.)
       or ``"preconditioned"`` (``m / (sqrt(v_hat) + eps)``, each element
-      clipped to Kingma & Ba's bound on an Adam step, multiplied back; see
-      the module docstring).
+      clipped to Kingma & Ba's bound on an Adam step, multiplied back: the
+      1-bit scales and residuals are then those of the update, and a few
+      elements with a tiny ``v`` cannot amplify the quantization error).
     variance_refresh: ``0`` (default): ``v`` stays frozen after warm-up.
       ``k > 0``: every ``k``-th step after warm-up is an exact step (a float
       all-reduce of the gradients) that updates ``m`` and ``v`` (0/1 Adam's
-      sparse variance updates; see the module docstring).
+      sparse variance updates): ``v <- b2**k v + (1 - b2**k) ḡ²``, what
+      ``k`` Adam steps with that gradient would give. Pair it with
+      ``clip_step`` or ``exchange="preconditioned"``.
     clip_step: clip each element of every step after warm-up (refreshes
       included) to Kingma & Ba's bound ``B`` on an Adam step, which exact
       Adam does not exceed; a frozen ``v`` and the 1-bit exchange's error
@@ -259,7 +313,7 @@ def one_bit_adam(
     if decay:
       step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(jnp.float32), step, params)
     new = jax.tree.map(lambda s: -lr * s, step)
-    return cast_like(new, updates), OneBitAdamState(t, mu, nu, cstate, sq, ref)
+    return optax.tree.cast_like(new, updates), OneBitAdamState(t, mu, nu, cstate, sq, ref)
 
   return ReplicaOptimizer(init_fn, update_fn)
 

@@ -1,20 +1,16 @@
-"""Pieces shared by :mod:`one_bit_adam` and :mod:`one_bit_momentum`.
+"""Pieces shared by ``one_bit_adam`` and ``one_bit_momentum``.
 
 Argument checks, float32 casts and the learning rate at a step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jmp_train._src.hyperparams import static_hint
-
-
-ScalarOrSchedule = float | Callable[[jax.Array], Any]
 
 
 def check_common(axis_name, warmup_steps, minimum: int) -> None:
@@ -34,9 +30,6 @@ def f32(tree):
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
-def lr_at(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+def lr_at(learning_rate: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
   return jnp.asarray(learning_rate(count) if callable(learning_rate) else learning_rate, jnp.float32)
 
-
-def cast_like(tree, like):
-  return jax.tree.map(lambda x, g: x.astype(g.dtype), tree, like)

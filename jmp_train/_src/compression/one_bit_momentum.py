@@ -1,8 +1,20 @@
 """1-bit momentum SGD: the momentum crosses devices as 1 bit per element.
 
-See :mod:`jmp_train._src.compression` for why compressing the
-gradient in front of momentum SGD diverges and compressing the momentum
-does not.
+1-bit gradients with error feedback (:func:`jmp_train.sign_compression`)
+in front of ``optax.sgd(momentum=...)`` deliver part of every gradient one
+or more steps late, and the momentum integrates that delay for about
+``1/(1-μ)`` steps. At the learning rates where momentum SGD trains fastest
+it runs beyond plain SGD's stability limit (the heavy ball is stable up to
+``lr·λ < 2(1+μ)``, plain SGD up to ``lr·λ < 2``), and a late gradient
+destabilises it, while the residuals themselves stay bounded. So the
+momentum is compressed instead: each replica adds its *own* gradient to the
+momentum, the momenta go through the 1-bit exchange, and their average
+replaces the momentum on every replica. What the residuals hold back is
+then part of a slowly varying average, and no gradient arrives late.
+
+References:
+  Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
+  with Adam's Convergence Speed", ICML 2021. https://arxiv.org/abs/2102.02888
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from jax import lax
 from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
 from jmp_train._src.hyperparams import check_unit, is_static_zero
 from jmp_train._src.leaf_checks import check_leaves
-from jmp_train._src.compression.one_bit_common import ScalarOrSchedule, cast_like, check_common, f32, lr_at
+from jmp_train._src.compression.one_bit_common import check_common, f32, lr_at
 from jmp_train._src.compression.replica_averaging import ReplicaOptimizer
 from jmp_train._src.compression.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -41,7 +53,7 @@ class OneBitMomentumState(NamedTuple):
 
 
 def one_bit_momentum(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     momentum: float = 0.9,
     *,
     axis_name: str,
@@ -66,7 +78,7 @@ def one_bit_momentum(
   (``optax.sgd(learning_rate, momentum)`` on the averaged gradients).
   Unlike gradient compression before ``optax.sgd(momentum=...)``, the
   quantization error is paid back into the momentum rather than integrated
-  by it (see the module docstring), so it trains at the uncompressed
+  by it (no gradient arrives late), so it trains at the uncompressed
   learning rate.
 
   Args:
@@ -164,7 +176,7 @@ def one_bit_momentum(
     else:
       step = trace
     new = jax.tree.map(lambda s: -lr * s, step)
-    return cast_like(new, updates), OneBitMomentumState(
+    return optax.tree.cast_like(new, updates), OneBitMomentumState(
         optax.safe_increment(state.count), trace, cstate
     )
 

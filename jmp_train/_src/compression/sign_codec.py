@@ -1,10 +1,9 @@
 """The 1-bit codec of :func:`jmp_train.sign_compression`: worker, owner, decode.
 
-Each step works on the static runs of :mod:`jmp_train._src.compression.sign_layout`: a
-run is a ``(count, length)`` view of the flat buffer, so the per-segment sums
-are row reductions and decoding is a broadcast of one ``(hi, lo)`` pair per
-row. The bits' packing and their transposes as words live in
-:mod:`jmp_train._src.compression.sign_bits`.
+Each step works on the static runs of ``sign_layout``: a run is a
+``(count, length)`` view of the flat buffer, so the per-segment sums are row
+reductions and decoding is a broadcast of one ``(hi, lo)`` pair per row. The
+bits' packing and their transposes as words live in ``sign_bits``.
 
 The final decode writes a column-scale leaf in its own ``(rows, columns)``
 order: its bits cross from the buffer's column-by-column order as packed
@@ -145,8 +144,8 @@ def _lane_sum(y: jax.Array) -> jax.Array:
 
   A row sum is a chain of dependent additions; XLA:CPU does not reorder
   them. Viewing each row as ``(length / w, w)`` and summing over the first
-  axis gives ``w`` independent accumulators that vectorize: about four
-  times faster, at memory speed.
+  axis gives ``w`` independent accumulators that vectorize, at memory
+  speed.
   """
   n = y.shape[-1]
   w = next(w for w in (128, 64, 32, 16, 8, 4, 2, 1) if n % w == 0)
@@ -508,6 +507,6 @@ def final_decode(all_bits, all_pairs, layout: Layout, dtypes) -> list[jax.Array]
       parts.append(_decode_packed(all_bits[j], chunk_run, pairs).reshape(-1))
     # Several segments per piece (a column-scale leaf without whole-byte
     # rows): the pieces decoded apart and concatenated (dynamic-update-slices
-    # measured slower).
+    # run slower).
     out.append(from_flat_leaf(jnp.concatenate(parts), layout, i, dtype))
   return out

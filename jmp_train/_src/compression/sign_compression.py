@@ -5,124 +5,55 @@ float reconstruction values, and keeps what the quantization lost (the
 residual) to add to its next gradient (Seide et al., 2014). The replicas then
 average the quantized gradients with two collectives that move packed bits:
 
-1. **worker side** (every replica): ``v = g + r``; bit ``b = [v >= 0]``;
-   reconstruction values ``(hi, lo)`` per segment (see *Scales*);
-   ``r <- v - decode(b)``. The bits of the whole gradient tree are laid out
-   in one flat buffer of ``N`` elements, padded to ``N_pad``, a multiple of
-   ``8·K`` for ``K`` replicas, packed eight to a ``uint8``, and cut into
-   ``K`` chunks of ``S = N_pad / K`` elements: chunk ``k`` is *owned* by
-   replica ``k``.
-2. **all-to-all**: replica ``j`` sends chunk ``k`` (``S/8`` bytes) to replica
-   ``k``, with the ``(hi, lo)`` pairs of the segments that overlap chunk ``k``
-   (a few floats, appended to the chunk's bytes: one ``uint8`` message).
-3. **owner side** (replica ``k``): decode the ``K`` received chunks, average
-   them, add the server residual ``e``: ``u = mean_j decode_j + e``;
-   re-quantize ``u`` to bits and pairs, ``e <- u - decode(u)``.
-4. **all-gather** of the owners' packed chunks with their pairs (again one
-   ``uint8`` message each); every replica
-   decodes the whole buffer, the same bits and floats everywhere, so the
-   output is identical on every replica.
+1. **worker** (every replica): ``v = g + r``; bit ``b = [v >= 0]``;
+   reconstruction values ``(hi, lo)`` per segment; ``r <- v - decode(b)``.
+   The bits of the tree form one flat buffer of ``N`` elements, padded to a
+   multiple of ``8·K`` for ``K`` replicas, packed eight to a ``uint8`` and
+   cut into ``K`` chunks: chunk ``k`` is *owned* by replica ``k``.
+2. **all-to-all**: every replica sends chunk ``k`` to replica ``k``, with
+   the ``(hi, lo)`` pairs of the segments it overlaps (one ``uint8`` message).
+3. **owner** (replica ``k``): ``u = mean_j decode_j + e`` with the server
+   residual ``e``; ``u`` is re-quantized and ``e <- u - decode(u)``.
+4. **all-gather** of the owners' packed chunks and pairs: every replica
+   decodes the same bytes, so the output is identical on every replica.
 
 Bytes each replica sends per step: ``2·(K-1)/K·N/8`` plus the pairs, against
-``2·(K-1)/K·4N`` for a float32 ring all-reduce: 32 times fewer. Gathering
-every replica's packed bits instead would cost ``(K-1)·N/8``.
+``2·(K-1)/K·4N`` for a float32 ring all-reduce: 32 times fewer.
 
-Scales
-------
-A *segment* is a set of elements that share reconstruction values:
+Scales: a *segment* shares one ``(hi, lo)``; ``x`` decodes to ``hi`` when
+``x >= 0`` and to ``lo`` otherwise. ``"column"`` (Seide et al.): each index
+of a leaf's last axis (the output feature of a ``Dense`` kernel), ``hi`` and
+``lo`` the means of its non-negative and of its negative entries; ``"l1"``
+(Karimireddy et al., 2019): one segment per leaf, ``hi = -lo = ‖v‖₁/d``;
+``"l2"`` (Tang et al., 2021): one per leaf, ``hi = -lo = ‖v‖₂/√d``. An owner
+applies the same kind of scale to the part of each segment in its chunk.
 
-* ``scale="column"`` (Seide et al.): every column of a weight, i.e. every
-  index of its **last axis** (Flax's output feature of a ``Dense`` kernel
-  ``(in, out)``, the output channel of a ``Conv`` kernel ``(h, w, in, out)``);
-  vectors and scalars are one column. ``hi`` is the mean of the non-negative
-  entries of the column, ``lo`` the mean of the negative ones (``0`` when
-  there are none). The flat buffer stores each leaf column by column, so a
-  column is a contiguous run of elements.
-* ``scale="l1"`` (EF-SignSGD, Karimireddy et al., 2019): one segment per
-  leaf, ``hi = -lo = ‖v‖₁/d``.
-* ``scale="l2"`` (1-bit Adam, Tang et al., 2021): one segment per leaf,
-  ``hi = -lo = ‖v‖₂/√d``.
+Residuals: the worker residual is float32 in each leaf's shape; the server
+residual is float32, the replica's own chunk, so it depends on ``K``
+(``init`` reads the axis size inside ``pmap``/``shard_map``, or takes
+``num_replicas``). Conservation holds up to one float32 rounding per step:
+``v = decode(b) + r`` and ``u = decode(u) + e``. A residual is never updated
+from non-finite values: the previous one is kept, and the non-finite values
+reach the output, so that :func:`jmp_train.loss_scaled` with ``axis_name``
+skips the step on every replica.
 
-Element ``x`` decodes to ``hi`` when ``x >= 0`` (so ``0`` maps to ``hi``;
-``jnp.sign(0) == 0`` is not used) and to ``lo`` otherwise.
-
-A segment may straddle chunk boundaries. The worker sends owner ``k`` the
-pairs of the ``M`` segments overlapping chunk ``k`` (``M`` is the most any
-chunk overlaps, about ``#segments / K + 2``; unused rows are padding):
-``K·M·2`` float32, small next to the bits, carried as bytes after each
-chunk's bits so that each phase is a single collective (on a slow link
-every collective pays its own latency). The owner uses
-the same kind of scale **restricted to its chunk**: with ``"column"`` the
-part of each column that lies in its chunk gets its own ``(hi, lo)``, with
-``"l1"``/``"l2"`` the part of each leaf in its chunk gets its own norm.
-Its ``M`` pairs are all-gathered with the bits. The padding is a segment of
-its own whose values are always zero and decode to zero.
-
-Residuals
----------
-The worker residual ``r`` is float32, one vector per gradient leaf in the
-leaf's own (row-major) order, so ``v = g + r`` and the update of ``r`` are
-elementwise on each leaf (in place when the state is donated); the padding
-needs none (its values are zero and decode to zero). The server residual
-``e`` is float32 of ``S`` elements, the replica's own chunk; it depends on
-``K``: ``init`` must know the replica count (it reads it when it runs inside
-``pmap`` / ``shard_map``, or takes ``num_replicas``). Conservation holds exactly up to
-one float32 rounding per step: ``v = decode(b) + r`` and ``u = decode(u) +
-e``. A residual is never updated from a non-finite ``v`` (or ``u``): the
-previous residual is kept (the check reads the reconstruction values, which
-are non-finite exactly when a segment holds an inf or NaN, or when its sums
-overflow), and the non-finite values still reach the output so that a
-wrapper (:func:`jmp_train.loss_scaled` with ``axis_name``) can skip the step
-on every replica.
-
-The static layout (segments, chunks, runs) lives in
-:mod:`jmp_train._src.compression.sign_layout`, the worker and owner steps and the final
-decode in :mod:`jmp_train._src.compression.sign_codec`.
-
-Local gradients under ``shard_map``
------------------------------------
 The input must be each replica's *own* gradient. Under ``shard_map``,
-parameters passed with ``P()`` are invariant along the data axis, and
-``jax.grad`` with respect to an invariant input returns the gradient
-*summed over the axis* (JAX inserts a float ``psum``): the float all-reduce
-this transformation exists to avoid. Mark the parameters varying first::
+``jax.grad`` with respect to parameters passed with ``P()`` returns their
+gradient summed over the axis (a float ``psum``); mark them varying first::
 
   local_params = jax.lax.pcast(params, "data", to="varying")
-  grads = jax.grad(loss_fn)(local_params, batch)   # this replica's gradient
-  updates, opt_state = tx.update(grads, opt_state, params)
+  grads = jax.grad(loss_fn)(local_params, batch)  # this replica's gradient
 
-(``pmap`` has no such coupling: its gradients are always local.) Check the
-compiled step with :func:`jmp_train.diagnostics.collective_bytes`: its ``"all-reduce"``
-entry must be ``0``.
-
-Several hosts
--------------
-The transformation only uses named-axis collectives (``all_to_all``,
-``all_gather``; ``psum`` during warm-up), so the same code runs on one
-device, several devices of one process, and several processes. On each
-host, before any other JAX call::
-
-  jax.distributed.initialize(coordinator_address="host0:1234",
-                             num_processes=P, process_id=i)
-  # CPU only: jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
-then build a ``Mesh`` over ``jax.devices()`` (all processes' devices), put
-the batch on it with ``jax.make_array_from_process_local_data``, create the
-state with ``shard_map(tx.init, ...)`` (residuals sharded along the data
-axis: :func:`sign_compression_specs`) and run the same
-``jax.jit(jax.shard_map(step, ...))`` in every process. The test
-``tests/test_sign_compression_multiprocess.py`` does this with two processes
-on ``127.0.0.1``.
+:func:`jmp_train.diagnostics.collective_bytes` of the compiled step then
+shows no ``"all-reduce"``. Only named-axis collectives are used, so the same
+code runs on one device, several devices and several processes. The static
+layout lives in ``sign_layout``, the worker, owner and decode in ``sign_codec``.
 
 References:
-  Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its
-  Application to Data-Parallel Distributed Training of Speech DNNs",
-  Interspeech 2014. https://www.isca-archive.org/interspeech_2014/seide14_interspeech.html
-
-  Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and
-  other Gradient Compression Schemes", ICML 2019.
-  https://arxiv.org/abs/1901.09847
-
+  Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
+  Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
+  Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
+  Compression Schemes", ICML 2019. https://arxiv.org/abs/1901.09847
   Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
   with Adam's Convergence Speed", ICML 2021. https://arxiv.org/abs/2102.02888
 """
@@ -349,8 +280,10 @@ def sign_compression(
   r"""Averages gradients across replicas with 1-bit compression and error feedback.
 
   Input: each replica's *local* gradients (not averaged). Output: their
-  average, compressed as described in the module docstring, identical on
-  every replica and in the input leaves' dtypes. Put it first in an
+  average, identical on every replica and in the input leaves' dtypes,
+  exchanged as packed bits: an all-to-all of chunks to their owners, then
+  an all-gather of the owners' re-quantized chunks (1/32 of the bytes of a
+  float32 all-reduce, plus a few floats). Put it first in an
   ``optax.chain``, before the optimizer::
 
     tx = optax.chain(sign_compression("data"), optax.sgd(0.1, momentum=0.9))

@@ -1,9 +1,9 @@
 """The flat buffer of :func:`jmp_train.sign_compression`: segments, chunks, runs.
 
 Everything here is static (computed with NumPy at trace time from the leaves'
-shapes, the scale and the replica count ``K``), so the codec in
-:mod:`jmp_train._src.compression.sign_codec` is built from reshapes, reductions and
-broadcasts only: no per-element segment ids, gathers or scatters.
+shapes, the scale and the replica count ``K``), so the codec in ``sign_codec``
+is built from reshapes, reductions and broadcasts only: no per-element
+segment ids, gathers or scatters.
 
 * The gradient tree is laid out in one flat buffer of ``N`` elements, leaf
   after leaf, a leaf with column scales stored column by column (its last

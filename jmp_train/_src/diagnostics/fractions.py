@@ -140,7 +140,7 @@ def suggest_loss_scale(
 
   clipped to ``[min_scale, max_scale]``, with :math:`\mathrm{max}_{dtype}`
   65504 for float16. The headroom ``h`` leaves room for gradients that grow
-  in later steps; ``h = 1`` fits the measured gradients exactly. Pass the
+  in later steps; ``h = 1`` fits the given gradients exactly. Pass the
   *unscaled* gradients (from a float32 run, or divided by the scale that
   produced them). Under bfloat16, whose range is float32's, the suggestion
   is normally ``max_scale``: check ``underflow_fraction`` at scale 1 instead
@@ -153,7 +153,7 @@ def suggest_loss_scale(
       the largest finite value.
     min_scale: lowest scale returned (may be below 1).
     max_scale: highest scale returned (the default matches
-      :class:`DynamicLossScale`'s ``max_scale``).
+      :class:`~jmp_train.DynamicLossScale`'s ``max_scale``).
     axis_name: inside ``pmap``/``shard_map``, the axis of the replicas: the
       maximum is taken (``lax.pmax``) and the values counted (``lax.psum``)
       over all of them, so every replica suggests the same scale.

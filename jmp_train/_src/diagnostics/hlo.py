@@ -67,15 +67,17 @@ class CollectiveOp:
   """One collective instruction of a compiled HLO module.
 
   Attributes:
-    kind: the collective, one of :data:`COLLECTIVE_KINDS` (async ``-start``
-      forms are reported under their base kind).
+    kind: the collective, one of ``COLLECTIVE_KINDS`` (``"all-reduce"``,
+      ``"all-to-all"``, ...; async ``-start`` forms are reported under
+      their base kind).
     name: the instruction's name.
     computation: the name of the computation it belongs to (a collective
       inside a ``conditional`` branch lives in that branch's computation).
     operand_types: ``(dtype, shape)`` of each operand.
     operand_bytes: bytes of all operands together.
     group_size: devices per replica group (1 when not given).
-    wire_bytes: bytes one device sends (see the module docstring).
+    wire_bytes: bytes one device sends with bandwidth-optimal algorithms
+      (see :func:`collective_bytes`' ``wire``).
   """
 
   kind: str
@@ -213,7 +215,7 @@ def collective_ops(compiled_or_hlo_text: Any) -> list[CollectiveOp]:
       ``.as_text()``) or the HLO text itself.
 
   Returns:
-    One :class:`CollectiveOp` per collective instruction, in program order.
+    One ``CollectiveOp`` per collective instruction, in program order.
 
   Raises:
     ValueError: if the argument is neither text nor has ``.as_text()``, or
@@ -277,13 +279,19 @@ def collective_bytes(compiled_or_hlo_text: Any, *, wire: bool = False) -> dict[s
     compiled_or_hlo_text: a ``jax.stages.Compiled`` (from
       ``jax.jit(f).lower(...).compile()``) or its ``as_text()``.
     wire: count the bytes each device sends with bandwidth-optimal
-      algorithms (see the module docstring) instead of the operand bytes.
+      algorithms over a group of ``k`` devices instead of the operand
+      bytes: ``2(k-1)/k·n`` for an all-reduce of ``n`` bytes (ring:
+      reduce-scatter then all-gather), ``(k-1)/k·n`` for an all-to-all or a
+      reduce-scatter, ``(k-1)·n`` for an all-gather of an ``n``-byte
+      operand, ``n`` for a collective-permute.
 
   Returns:
-    ``{kind: bytes}`` for every kind in :data:`COLLECTIVE_KINDS` (0 when
-    absent), ``"total"`` over all kinds, and ``"<kind>:<dtype>"`` entries
-    splitting each kind by operand dtype (e.g. ``"all-to-all:u8"``). Wire
-    bytes are rounded to the nearest integer.
+    ``{kind: bytes}`` for every kind (``"all-reduce"``, ``"all-gather"``,
+    ``"all-to-all"``, ``"reduce-scatter"``, ``"collective-permute"``,
+    ``"collective-broadcast"``; 0 when absent), ``"total"`` over all
+    kinds, and ``"<kind>:<dtype>"`` entries splitting each kind by operand
+    dtype (e.g. ``"all-to-all:u8"``). Wire bytes are rounded to the nearest
+    integer.
 
   Raises:
     ValueError: if the argument is neither text nor has ``.as_text()``, or

@@ -21,7 +21,6 @@ import dataclasses
 import numbers
 from typing import Any, Callable, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 
 from jmp_train._src import tables

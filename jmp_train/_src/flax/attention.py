@@ -197,7 +197,7 @@ def dot_product_attention(
 
   * ``"auto"``: cuDNN's fused kernel through ``jax.nn.dot_product_attention``
     when the default backend is a GPU and the call qualifies (see
-    :func:`fused_attention_unsupported`; cuDNN itself may refuse a shape,
+    ``fused_attention_unsupported``; cuDNN itself may refuse a shape,
     which falls back too), else ``"explicit"``.
   * ``"cudnn"``: the fused kernel, or the error cuDNN raises.
   * ``"xla"``: ``jax.nn.dot_product_attention``'s XLA implementation. Its

@@ -4,8 +4,9 @@ Flax's ``Dense``/``DenseGeneral``/``Einsum`` (linen ``dot_general_cls``) and
 ``Conv`` (``conv_general_dilated_cls``), and NNX's ``Linear``/
 ``LinearGeneral``/``Einsum`` (``dot_general``) and ``Conv``
 (``conv_general_dilated``), take the product they run as a field. The
-modules here are such products in FP8 (:mod:`jmp_train._src.fp8.products`), each with
-its own scaling state:
+modules here are such products in FP8 (:func:`jmp_train.fp8_dot_general`,
+:func:`jmp_train.fp8_conv_general_dilated`), each with its own scaling
+state:
 
 * linen: six float32 variables in the ``"fp8_meta"`` collection
   (:data:`FP8_COLLECTION`), not in ``"params"``, so an optimizer never sees
@@ -14,8 +15,8 @@ its own scaling state:
   ``nnx.Optimizer(wrt=nnx.Param)`` leaves alone.
 
 The new state of a step comes back as the gradient of these variables (see
-:mod:`jmp_train._src.fp8.products`): take the gradient with respect to them too, and
-store it in their place with :func:`jmp_train.update_fp8_meta`.
+:func:`jmp_train.fp8_dot_general`): take the gradient with respect to them
+too, and store it in their place with :func:`jmp_train.update_fp8_meta`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jmp_train._src.fp8 import products as fp8_lib

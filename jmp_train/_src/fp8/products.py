@@ -37,9 +37,8 @@ scales: under ``shard_map`` a replicated meta's new value is already the max
 over the replicas (its cotangent must be replicated too); under ``pmap``,
 pass the axis to :func:`update_fp8_meta`.
 
-The recipe, the scaling state and its update live in
-:mod:`jmp_train._src.fp8.scaling` (re-exported here); this module holds the
-products.
+The recipe, the scaling state and its update live in ``scaling``
+(re-exported here); this module holds the products.
 
 References:
   Micikevicius et al., "FP8 Formats for Deep Learning", 2022.
@@ -165,9 +164,10 @@ def fp8_dot_general(
 
   Accumulates in float32 and returns ``preferred_element_type`` (default:
   the operands' common dtype, e.g. bfloat16 under a mixed policy).
-  Differentiating with respect to ``meta`` yields the meta to store for the
-  next step (see the module docstring); ``precision`` is ignored (FP8 has
-  one).
+  The gradient with respect to ``meta`` is not a gradient: it is the meta
+  to store for the next step (this step's amax pushed into each history,
+  the scales this step used), to be passed through :func:`update_fp8_meta` and never
+  to an optimizer. ``precision`` is ignored (FP8 has one).
 
   Args:
     lhs, rhs, dimension_numbers, precision, preferred_element_type: as for

@@ -5,7 +5,7 @@ of each operand of an FP8 product, from the tensor's own amax (current
 scaling) or from a history of earlier steps' (delayed scaling), the
 quantization with it, and the state (:class:`Fp8DotMeta`) the products keep
 and :func:`update_fp8_meta` stores after each step. The products themselves
-are in :mod:`jmp_train._src.fp8.products`.
+are in ``products``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Loss and gradients of a scaled loss, for :func:`~jmp_train._src.loss_scaling.wrapper.loss_scaled`."""
+"""Loss and gradients of a scaled loss, for :func:`jmp_train.loss_scaled`."""
 
 from __future__ import annotations
 

@@ -357,9 +357,9 @@ def all_finite(
   element is finite and can never overflow (large finite float16 values do
   not add up to a false inf, as a plain ``sum(leaf)`` would). It is one
   fused reduction per leaf; ``all(isfinite(leaf))`` is also correct, but
-  XLA:CPU writes out the boolean array before reducing it, which measured
-  about twice as slow (on the critical path of every train step). Python
-  floats count as float32; non-floating leaves (integers, ``float0``
+  XLA:CPU writes out the boolean array before reducing it, an extra pass
+  over memory on the critical path of every train step. Python floats
+  count as float32; non-floating leaves (integers, ``float0``
   gradients of integer inputs, ``None``) are ignored.
 
   Args:

@@ -1,4 +1,4 @@
-"""The finite and the skipped step of :func:`~jmp_train._src.loss_scaling.wrapper.loss_scaled`.
+"""The finite and the skipped step of :func:`jmp_train.loss_scaled`.
 
 Unscaling the gradients with ``1/S`` computed once, the finiteness test of
 the unscaled gradients, and the two branches (run the inner update, or keep

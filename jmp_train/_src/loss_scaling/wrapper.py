@@ -6,10 +6,9 @@ the loss scale; when any gradient is inf or NaN it returns zero updates,
 keeps the inner state bit-for-bit and backs the scale off. The scale lives
 in the optimizer state (:class:`LossScaledState`), where the train step reads
 it with :func:`get_loss_scale`, so there is one copy of it, checkpointed with
-the rest of the state. The two branches of a step are built in
-:mod:`jmp_train._src.loss_scaling.steps`; :func:`get_loss_scale` and
-:func:`loss_scale_metrics` live in :mod:`jmp_train._src.loss_scaling.lookup`,
-:func:`scaled_value_and_grad` in :mod:`jmp_train._src.loss_scaling.scaled_grad`.
+the rest of the state. The two branches of a step are built in ``steps``;
+:func:`get_loss_scale` and :func:`loss_scale_metrics` live in ``lookup``,
+:func:`scaled_value_and_grad` in ``scaled_grad``.
 
 A train step, in a few lines::
 
@@ -150,11 +149,10 @@ def loss_scaled(
       averaged over the axis before ``update``, since the mean is then
       non-finite everywhere.
     skip_mode: how a skipped step is made. ``"cond"`` (default): a
-      ``lax.cond`` around ``inner`` (fastest measured on CPU; on an H100
-      XLA compiled both modes to the same kernels, see
-      ``benchmarks/README.md``). ``"select"``: ``inner`` always runs and
-      ``jnp.where`` keeps the old inner state and zero updates on a
-      non-finite step, as jmp and Flax examples do. Both skip the same
+      ``lax.cond`` around ``inner``, which then does not run on a skipped
+      step (a compiler may still lower the branch to selects). ``"select"``:
+      ``inner`` always runs and ``jnp.where`` keeps the old inner state and
+      zero updates on a non-finite step, as jmp and Flax examples do. Both skip the same
       steps and keep the inner state bit for bit on them (finite steps may
       differ in the last bit where XLA fuses ``inner`` differently);
       ``"select"`` avoids a data-dependent branch, which on some

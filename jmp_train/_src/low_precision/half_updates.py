@@ -1,12 +1,11 @@
 """Shared pieces of the half-precision weight updates.
 
-:func:`~jmp_train._src.low_precision.modified_momentum.modified_momentum_sgd`,
-:func:`~jmp_train._src.low_precision.kahan_compensation.kahan_compensation` and
-:func:`~jmp_train._src.low_precision.stochastic_rounding.stochastic_rounding` rewrite the
-updates so that ``optax.apply_updates`` (which computes
-``(p + u).astype(p.dtype)``) lands exactly on a chosen half-precision value;
-the helpers here compute in float32 for half types, check the ``params``
-argument and compute that landing update.
+:func:`jmp_train.modified_momentum_sgd`, :func:`jmp_train.kahan_compensation`
+and :func:`jmp_train.stochastic_rounding` rewrite the updates so that
+``optax.apply_updates`` (which computes ``(p + u).astype(p.dtype)``) lands
+exactly on a chosen half-precision value; the helpers here compute in
+float32 for half types, check the ``params`` argument and compute that
+landing update.
 """
 
 from __future__ import annotations

@@ -140,13 +140,12 @@ def modified_momentum_sgd(
   2 + 2 bytes per parameter in float16. The dropped part is re-applied over
   the momentum's time scale, not at once, so the weights may lag the float32
   trajectory by up to about ``m / (1 - m)`` half-ulps (4.5 ulps at ``m =
-  0.9``); ``G``'s own rounding is not fed back. Measured on the digits MLP
-  (``benchmarks/bench_half_weights_training.py``): float16 within 1% of
-  float32 master weights where the rule without feedback is 4% off; bfloat16 (8
-  significant bits) 1.5% off instead of 105%, not within 1%: there the
-  rule without feedback followed by :func:`stochastic_rounding` or
-  :func:`kahan_compensation` is. With ``momentum=0`` there
-  is no buffer to carry the error and nothing is fed back. The same idea as
+  0.9``); ``G``'s own rounding is not fed back. In float16 the feedback
+  brings the weights close to float32 master weights. bfloat16 keeps 8
+  significant bits, too few for the feedback alone: there use the rule
+  without feedback followed by :func:`stochastic_rounding` or
+  :func:`kahan_compensation`. With ``momentum=0`` there is no buffer to
+  carry the error and nothing is fed back. The same idea as
   the error feedback of 1-bit SGD (:func:`jmp_train.sign_compression`):
   what a lossy step dropped is added to what is sent next.
 
@@ -202,7 +201,7 @@ def modified_momentum_sgd(
 
   References:
     Naruse (NVIDIA), "Training DL models fast and accurately with Volta
-    Tensor Cores" (in Japanese), slides, 2017-12-12 (section "updating the
+    Tensor Cores" (in Japanese), slides, 2017 (section "updating the
     weights in FP16", modified momentum SGD).
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
     https://arxiv.org/abs/1710.03740

@@ -1,9 +1,9 @@
 """How an optimizer moment is stored: a floating dtype or blockwise 8 bits.
 
-The pieces :mod:`jmp_train._src.low_precision.optimizers_8bit` builds its optimizers from:
-parsing and checking the storage options, :class:`Moment` (initialise,
-dequantize to float32, requantize one leaf), the per-step PRNG key of the
-stochastic rounding, and a per-leaf map over the gradients and the moments.
+The pieces ``optimizers_8bit`` builds its optimizers from: parsing and
+checking the storage options, :class:`Moment` (initialise, dequantize to
+float32, requantize one leaf), the per-step PRNG key of the stochastic
+rounding, and a per-leaf map over the gradients and the moments.
 """
 
 from __future__ import annotations

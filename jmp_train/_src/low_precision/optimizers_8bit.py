@@ -4,9 +4,9 @@ Adam keeps two moments per parameter: in float32 that is 8 bytes, four times
 a bfloat16 weight. optax's ``scale_by_adam`` has a ``mu_dtype`` but stores
 the second moment ``nu`` in the parameters' dtype, and in bfloat16 that EMA
 stops moving (its weight ``1 - b2 = 0.001`` per step is below half an ulp).
-:func:`scale_by_narrow_adam` takes a dtype for each moment: a floating dtype, or
-``"8bit"`` for blockwise 8-bit quantization
-(:mod:`jmp_train._src.low_precision.quantized_state`: a ``uint8`` code per element plus a
+:func:`scale_by_narrow_adam` takes a dtype for each moment: a floating
+dtype, or ``"8bit"`` for blockwise 8-bit quantization
+(:class:`~jmp_train.QuantizedArray`: a ``uint8`` code per element plus a
 float32 scale per block, a signed code for ``mu`` and an unsigned one for
 ``nu``). The moments are dequantized to float32 inside the update, updated,
 used, and requantized. :func:`adam_8bit` and :func:`sgd_8bit` are the
@@ -19,9 +19,9 @@ scale per few elements would save little.
 
 The states are optax's (``optax.ScaleByAdamState``; for :func:`sgd_8bit`
 :class:`QuantizedTraceState`, ``optax.TraceState`` with a step count),
-their moment leaves :class:`~jmp_train._src.low_precision.quantized_state.QuantizedArray`
-where quantized; shapes and dtypes do not change between steps. Blocks are
-taken over each whole leaf, so the state is meant to be replicated (data
+their moment leaves :class:`~jmp_train.QuantizedArray` where quantized;
+shapes and dtypes do not change between steps. Blocks are taken over each
+whole leaf, so the state is meant to be replicated (data
 parallelism); to shard it, build it inside the sharded computation.
 
 References:
@@ -91,10 +91,10 @@ def scale_by_narrow_adam(
   before they are stored. Equal to ``optax.scale_by_adam`` when both dtypes
   are ``None`` or float32 (up to float32 rounding).
 
-  **8-bit moments.** :math:`\mathrm{Q}` is blockwise quantization
-  (:func:`~jmp_train._src.low_precision.quantized_state.quantize`), signed for
-  :math:`m`; for :math:`v` the unsigned code stores :math:`\sqrt v`, the
-  quantity the update divides by, so the code's seven decades cover fourteen
+  **8-bit moments.** :math:`\mathrm{Q}` is blockwise quantization (see
+  :class:`~jmp_train.QuantizedArray`), signed for :math:`m`; for :math:`v`
+  the unsigned code stores :math:`\sqrt v`, the quantity the update divides
+  by, so the code's seven decades cover fourteen
   of :math:`v`. Rounding is stochastic by default (unbiased: the expected
   stored value is the float32 one). Rounding to nearest loses every EMA step
   smaller than half a code interval: with :math:`1 - \beta_2 = 0.001` the
@@ -124,8 +124,8 @@ def scale_by_narrow_adam(
   Returns:
     An ``optax.GradientTransformation`` with state ``optax.ScaleByAdamState(
     count, mu, nu)``; an 8-bit moment's leaves are
-    :class:`~jmp_train._src.low_precision.quantized_state.QuantizedArray` (for ``nu``, the
-    codes of :math:`\sqrt v`). The updates keep the gradients' dtype.
+    :class:`~jmp_train.QuantizedArray` (for ``nu``, the codes of
+    :math:`\sqrt v`). The updates keep the gradients' dtype.
 
   Raises:
     ValueError: for a dtype not in ``STATE_DTYPES``, ``b1`` or ``b2`` outside
@@ -282,8 +282,8 @@ class QuantizedTraceState(NamedTuple):
     count: ``int32`` number of updates so far (the stochastic rounding's
       step), bumped with ``optax.safe_increment``.
     trace: the momentum buffer, one leaf per parameter: a
-      :class:`~jmp_train._src.low_precision.quantized_state.QuantizedArray`, or float32 for
-      leaves below ``min_8bit_size``.
+      :class:`~jmp_train.QuantizedArray`, or float32 for leaves below
+      ``min_8bit_size``.
   """
 
   count: jax.Array

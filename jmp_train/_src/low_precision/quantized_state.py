@@ -66,12 +66,27 @@ CODES = ("dynamic", "linear")
 
 
 class QuantizedArray(NamedTuple):
-  """An array stored as blockwise 8-bit codes (see :func:`quantize`).
+  r"""An array stored as blockwise 8-bit codes: the 8-bit moments' storage.
+
+  The flattened array is cut into blocks of ``block_size`` consecutive
+  elements; element :math:`x` of block :math:`b` is stored as the index
+  :math:`q` of the entry of a 256-entry code map :math:`C \subset [-1, 1]`
+  nearest to :math:`x / a_b`, and read back as :math:`C_q\, a_b`, with
+  :math:`a_b` the block's absolute maximum. The shapes and dtypes depend
+  only on the original array's shape, so they stay the same across steps
+  and checkpoint as two plain arrays.
 
   Attributes:
     codes: ``uint8`` indices into the code map, in the original array's shape.
     absmax: ``float32`` absolute maximum of each block, shape
       ``(ceil(size / block_size),)``.
+
+  Examples:
+    >>> import jmp_train
+    >>> tx = jmp_train.sgd_8bit(0.1, min_8bit_size=0)
+    >>> q = tx.init({"w": jnp.zeros((64, 64))})[0].trace["w"]
+    >>> q.codes.dtype, q.shape, q.absmax.shape, q.nbytes  # 4096 codes + 16 scales
+    (dtype('uint8'), (64, 64), (16,), 4160)
   """
 
   codes: jax.Array
@@ -79,14 +94,17 @@ class QuantizedArray(NamedTuple):
 
   @property
   def shape(self) -> tuple[int, ...]:
+    """The original array's shape (that of ``codes``)."""
     return self.codes.shape
 
   @property
   def size(self) -> int:
+    """The original array's number of elements."""
     return self.codes.size
 
   @property
   def nbytes(self) -> int:
+    """Bytes stored: the codes and the block scales."""
     return self.codes.nbytes + self.absmax.nbytes
 
 

@@ -1,10 +1,10 @@
 """The train-step builder: :func:`make_train_step`.
 
-It checks its arguments in one place (:mod:`jmp_train._src.train.setup`),
-builds the per-replica step (:mod:`jmp_train._src.train.replica_step`: policy
-casts, model and loss; the (loss-scaled) gradient and its replica average;
-the optimizer and the skip of non-finite steps) and compiles it for one
-device, ``pmap`` or ``shard_map`` (:mod:`jmp_train._src.train.modes`).
+It checks its arguments in one place (``setup``), builds the per-replica
+step (``replica_step``: policy casts, model and loss; the (loss-scaled)
+gradient and its replica average; the optimizer and the skip of non-finite
+steps) and compiles it for one device, ``pmap`` or ``shard_map``
+(``modes``).
 """
 
 from __future__ import annotations
