@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -62,7 +63,7 @@ def test_quick_demo_writes_table_json_and_png(quick_run):
   assert set(payload["comparisons"]) == {"loss scaling", "weight updates", "compression"}
   assert payload["timing"]["wall_s"] > 0 and payload["timing"]["cpu_s"] > 0
   # The printed table has one line per configuration plus header and rule.
-  table = [l for l in done.stdout.splitlines() if l.startswith("|")]
+  table = [line for line in done.stdout.splitlines() if line.startswith("|")]
   assert len(table) == 2 + len(rows)
   assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   # Something was learned (chance: ln 10 = 2.30).
@@ -274,12 +275,19 @@ def _readme_quick_start() -> str:
 
 def test_readme_has_the_sections_a_newcomer_needs():
   text = (ROOT / "README.md").read_text()
-  for heading in ("## What and why", "## Two commands", "## Quick start",
-                  "## The public API at a glance", "### Measured results", "## Notebooks"):
+  for heading in ("## Installation", "## Quick start", "## What's inside", "## The demo",
+                  "## Headline results", "## Two commands", "## Data parallelism",
+                  "## Layout", "## Citing"):
     assert heading in text, heading
   assert "make test" in text and "make demo" in text
+  assert "jax.block_until_ready" in text  # the CPU data-parallelism note
+  # A front page: read in five minutes, no dates (history is in CHANGELOG.md).
+  assert len(text.splitlines()) <= 200
+  assert not re.search(r"\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b", text)
   for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
     assert f"notebooks/{notebook.name}" in text, notebook.name
+  for guide in sorted((ROOT / "docs" / "guides").glob("*.md")):
+    assert f"docs/guides/{guide.name}" in text, guide.name
 
 
 def test_readme_quick_start_runs_as_written(capsys):
