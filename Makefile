@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install demo bench clean
+.PHONY: test install demo bench docs lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,20 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/jmp-train $(DEMO_ARGS)
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+# The site, with every warning an error (a broken reference, a missing page).
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
+
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache docs/_build

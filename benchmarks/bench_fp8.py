@@ -85,12 +85,9 @@ def _text(seed: int, quick: bool):
   corpus = data_lib.load_text_corpus(1_000_000)
   split = int(len(corpus) * 0.9)
   train, val = corpus[:split], corpus[split:]
-  offsets = np.arange(seq + 1)
 
   def windows(source, rng, n):
-    starts = rng.integers(0, len(source) - seq - 1, size=n)
-    w = source[starts[:, None] + offsets].astype(np.int32)
-    return w[:, :-1], w[:, 1:]
+    return data_lib.text_windows(source, rng, n, seq)
 
   model = models.TransformerBlock(vocab_size=data_lib.TEXT_VOCAB_SIZE, d_model=64, num_heads=4,
                                   mlp_dim=256, num_layers=1, max_len=seq)

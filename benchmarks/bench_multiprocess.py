@@ -80,12 +80,13 @@ import pathlib
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from jmp_train.examples.processes import free_port, run_processes
 
 NAME = "multiprocess"
 COLUMNS = (
@@ -163,12 +164,6 @@ _CAN_PIN = hasattr(os, "sched_setaffinity")
 _GLIBC = platform.libc_ver()[0] == "glibc"
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: float = 1800,
            donate: bool | str = False, pin: bool = False,
            keep_freed: bool = False) -> list[dict]:
@@ -187,7 +182,7 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
         f"keep_freed=True needs glibc's malloc; this platform has {platform.libc_ver()}."
     )
   cores = sorted(os.sched_getaffinity(0)) if pin else []
-  port = _free_port()
+  port = free_port()
   env = dict(os.environ)
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=900"
   env["JAX_PLATFORMS"] = "cpu"
@@ -201,25 +196,13 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
            "--schemes", ",".join(schemes), "--out", str(out)]
     cmd += {"both": ["--donate", "--also-undonated"], True: ["--donate"]}.get(donate, [])
     pins = [["--core", str(cores[i % len(cores)])] if pin else [] for i in range(processes)]
-    procs = [
-        subprocess.Popen(cmd + ["--process-id", str(i)] + pins[i], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(processes)
-    ]
-    logs = []
-    try:
-      for p in procs:
-        logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-          p.wait()
+    done = run_processes([cmd + ["--process-id", str(i)] + pins[i] for i in range(processes)],
+                         env, timeout=timeout, cwd=ROOT)
     # Process 0 writes the records before leaving the job; a later failure
     # of the distributed shutdown (a slow peer under load) loses nothing.
     if not out.exists():
-      bad = [(p.returncode, log) for p, log in zip(procs, logs) if p.returncode != 0]
-      code, log = bad[0] if bad else (0, logs[0])
+      bad = [(code, log) for code, log in done if code != 0]
+      code, log = bad[0] if bad else done[0]
       raise RuntimeError(f"worker exited with {code} and no records:\n{log[-3000:]}")
     return json.loads(out.read_text())
 

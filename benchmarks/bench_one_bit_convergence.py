@@ -246,8 +246,7 @@ def momentum_study(
   ``modes``: a subset of ``STUDY_MODES``, ``"float32"`` first (the reference
   of ``rel_to_float32``).
   """
-  from jmp_train import sign_compression
-  from jmp_train._src.compression import one_bit_momentum
+  from jmp_train import one_bit_momentum, sign_compression
 
   records = []
   for lr in learning_rates:

@@ -80,6 +80,8 @@ def _one_bit_adam(learning_rate, warmup_steps, **options):
   The rows name what they turn on, so ``one_bit_adam`` is Tang et al.'s
   frozen-``v`` rule whatever the library's defaults.
   """
+  from jmp_train import one_bit_adam
+
   options = {"clip_step": False, "rescale_variance": False, **options}
   return one_bit_adam(learning_rate, axis_name=AXIS, warmup_steps=warmup_steps, **options)
 
@@ -122,8 +124,7 @@ def schedule(name: str, peak: float, steps: int):
 
 def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20):
   """(optimizer, mode, learning rate, schedule name, factory) per row."""
-  from jmp_train import sign_compression
-  from jmp_train._src.compression import one_bit_adam, one_bit_momentum
+  from jmp_train import one_bit_momentum, sign_compression
 
   exact = digits._exact_mean(AXIS)  # pylint: disable=protected-access
   warmup, refresh = steps * warmup_percent // 100, max(1, steps // 8)

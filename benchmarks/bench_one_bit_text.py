@@ -77,12 +77,9 @@ def _task(seed: int, steps: int, d_model: int, seq_len: int, batch: int, eval_ba
   corpus = data_lib.load_text_corpus(1_000_000)
   split = int(len(corpus) * 0.9)
   train, val = corpus[:split], corpus[split:]
-  offsets = np.arange(seq_len + 1)
 
   def windows(source, rng, n):
-    starts = rng.integers(0, len(source) - seq_len - 1, size=n)
-    w = source[starts[:, None] + offsets].astype(np.int32)
-    return w[:, :-1], w[:, 1:]
+    return data_lib.text_windows(source, rng, n, seq_len)
 
   rng = np.random.default_rng((seed, 1))
   xs, ys = windows(train, rng, steps * batch)

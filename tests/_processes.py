@@ -5,17 +5,11 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import socket
-import subprocess
 import sys
 
+from jmp_train.examples.processes import free_port, run_processes
+
 HERE = pathlib.Path(__file__).parent
-
-
-def free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def worker_env() -> dict[str, str]:
@@ -41,22 +35,7 @@ def run_workers(script: str, argv_per_process: list[list[str]], timeout: float) 
   running after ``timeout`` seconds, or after another failed, is killed.
   """
   port = str(free_port())
-  env = worker_env()
-  procs = [
-      subprocess.Popen(
-          [sys.executable, str(HERE / script), *(a.format(port=port) for a in argv)],
-          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      )
-      for argv in argv_per_process
-  ]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-4000:]
+  commands = [[sys.executable, str(HERE / script), *(a.format(port=port) for a in argv)]
+              for argv in argv_per_process]
+  for code, log in run_processes(commands, worker_env(), timeout=timeout):
+    assert code == 0, log[-4000:]

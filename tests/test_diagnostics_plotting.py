@@ -39,9 +39,9 @@ def test_plot_before_and_after_scaling_writes_png(pyplot, tmp_path):
   ax = diag.plot_gradient_histogram(grads)  # scales (1, suggested)
   labels = [t.get_text() for t in ax.get_legend().get_texts()]
   suggested = float(diag.suggest_loss_scale(grads).loss_scale)
-  assert any(l.startswith("scale 1:") for l in labels)
-  assert any(l.startswith(f"scale {suggested:g}:") for l in labels)
-  assert any("subnormal" in l for l in labels) and any("65504" in l for l in labels)
+  assert any(label.startswith("scale 1:") for label in labels)
+  assert any(label.startswith(f"scale {suggested:g}:") for label in labels)
+  assert any("subnormal" in label for label in labels) and any("65504" in label for label in labels)
   # 60 bars per scale (half a bin wide: two scales side by side); all the
   # values lie inside the bins, so no hatched end bars.
   heights = [p.get_height() for p in ax.patches if p.get_width() == 0.5]
@@ -65,7 +65,7 @@ def test_plot_given_histograms_and_an_axes(pyplot):
   assert out is ax and "bfloat16" in ax.get_title()
   labels = [t.get_text() for t in ax.get_legend().get_texts()]
   # bfloat16's range (2**-133 .. 3.4e38) lies outside the bins: no marks.
-  assert [l.split(":")[0] for l in labels] == ["scale 1", "scale 8"]
+  assert [label.split(":")[0] for label in labels] == ["scale 1", "scale 8"]
   assert "hatched" not in ax.get_xlabel()  # every value lies in the bins
   ax.cla()
   # Values past both ends of narrower bins: hatched end bars, and the label says so.

@@ -1,4 +1,7 @@
-"""Tests for jmp_train.flax: parameter, batch-statistic, output and gradient dtypes; linen and NNX agree under jit, pmap and strict promotion."""
+"""Tests for jmp_train.flax: parameter, batch-statistic, output and gradient dtypes.
+
+Linen and NNX agree under jit, pmap and strict promotion.
+"""
 
 from __future__ import annotations
 

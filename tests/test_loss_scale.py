@@ -74,7 +74,7 @@ def test_config_survives_jit_in_the_arithmetic():
   # After a jitted round trip the floor (0.125) and factors still apply:
   # 3 * 0.25 = 0.75, 0.1875, then clamped at 0.125.
   ls = jax.jit(lambda x: x)(DynamicLossScale(**NON_DEFAULT))
-  adjust = jax.jit(lambda l, f: l.adjust(f))
+  adjust = jax.jit(lambda s, f: s.adjust(f))
   scales = []
   for _ in range(4):
     ls = adjust(ls, False)

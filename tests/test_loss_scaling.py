@@ -1,4 +1,7 @@
-"""Tests for jmp_train._src.loss_scaling.wrapper: the loss_scaled optax wrapper (the update rule, skip modes, errors, serialization)."""
+"""Tests for jmp_train._src.loss_scaling.wrapper: the loss_scaled optax wrapper.
+
+The update rule, skip modes, errors, serialization.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Tests of loss_scaled composed with optax, Flax and Orbax (chain, inject_hyperparams, MultiSteps, TrainState, nnx.Optimizer, checkpoints)."""
+"""Tests of loss_scaled composed with optax, Flax and Orbax.
+
+chain, inject_hyperparams, MultiSteps, TrainState, nnx.Optimizer, checkpoints.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Tests for jmp_train._src.loss_scaling.steps: the finite and skipped steps (state dtypes, what the compiled step moves)."""
+"""Tests for jmp_train._src.loss_scaling.steps: the finite and skipped steps.
+
+State dtypes, what the compiled step moves.
+"""
 
 from __future__ import annotations
 

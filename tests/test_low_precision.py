@@ -1,4 +1,7 @@
-"""Tests of the half-precision weight updates (kahan_compensation, stochastic_rounding, modified_momentum_sgd): small steps survive, unbiased and exact landing."""
+"""Tests of the half-precision weight updates: small steps survive, unbiased and exact landing.
+
+kahan_compensation, stochastic_rounding, modified_momentum_sgd.
+"""
 
 from __future__ import annotations
 

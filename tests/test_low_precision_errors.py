@@ -1,4 +1,7 @@
-"""Tests of the half-precision weight updates: invalid arguments, and a step skipped by loss scaling leaves their state alone."""
+"""Tests of the half-precision weight updates: invalid arguments.
+
+A step skipped by loss scaling leaves their state alone.
+"""
 
 from __future__ import annotations
 

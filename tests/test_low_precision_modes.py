@@ -1,4 +1,7 @@
-"""Tests of the half-precision weight updates across execution modes: dtype stability, jit/pmap, injected hyperparameters, strict promotion."""
+"""Tests of the half-precision weight updates across execution modes.
+
+Dtype stability, jit/pmap, injected hyperparameters, strict promotion.
+"""
 
 from __future__ import annotations
 

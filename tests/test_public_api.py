@@ -100,3 +100,27 @@ def test_each_public_name_is_exported_once():
   # jmp_train.diagnostics (collective_bytes is a diagnostic).
   names = [n for m in PUBLIC_MODULES for n in m.__all__]
   assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+@pytest.mark.slow
+def test_a_type_checker_resolves_public_names_from_a_users_file(tmp_path):
+  # mypy reads the TYPE_CHECKING block (and py.typed): the names have real
+  # signatures in a user's editor, not Any.
+  import subprocess
+  import sys
+
+  user = tmp_path / "user.py"
+  user.write_text(
+      "import jmp_train\nimport jmp_train.diagnostics\nimport jmp_train.flax\n"
+      "reveal_type(jmp_train.loss_scaled)\n"
+      "reveal_type(jmp_train.flax.apply_policy)\n"
+      "reveal_type(jmp_train.diagnostics.precision_audit)\n")
+  done = subprocess.run(
+      [sys.executable, "-m", "mypy", "--follow-imports=silent", "--no-incremental",
+       "--cache-dir", str(tmp_path / "cache"), str(user)],
+      cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
+  revealed = [line for line in done.stdout.splitlines() if "Revealed type" in line]
+  assert len(revealed) == 3, done.stdout + done.stderr
+  assert "loss_scale: jmp_train._src.loss_scaling.scales.LossScale" in revealed[0], revealed[0]
+  assert "policy: jmp_train._src.policy.policy.Policy | str" in revealed[1], revealed[1]
+  assert "-> jmp_train._src.diagnostics.precision_audit.PrecisionReport" in revealed[2], revealed[2]

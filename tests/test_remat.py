@@ -12,15 +12,14 @@ from flax import nnx
 
 import jmp_train
 import jmp_train.flax as jflax
+from jmp_train.diagnostics import SavedResidual
+from jmp_train.diagnostics import saved_residuals
 from jmp_train.examples import models
 
 from _flax_policy_util import fill
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 HALF = [F16, BF16]
-
-from jmp_train.diagnostics import SavedResidual
-from jmp_train.diagnostics import saved_residuals
 
 residuals = saved_residuals
 

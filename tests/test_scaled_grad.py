@@ -1,4 +1,7 @@
-"""Tests for jmp_train._src.loss_scaling.scaled_grad and jmp_train._src.loss_scaling.lookup: scaled_value_and_grad, get_loss_scale, loss_scale_metrics."""
+"""Tests for jmp_train._src.loss_scaling.scaled_grad and jmp_train._src.loss_scaling.lookup.
+
+scaled_value_and_grad, get_loss_scale, loss_scale_metrics.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import subprocess
 import sys
 import textwrap
 
@@ -18,6 +17,7 @@ import pytest
 
 import jmp_train
 from jmp_train._src.compression.sign_compression import sign_compression
+from jmp_train.examples.processes import run_processes
 
 import _processes
 from _flax_policy_util import fill
@@ -297,14 +297,11 @@ def test_two_processes_match_one(tmp_path):
   env["JAX_PLATFORMS"] = "cpu"
   tests_dir = str(ROOT / "tests")
   port = _processes.free_port()
-  procs = [
-      subprocess.Popen(
-          [sys.executable, str(script), str(i), "2", str(port), str(tmp_path), tests_dir],
-          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)
-  ]
-  logs = [p.communicate(timeout=240)[0] for p in procs]
-  assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+  done = run_processes(
+      [[sys.executable, str(script), str(i), "2", str(port), str(tmp_path), tests_dir]
+       for i in range(2)],
+      env, timeout=240)
+  assert all(code == 0 for code, _ in done), "\n".join(log for _, log in done)[-3000:]
   # The same run in this process, on its 8 devices.
   step = _cached("shard_map", "mixed_float16", "dynamic", True)
   state, history = _run(step, _init(step), 3)

@@ -181,7 +181,7 @@ def test_compression_as_the_whole_optimizer_keeps_state_per_replica():
                                    mode="shard_map")
   state = step.init(params)
   rng = np.random.default_rng(1)
-  for i in range(3):
+  for _ in range(3):
     y = rng.integers(0, 4, 16).astype(np.int32)
     x = rng.normal(size=(16, 6)).astype(np.float32) + np.eye(4, 6, dtype=np.float32)[y]
     state, metrics = step(state, step.shard_batch((x, y)))

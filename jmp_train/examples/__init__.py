@@ -16,6 +16,9 @@
 * :mod:`jmp_train.examples.half_weights`: the half-precision weight-update
   experiment behind the benchmarks and notebook 03 (its setups in
   :mod:`~jmp_train.examples.half_weights_setups`).
+* :mod:`jmp_train.examples.processes`: starts the local processes of a
+  ``jax.distributed`` job (the demo's ``--num-processes``, the multi-process
+  benchmark, the tests' workers).
 
 The library (``jmp_train``, ``jmp_train.flax``, ``jmp_train.diagnostics``)
 imports nothing from here.

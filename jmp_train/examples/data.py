@@ -1,7 +1,8 @@
 """Real data that is on every machine without a download.
 
 * :func:`load_text_corpus`: the Python standard library's own source code,
-  as bytes, for character-level language models.
+  as bytes, for character-level language models; :func:`text_windows` and
+  :func:`char_lm_batches` cut it into ``(inputs, targets)`` windows.
 * :func:`load_digits`: the 8x8 handwritten digits that ship inside
   scikit-learn (1,797 images; optional dependency).
 """
@@ -18,6 +19,7 @@ __all__ = [
     "Dataset",
     "load_text_corpus",
     "load_digits",
+    "text_windows",
     "char_lm_batches",
     "TEXT_VOCAB_SIZE",
 ]
@@ -81,6 +83,34 @@ def load_text_corpus(max_bytes: int | None = 2_000_000) -> np.ndarray:
   return corpus[:max_bytes] if max_bytes is not None else corpus
 
 
+def text_windows(
+    corpus: np.ndarray, rng: np.random.Generator, n: int, seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """``n`` windows of ``corpus`` at random positions, targets shifted by 1.
+
+  The ``n`` start positions come from one ``rng.integers`` call: generators
+  seeded alike cut the same windows.
+
+  Args:
+    corpus: 1-D integer array of tokens, longer than ``seq_len + 1``.
+    rng: the generator the start positions are drawn from.
+    n: windows to cut.
+    seq_len: tokens per window.
+
+  Returns:
+    ``(inputs, targets)``: ``int32`` arrays of shape ``(n, seq_len)``.
+
+  Examples:
+    >>> corpus = np.arange(100, dtype=np.uint8)
+    >>> x, y = text_windows(corpus, np.random.default_rng(0), 4, 8)
+    >>> x.shape, bool((y[:, :-1] == x[:, 1:]).all())
+    ((4, 8), True)
+  """
+  starts = rng.integers(0, len(corpus) - seq_len - 1, size=n)
+  window = corpus[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+  return window[:, :-1], window[:, 1:]
+
+
 def char_lm_batches(
     corpus: np.ndarray, batch_size: int, seq_len: int, seed: int = 0
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -101,11 +131,8 @@ def char_lm_batches(
         f"got shape {corpus.shape}."
     )
   rng = np.random.default_rng(seed)
-  offsets = np.arange(seq_len + 1)
   while True:
-    starts = rng.integers(0, len(corpus) - seq_len - 1, size=batch_size)
-    window = corpus[starts[:, None] + offsets].astype(np.int32)
-    yield window[:, :-1], window[:, 1:]
+    yield text_windows(corpus, rng, batch_size, seq_len)
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:

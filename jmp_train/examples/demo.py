@@ -46,8 +46,6 @@ import json
 import os
 import pathlib
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,17 +67,12 @@ from jmp_train.examples.demo_tasks import TASKS
 from jmp_train.examples.demo_tasks import gpt2_init
 from jmp_train.examples.demo_training import data_parallel_devices
 from jmp_train.examples.demo_training import run_configs
+from jmp_train.examples.processes import free_port, run_processes
 
 __all__ = [
     "CONFIGS", "COLUMNS", "DemoError", "DemoSettings", "RunConfig", "format_table", "run_demo",
     "learning_rate_schedule", "data_parallel_optimizer", "TASKS", "gpt2_init",
 ]
-
-def _free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
-
 
 # Lines that say why a process failed: a Python exception, an absl fatal
 # log line (XLA's failed checks), a C++ exception's message.
@@ -110,23 +103,19 @@ def _worker_xla_flags(flags: str) -> str:
 
 def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) -> tuple[list[dict], dict]:
   """Runs ``names`` in ``s.num_processes`` local processes (jax.distributed)."""
-  port = _free_port()
+  port = free_port()
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = _worker_xla_flags(env.get("XLA_FLAGS", ""))
   with tempfile.TemporaryDirectory(prefix="jmp_train_mp_") as tmp:
-    procs = []
-    for pid in range(s.num_processes):
-      cmd = [
-          sys.executable, "-m", "jmp_train", *argv_base,
-          "--configs", ",".join(names), "--out", tmp, "--no-plot", "--no-progress",
-          "--num-processes", "1",
-          "--_process", f"{pid},{s.num_processes},{port}",
-      ]
-      env = dict(os.environ)
-      env["XLA_FLAGS"] = _worker_xla_flags(env.get("XLA_FLAGS", ""))
-      procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate()[0] for p in procs]
-    for pid, (p, log) in enumerate(zip(procs, logs)):
-      if p.returncode != 0:
+    commands = [
+        [sys.executable, "-m", "jmp_train", *argv_base,
+         "--configs", ",".join(names), "--out", tmp, "--no-plot", "--no-progress",
+         "--num-processes", "1",
+         "--_process", f"{pid},{s.num_processes},{port}"]
+        for pid in range(s.num_processes)
+    ]
+    for pid, (code, log) in enumerate(run_processes(commands, env)):
+      if code != 0:
         raise DemoError(f"process {pid} of {s.num_processes} failed: {_failure_line(log)}")
     payload = json.loads((pathlib.Path(tmp) / "worker.json").read_text())
   return payload["rows"], payload["curves"]

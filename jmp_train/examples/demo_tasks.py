@@ -47,12 +47,9 @@ def _text_task(s: DemoSettings) -> Task:
     raise DemoError(
         f"--seq-len {s.seq_len} does not fit in the {len(val):,}-byte validation "
         f"text; use --seq-len {len(val) - 2} or less")
-  offsets = np.arange(s.seq_len + 1)
 
   def windows(source, rng, n):
-    starts = rng.integers(0, len(source) - s.seq_len - 1, size=n)
-    w = source[starts[:, None] + offsets].astype(np.int32)
-    return w[:, :-1], w[:, 1:]
+    return data_lib.text_windows(source, rng, n, s.seq_len)
 
   def train_batch(i):
     return windows(train, np.random.default_rng((s.seed, i)), s.batch)
