@@ -9,6 +9,9 @@
 * :func:`tensor_core_report`, :func:`pad_to_multiple`: matmuls and
   convolutions against the Tensor Core shape rules (FP8 products: multiples
   of 16), and the Amdahl bound.
+* :func:`fp8_products`: the matmuls and convolutions of a lowered or
+  compiled step with their operand dtypes, and those not on FP8 operands;
+  usable as a test assertion.
 * :func:`precision_audit`: ops in half precision that should be float32,
   and matmuls left in float32; usable as a test assertion.
 * :func:`saved_residuals`: the arrays the backward pass keeps (activation
@@ -21,6 +24,9 @@
 
 from jmp_train._src.diagnostics.fp8_casts import Fp8CastFractions
 from jmp_train._src.diagnostics.fp8_casts import fp8_cast_fractions
+from jmp_train._src.diagnostics.fp8_products import Fp8ProductReport
+from jmp_train._src.diagnostics.fp8_products import ProductEntry
+from jmp_train._src.diagnostics.fp8_products import fp8_products
 from jmp_train._src.diagnostics.fractions import LossScaleSuggestion
 from jmp_train._src.diagnostics.fractions import overflow_fraction
 from jmp_train._src.diagnostics.fractions import suggest_loss_scale
@@ -45,6 +51,8 @@ from jmp_train._src.diagnostics.hlo import collective_ops
 __all__ = (
     "Fp8CastFractions",
     "fp8_cast_fractions",
+    "Fp8ProductReport",
+    "fp8_products",
     "GradientHistogram",
     "Histogram",
     "ISSUE_KINDS",
@@ -52,6 +60,7 @@ __all__ = (
     "MatmulEntry",
     "PrecisionIssue",
     "PrecisionReport",
+    "ProductEntry",
     "SavedResidual",
     "TensorCoreReport",
     "collective_bytes",

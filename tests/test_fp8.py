@@ -165,6 +165,31 @@ def test_conv_matches_dequantized_reference():
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("strides, groups", [((1, 1), 1), ((2, 2), 2)])
+def test_conv_gradients_on_fp8_operands_match_dequantized_reference(strides, groups):
+  # The backward convolutions take the E5M2 gradient and the E4M3 operand
+  # split exactly into two E5M2 parts: the same value as the convolution of
+  # the dequantized operands, up to float32 summation order.
+  recipe = jmp_train.Fp8Recipe(scaling="current")
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(2, 6, 6, 16)).astype(np.float32)
+  k = rng.normal(size=(3, 3, 16 // groups, 16)).astype(np.float32) * 0.1
+  kw = dict(window_strides=strides, padding="SAME", feature_group_count=groups,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y, pullback = jax.vjp(lambda x, k: jmp_train.fp8_conv_general_dilated(
+      x, k, meta=jmp_train.init_fp8_meta(recipe), recipe=recipe, **kw), x, k)
+  g = rng.normal(size=y.shape).astype(np.float32) * 1e-3
+  dx, dk = pullback(jnp.asarray(g))
+  s = [np.float32(fmax / np.abs(a).max()) for a, fmax in ((x, 448.0), (k, 448.0), (g, 57344.0))]
+  hats = [np_qdq(a, sa, fp8, fmax) for a, sa, fp8, fmax in
+          ((x, s[0], E4M3, 448.0), (k, s[1], E4M3, 448.0), (g, s[2], E5M2, 57344.0))]
+  conv = lambda a, b: jax.lax.conv_general_dilated(  # noqa: E731
+      a, b, precision=jax.lax.Precision.HIGHEST, **kw)
+  want_y, ref_pullback = jax.vjp(conv, hats[0], hats[1])
+  for got, want in zip((y, *(dx, dk)), (want_y, *ref_pullback(hats[2]))):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
 def test_bad_meta_and_operands_raise():
   with pytest.raises(TypeError, match="Fp8DotMeta"):
     jmp_train.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), DN, meta={})

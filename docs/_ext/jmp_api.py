@@ -58,6 +58,7 @@ NAMESPACES = (
             "diagnostics.histograms", "diagnostics.fractions",
             "diagnostics.plotting")),
         ("FP8 casts", ("diagnostics.fp8_casts",)),
+        ("FP8 products", ("diagnostics.fp8_products",)),
         ("Tensor Cores", ("diagnostics.tensor_cores",)),
         ("Precision audit", ("diagnostics.precision_audit",)),
         ("Saved residuals", ("diagnostics.residuals",)),

@@ -4,6 +4,8 @@
   range, what a cast does to them, and which loss scale moves them into
   range.
 * ``fp8_casts``: what an FP8 cast saturates, flushes or leaves subnormal.
+* ``fp8_products``: the matmuls and convolutions of a lowered or compiled
+  step with their operand dtypes, and those not on FP8 operands.
 * ``tensor_cores``: matmuls and convolutions against the Tensor Core shape
   rules.
 * ``precision_audit``: ops in half precision that should be float32, and

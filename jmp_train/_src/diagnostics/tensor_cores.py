@@ -2,9 +2,8 @@
 
 NVIDIA's Tensor Cores run a GEMM when both operands are 16-bit floats and its
 dimensions are multiples of 8 (8-bit operands, FP8 included: multiples of
-16). Products of :func:`jmp_train.fp8_dot_general` (which multiply the
-dequantized FP8 operands under the ``fp8_product`` name scope, the pattern
-XLA turns into one FP8 GEMM on a GPU) are held to FP8's rule.
+16). Products of :func:`jmp_train.fp8_dot_general` (FP8 operands, under
+the ``fp8_product`` name scope) are held to FP8's rule.
 :func:`tensor_core_report` lists every ``dot_general`` and convolution of a
 function (read from its jaxpr, forward and backward) against that rule, with
 the Amdahl bound on the speed-up, and :func:`pad_to_multiple` gives the size

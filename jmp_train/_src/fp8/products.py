@@ -20,11 +20,17 @@ takes it from a history of the last ``amax_history_len`` steps' maxima
 step's :math:`\max|x|` into the history after the cast; a zero or non-finite
 amax leaves the previous scale, and a non-finite amax is never stored.
 
-The product runs on the dequantized operands with float32 accumulation
-(``preferred_element_type=float32``) and returns the compute dtype; on a GPU,
-XLA rewrites "convert from FP8, multiply by 1/s, dot" into one FP8 GEMM.
-The backward pass quantizes the incoming gradient to E5M2 with its own scale
-and differentiates the same product.
+The products take the FP8 arrays themselves as operands (float32
+accumulation, ``preferred_element_type=float32``) and divide the result by
+:math:`s_a s_b`: no reliance on XLA fusing "convert from FP8, scale, dot",
+which, when it does not fire, silently leaves the product in high precision
+(:func:`jmp_train.diagnostics.fp8_products` checks). The backward pass
+quantizes the incoming gradient to E5M2 with its own scale; both gradient
+products take it and the E4M3 weight or input. StableHLO's convolution needs
+one element type for both operands, so a backward convolution splits its
+E4M3 operand exactly into two E5M2 parts (``hi = e5m2(q)``,
+``lo = e5m2(q - hi)``) and adds the two products: the same value on FP8
+operands, at twice the work.
 
 State: each FP8 product keeps an :class:`Fp8DotMeta`, the
 :class:`Fp8TensorMeta` (scale, amax history) of its left operand, right
@@ -50,11 +56,13 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
 
 from jmp_train._src.fp8.scaling import E4M3
 from jmp_train._src.fp8.scaling import E5M2
@@ -67,8 +75,10 @@ from jmp_train._src.fp8.scaling import fp8_dequantize
 from jmp_train._src.fp8.scaling import fp8_quantize
 from jmp_train._src.fp8.scaling import fp8_scale
 from jmp_train._src.fp8.scaling import init_fp8_meta
+from jmp_train._src.fp8.scaling import pmax_together
 from jmp_train._src.fp8.scaling import push_amax
 from jmp_train._src.fp8.scaling import update_fp8_meta
+from jmp_train._src.varying_axes import pvary
 from jmp_train._src.varying_axes import varying_axes
 
 __all__ = [
@@ -86,48 +96,141 @@ __all__ = [
 ]
 
 
-def _agree(new: jax.Array, axes: frozenset[str]) -> jax.Array:
+def _agree(new: Fp8DotMeta, axes: Fp8DotMeta) -> Fp8DotMeta:
   """Under ``shard_map``, a meta shared by all replicas gets their max.
 
   The new meta of a replicated (invariant) meta must be replicated too: the
   max over the axes the data made it vary over is the global batch's amax.
+  Leaves with the same extra axes (usually all six) share one reduction.
   """
-  extra = tuple(sorted(varying_axes(new) - axes))
-  return lax.pmax(new, extra) if extra else new
+  leaves, treedef = jax.tree.flatten(new)
+  extras = [tuple(sorted(varying_axes(x) - a)) for x, a in zip(leaves, jax.tree.leaves(axes))]
+  for extra in sorted(set(extras)):
+    if extra:
+      index = [i for i, e in enumerate(extras) if e == extra]
+      for i, x in zip(index, pmax_together([leaves[i] for i in index], extra)):
+        leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _sum_extra(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+  """``x`` summed over the mesh axes it varies over beyond ``axes``."""
+  extra = tuple(sorted(varying_axes(x) - axes))
+  return lax.psum(x, extra) if extra else x
+
+
+def _descale(out: jax.Array, s_a: jax.Array, s_b: jax.Array) -> jax.Array:
+  """The float32 product of the codes, ``out``, divided by :math:`s_a s_b`.
+
+  One division (one rounding) by the product of the scales, unless that
+  product overflows float32 (two tiny amaxes): then one scale at a time.
+  """
+  both = s_a * s_b
+  return jnp.where(jnp.isfinite(both), out / both, out / s_a / s_b)
+
+
+def _split_e5m2(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """An E4M3 array as two E5M2 arrays that add up to it exactly.
+
+  ``hi`` rounds ``q``'s four significant bits to E5M2's three; the rest is
+  zero or a single bit, which E5M2 represents (its range covers E4M3's).
+  """
+  hi = q.astype(E5M2)
+  lo = (q.astype(jnp.float32) - hi.astype(jnp.float32)).astype(E5M2)
+  return hi, lo
+
+
+def _fp8_conv(lhs: jax.Array, rhs: jax.Array, **params: Any) -> jax.Array:
+  """``conv_general_dilated_p`` on FP8 operands, mixed formats included.
+
+  StableHLO refuses a convolution of two element types, so an E4M3
+  operand facing an E5M2 one is split into its exact E5M2 parts.
+  """
+  bind = functools.partial(lax.conv_general_dilated_p.bind, **params)
+  if lhs.dtype == rhs.dtype:
+    return bind(lhs, rhs)
+  if lhs.dtype == E4M3:
+    hi, lo = _split_e5m2(lhs)
+    return bind(hi, rhs) + bind(lo, rhs)
+  hi, lo = _split_e5m2(rhs)
+  return bind(lhs, hi) + bind(lhs, lo)
+
+
+def _replay(jaxpr: Any, *args: jax.Array) -> jax.Array:
+  """Evaluates a transposed product's jaxpr, traced on float32 stand-ins,
+  on FP8 operands: its product takes them as they are, the data movement
+  around it (transpose, reverse, reshape) works in any dtype."""
+  env = dict(zip(jaxpr.jaxpr.invars, args))
+  env.update(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+  for eqn in jaxpr.jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    # Under shard_map, operands must vary over the same mesh axes.
+    axes = frozenset().union(*map(varying_axes, invals))
+    invals = [pvary(x, axes) for x in invals]
+    if eqn.primitive is lax.conv_general_dilated_p:
+      outs = [_fp8_conv(*invals, **eqn.params)]
+    else:
+      outs = eqn.primitive.bind(*invals, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  (out,) = [read(v) for v in jaxpr.jaxpr.outvars]
+  return out
+
+
+def _transposed(op: Callable[[jax.Array, jax.Array], jax.Array], argnum: int,
+                g: jax.Array, other: jax.Array, shapes: tuple[Any, Any]) -> jax.Array:
+  """The transpose of ``op`` with respect to operand ``argnum``, applied to
+  the FP8 gradient ``g``, with the FP8 ``other`` operand: float32 result."""
+  stand_in = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+  out = jax.eval_shape(op, *stand_in)
+
+  def transpose(ct, b):
+    linear = (lambda a: op(a, b)) if argnum == 0 else (lambda a: op(b, a))
+    return jax.linear_transpose(linear, stand_in[argnum])(ct)[0]
+
+  jaxpr = jax.make_jaxpr(transpose)(out, stand_in[1 - argnum])
+  return _replay(jaxpr, g, other)
 
 
 def _fp8_binary(op: Callable[[jax.Array, jax.Array], jax.Array], recipe: Fp8Recipe,
-                l_dtype: Any, r_dtype: Any):
-  """``op(lhs, rhs)`` with FP8 operands and gradient, as a ``custom_vjp``."""
+                l_dtype: Any, r_dtype: Any, out_dtype: Any):
+  """``op(lhs, rhs)`` on FP8 operands, with FP8 gradient products, as a
+  ``custom_vjp``; ``op`` accumulates in (and returns) float32."""
 
   def forward(lhs, rhs, meta: Fp8DotMeta):
     s_l, lhs_meta = calibrate(lhs, meta.lhs, E4M3, recipe)
     s_r, rhs_meta = calibrate(rhs, meta.rhs, E4M3, recipe)
     q_l, q_r = fp8_quantize(lhs, E4M3, s_l), fp8_quantize(rhs, E4M3, s_r)
     with jax.named_scope(FP8_SCOPE):
-      out = op(fp8_dequantize(q_l, s_l, lhs.dtype), fp8_dequantize(q_r, s_r, rhs.dtype))
-    return out, (q_l, s_l, q_r, s_r, lhs_meta, rhs_meta, meta.grad)
+      out = _descale(op(q_l, q_r), s_l, s_r)
+    return out.astype(out_dtype), (q_l, s_l, q_r, s_r, lhs_meta, rhs_meta, meta.grad)
 
   @jax.custom_vjp
   def product(lhs, rhs, meta):
     return forward(lhs, rhs, meta)[0]
 
   meta_axes: list[Any] = []  # the meta's varying mesh axes, seen by fwd
+  operand_axes: list[Any] = []  # and the operands'
 
   def product_bwd(res, g):
     q_l, s_l, q_r, s_r, lhs_meta, rhs_meta, grad_meta = res
     s_g, new_grad_meta = calibrate(g, grad_meta, E5M2, recipe)
-    g_hat = fp8_dequantize(fp8_quantize(g, E5M2, s_g), s_g, g.dtype)
+    q_g = fp8_quantize(g, E5M2, s_g)
+    shapes = (q_l.shape, q_r.shape)
     with jax.named_scope(FP8_SCOPE):
-      _, pullback = jax.vjp(
-          op, fp8_dequantize(q_l, s_l, l_dtype), fp8_dequantize(q_r, s_r, r_dtype))
-      d_lhs, d_rhs = pullback(g_hat)
+      d_lhs = _descale(_transposed(op, 0, q_g, q_r, shapes), s_g, s_r)
+      d_rhs = _descale(_transposed(op, 1, q_g, q_l, shapes), s_g, s_l)
+    # An operand replicated over mesh axes its gradient varies over gets
+    # the sum over them (what the transpose of its implicit broadcast does).
+    d_lhs, d_rhs = (_sum_extra(d, axes) for d, axes in zip((d_lhs, d_rhs), operand_axes))
     new_meta = Fp8DotMeta(lhs_meta, rhs_meta, new_grad_meta)
-    new_meta = jax.tree.map(_agree, new_meta, meta_axes[0])
+    new_meta = _agree(new_meta, meta_axes[0])
     return d_lhs.astype(l_dtype), d_rhs.astype(r_dtype), new_meta
 
   def product_fwd(lhs, rhs, meta):
     meta_axes[:] = [jax.tree.map(varying_axes, meta)]
+    operand_axes[:] = [varying_axes(lhs), varying_axes(rhs)]
     return forward(lhs, rhs, meta)
 
   product.defvjp(product_fwd, product_bwd)
@@ -201,10 +304,9 @@ def fp8_dot_general(
   extra = {} if out_sharding is None else {"out_sharding": out_sharding}
 
   def op(a, b):
-    out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32, **extra)
-    return out.astype(out_dtype)
+    return lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32, **extra)
 
-  product = _fp8_binary(op, recipe, lhs.dtype, rhs.dtype)
+  product = _fp8_binary(op, recipe, lhs.dtype, rhs.dtype, out_dtype)
   return product(lhs, rhs, _check_meta(meta, "fp8_dot_general"))
 
 
@@ -236,8 +338,7 @@ def fp8_conv_general_dilated(
   out_dtype = kwargs.pop("preferred_element_type", None) or jnp.result_type(lhs, rhs)
 
   def op(a, b):
-    out = lax.conv_general_dilated(a, b, *args, preferred_element_type=jnp.float32, **kwargs)
-    return out.astype(out_dtype)
+    return lax.conv_general_dilated(a, b, *args, preferred_element_type=jnp.float32, **kwargs)
 
-  product = _fp8_binary(op, recipe, lhs.dtype, rhs.dtype)
+  product = _fp8_binary(op, recipe, lhs.dtype, rhs.dtype, out_dtype)
   return product(lhs, rhs, _check_meta(meta, "fp8_conv_general_dilated"))

@@ -30,6 +30,7 @@ __all__ = [
     "fp8_quantize",
     "fp8_scale",
     "init_fp8_meta",
+    "pmax_together",
     "push_amax",
     "update_fp8_meta",
 ]
@@ -38,7 +39,7 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 _FP8_NAMES = {"e4m3": E4M3, "float8_e4m3fn": E4M3, "e5m2": E5M2, "float8_e5m2": E5M2}
 _SCALINGS = ("delayed", "current")
-# The name scope of the products on dequantized FP8 operands: the diagnostics
+# The name scope of the FP8 products (on FP8 operands, forward and backward): the diagnostics
 # read it to apply FP8's shape rules to them.
 FP8_SCOPE = "fp8_product"
 _AMAX_ALGOS = ("max", "most_recent")
@@ -277,6 +278,30 @@ def calibrate(x, meta: Fp8TensorMeta, dtype, recipe: Fp8Recipe):
     scale = fp8_scale(past, meta.scale, dtype, recipe.margin)
   return scale, Fp8TensorMeta(scale, push_amax(history, amax))
 
+def pmax_together(leaves: list[jax.Array], axis_name: Any) -> list[jax.Array]:
+  """The ``pmax`` over ``axis_name`` of several arrays, as one reduction.
+
+  The arrays are flattened into one float32 vector (amaxes and scales are
+  float32), reduced with a single collective instead of one per array, and
+  split back into their shapes and dtypes.
+
+  Examples:
+    >>> out = jax.pmap(lambda a, b: pmax_together([a, b], "d"), axis_name="d")(
+    ...     jnp.arange(2.0)[:, None] * jnp.ones((2, 3)), jnp.arange(2.0))
+    >>> out[0][0].tolist(), out[1].tolist()
+    ([1.0, 1.0, 1.0], [1.0, 1.0])
+  """
+  if not leaves:
+    return []
+  flat = jax.lax.pmax(jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves]),
+                      axis_name)
+  out, start = [], 0
+  for x in leaves:
+    out.append(flat[start:start + x.size].reshape(x.shape).astype(x.dtype))
+    start += x.size
+  return out
+
+
 def update_fp8_meta(fp8_meta: Any, fp8_grads: Any, axis_name: Any = None) -> Any:
   """The FP8 state to store after a step: its "gradient", agreed over replicas.
 
@@ -286,7 +311,8 @@ def update_fp8_meta(fp8_meta: Any, fp8_grads: Any, axis_name: Any = None) -> Any
     fp8_grads: the gradient of the loss with respect to ``fp8_meta``, which
       the FP8 products set to their new state.
     axis_name: a mapped axis (``pmap``/``shard_map``) whose replicas must
-      agree (max of the amax histories), or ``None``.
+      agree (max of the amax histories, one reduction for the whole state),
+      or ``None``.
 
   Returns:
     The new state, of ``fp8_meta``'s structure and dtypes. Leaves whose
@@ -313,7 +339,10 @@ def update_fp8_meta(fp8_meta: Any, fp8_grads: Any, axis_name: Any = None) -> Any
     )
 
   def leaf(old, new):
-    new = jnp.where(jnp.all(jnp.isfinite(new)), new, old).astype(old.dtype)
-    return new if axis_name is None else jax.lax.pmax(new, axis_name)
+    return jnp.where(jnp.all(jnp.isfinite(new)), new, old).astype(old.dtype)
 
-  return jax.tree.map(leaf, fp8_meta, fp8_grads)
+  new = jax.tree.map(leaf, fp8_meta, fp8_grads)
+  if axis_name is None:
+    return new
+  leaves, treedef = jax.tree.flatten(new)
+  return jax.tree.unflatten(treedef, pmax_together(leaves, axis_name))
