@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install demo bench docs lint clean
+.PHONY: test install demo bench docs lint gpu-probe clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ docs: $(DOCS_STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# Every GPU figure in one process (refuses without a GPU).
+gpu-probe: $(STAMP)
+	XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $(PY) -m benchmarks --gpu-probe
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache docs/_build

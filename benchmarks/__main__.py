@@ -502,12 +502,21 @@ def main(argv: list[str] | None = None) -> int:
                       help="simulated CPU devices for the multi-device benchmarks "
                            "(sets XLA_FLAGS before JAX starts; default 8; a count "
                            "already in XLA_FLAGS wins)")
+  parser.add_argument("--gpu-probe", action="store_true",
+                      help="run the GPU measurements in one process (gpt, gpu, fp8 speed, "
+                           "loss_scaling, autocast, compression; bench_gpt.gpu_probe), "
+                           "write their results and print one summary table; refuses "
+                           "without a GPU")
   args = parser.parse_args(argv)
   if args.write and not args.summary:
     parser.error("--write goes with --summary (or use --report)")
   if args.cpu_devices < 1:
     parser.error(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
   _simulate_cpu_devices(args.cpu_devices)
+  if args.gpu_probe:
+    from benchmarks import bench_gpt
+
+    return bench_gpt.gpu_probe(args.out)
 
   if args.list:
     print("\n".join(names))

@@ -12,7 +12,8 @@
   8x8 digits).
 * :mod:`jmp_train.examples.models`: example Flax models (MLP, ResNet,
   Transformer: ``models_mlp``, ``models_resnet``, ``models_transformer``),
-  each in linen and NNX with the same variables.
+  each in linen and NNX with the same variables, and a GPT-style decoder
+  from about 125M to 1.5B parameters (``models_gpt``, linen).
 * :mod:`jmp_train.examples.half_weights`: the half-precision weight-update
   experiment behind the benchmarks and notebook 03 (its setups in
   :mod:`~jmp_train.examples.half_weights_setups`).

@@ -25,6 +25,9 @@ GEMM/convolution dimension for float16) except where the data fixes them
   language model (token and position ``Embed``, pre-norm decoder layers of
   ``LayerNorm`` + multi-head attention + ``Dropout`` + ``Dense`` MLP, a final
   ``RMSNorm`` and a ``head``); tokens in, logits out.
+* :class:`GPT` (linen only; :mod:`~jmp_train.examples.models_gpt`): a
+  GPT-style decoder from ~125M to ~1.5B parameters (:class:`GPTConfig`
+  presets), fused attention on GPUs, a chunked float32 loss.
 
 References:
   He et al., "Deep Residual Learning for Image Recognition", CVPR 2016.
@@ -41,6 +44,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmp_train.examples.models_gpt import GPT
+from jmp_train.examples.models_gpt import GPTBlock
+from jmp_train.examples.models_gpt import GPTConfig
 from jmp_train.examples.models_mlp import MLP
 from jmp_train.examples.models_mlp import NNXMLP
 from jmp_train.examples.models_resnet import NNXResNet
@@ -63,6 +69,9 @@ __all__ = [
     "NNXTransformerLayer",
     "TransformerBlock",
     "NNXTransformerBlock",
+    "GPTConfig",
+    "GPTBlock",
+    "GPT",
     "nnx_with_linen_variables",
 ]
 
