@@ -297,7 +297,8 @@ def test_readme_quick_start_runs_as_written(capsys):
   exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
   assert "'loss_scale'" in capsys.readouterr().out
   metrics = {k: float(v) for k, v in namespace["metrics"].items()}
-  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "grad_norm"}
+  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "consecutive_skipped_steps",
+                          "grad_norm"}
   # Each skipped (overflowing) step halved the scale from its 2**15 start.
   assert metrics["loss_scale"] * 2 ** metrics["skipped_steps"] == 2.0**15
   assert np.isfinite(metrics["loss"]) and metrics["skipped_steps"] < 3

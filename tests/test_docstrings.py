@@ -99,7 +99,7 @@ def test_public_examples_are_found():
           "jmp_train.scale_by_narrow_adam"} <= names
 
 
-def _docstrings(path):
+def _source_docstrings(path):
   tree = ast.parse(path.read_text())
   for node in ast.walk(tree):
     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -114,7 +114,7 @@ LIBRARY_FILES = sorted(p for p in pathlib.Path(jmp_train._src.__file__).parent.p
 def test_docstrings_state_contracts_not_history(path):
   # A module docstring a reader takes in at once; no dates, and no paths the
   # wheel does not ship (measurements live in the generated benchmarks report).
-  for name, doc in _docstrings(path):
+  for name, doc in _source_docstrings(path):
     if name == "module":
       assert len(doc.splitlines()) <= 60, f"{path}: module docstring of {len(doc.splitlines())} lines"
     assert not re.search(r"\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b", doc), f"{path}:{name} has a date"

@@ -354,8 +354,10 @@ def test_specs_for_a_chain():
 
 
 def test_public_names():
-  for name in ("sign_compression", "SignCompressionState", "collective_bytes", "sign_compression_specs"):
+  for name in ("sign_compression", "SignCompressionState", "sign_compression_specs"):
     assert name in jmp_train.__all__
     assert hasattr(jmp_train, name)
+  assert "collective_bytes" in jmp_train.diagnostics.__all__  # a diagnostic, exported once
+  assert "collective_bytes" not in jmp_train.__all__
 
 

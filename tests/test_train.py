@@ -112,10 +112,12 @@ def test_single_step_metrics_dtypes_and_learning(policy):
   before = jax.tree.map(np.asarray, state)
   state, history = _run(step, state, 6)
   metrics = history[-1]
-  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "grad_norm", "accuracy"}
+  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "consecutive_skipped_steps",
+                          "grad_norm", "accuracy"}
   for name in ("loss", "loss_scale", "grad_norm", "accuracy"):
     assert metrics[name].shape == () and metrics[name].dtype == F32, name
   assert metrics["skipped_steps"].dtype == np.int32
+  assert metrics["consecutive_skipped_steps"].dtype == np.int32
   # Dtypes of the whole state are stable: params stay float32 masters, the
   # batch statistics stay float32 even though the model computed in half.
   chex.assert_trees_all_equal_shapes_and_dtypes(before, jax.tree.map(np.asarray, state))

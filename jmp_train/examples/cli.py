@@ -12,6 +12,9 @@ import sys
 from typing import Any, Callable
 
 _NUM_DEVICES = 8
+# jax.distributed timeouts of the --num-processes workers, in seconds.
+_HEARTBEAT_S = 20
+_SHUTDOWN_S = 60
 _PROG = "jmp-train"
 
 # Plain text for --help (no reST markup).
@@ -104,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--out", default="jmp_train_output", help="output folder (default: %(default)s)")
   parser.add_argument("--seed", type=_nonnegative_int, default=0,
                       help="seed of weights and data (default: %(default)s)")
+  parser.add_argument("--max-skipped-steps", type=_positive_int, default=100,
+                      help="stop with an error once this many steps in a row were skipped "
+                           "for non-finite gradients (default: %(default)s)")
+  parser.add_argument("--checkpoint-dir", default=None,
+                      help="save each configuration's training state there (orbax); the "
+                           "same command run again resumes each from its latest complete "
+                           "checkpoint")
+  parser.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                      help="steps between checkpoints, with --checkpoint-dir (default 50)")
   parser.add_argument("--num-processes", type=_positive_int, default=1,
                       help="run the 8-device configurations as N local processes "
                            "(jax.distributed, gloo, 127.0.0.1); N in 1, 2, 4, 8")
@@ -145,6 +157,9 @@ def _settings(args: argparse.Namespace, config_names) -> dict:
       out=args.out,
       seed=args.seed,
       eval_batches=1 if quick else 4,
+      max_skipped_steps=args.max_skipped_steps,
+      checkpoint_dir=args.checkpoint_dir,
+      checkpoint_every=args.checkpoint_every or 50,
       num_processes=args.num_processes,
       plot=args.plot,
       progress=args.progress,
@@ -158,6 +173,8 @@ def _settings(args: argparse.Namespace, config_names) -> dict:
     raise _UsageError(
         f"--num-processes {args.num_processes} must divide {_NUM_DEVICES}: 1, 2, 4 or 8"
     )
+  if args.checkpoint_every is not None and args.checkpoint_dir is None:
+    raise _UsageError("--checkpoint-every needs --checkpoint-dir")
   if settings["d_model"] % 16 and args.task == "text":
     raise _UsageError(f"--d-model {settings['d_model']} must be a multiple of 16 (16 per head)")
   return settings
@@ -188,6 +205,13 @@ def _check_optional_dependencies(settings: dict) -> str | None:
           "--task digits needs scikit-learn: pip install 'jmp_train[examples]' "
           "(or use --task text)"
       ) from None
+  if settings["checkpoint_dir"] is not None:
+    try:
+      import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+    except ImportError:
+      raise _DependencyError(
+          "--checkpoint-dir needs orbax-checkpoint: pip install 'jmp_train[checkpoint]'"
+      ) from None
   if settings["plot"]:
     try:
       import matplotlib  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
@@ -216,7 +240,11 @@ def _setup_jax(process: str | None) -> None:
   pid, n, port = (int(x) for x in process.split(","))
   jax.config.update("jax_num_cpu_devices", _NUM_DEVICES // n)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid)
+  # A process that dies (kill -9, out of memory) stops sending heartbeats:
+  # the others stop within _HEARTBEAT_S (jax's defaults wait minutes).
+  jax.distributed.initialize(
+      f"127.0.0.1:{port}", num_processes=n, process_id=pid,
+      heartbeat_timeout_seconds=_HEARTBEAT_S, shutdown_timeout_seconds=_SHUTDOWN_S)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -90,6 +91,24 @@ def _failure_line(log: str) -> str:
   return (errors or lines or ["(no output)"])[-1]
 
 
+def _killed(code: int) -> bool:
+  """Whether a worker's exit status says a signal from outside ended it.
+
+  A worker that stops on its own error exits non-zero or aborts (SIGABRT:
+  XLA's fatal log, as when jax.distributed finds a peer gone); a worker
+  killed from outside (kill -9, the out-of-memory killer) ends by another
+  signal: that one is the process the job lost.
+  """
+  return code < 0 and -code != signal.SIGABRT
+
+
+def _signal_name(number: int) -> str:
+  try:
+    return f"killed by {signal.Signals(number).name}"
+  except ValueError:
+    return f"killed by signal {number}"
+
+
 def _worker_xla_flags(flags: str) -> str:
   """``XLA_FLAGS`` for a worker process: the caller's, without a CPU device count.
 
@@ -114,7 +133,14 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
          "--_process", f"{pid},{s.num_processes},{port}"]
         for pid in range(s.num_processes)
     ]
-    for pid, (code, log) in enumerate(run_processes(commands, env)):
+    results = run_processes(commands, env)
+    lost = [(pid, code) for pid, (code, _) in enumerate(results) if _killed(code)]
+    if lost:
+      pid, code = lost[0]
+      raise DemoError(
+          f"process {pid} of {s.num_processes} was lost ({_signal_name(-code)}); "
+          "the others stopped without it")
+    for pid, (code, log) in enumerate(results):
       if code != 0:
         raise DemoError(f"process {pid} of {s.num_processes} failed: {_failure_line(log)}")
     payload = json.loads((pathlib.Path(tmp) / "worker.json").read_text())

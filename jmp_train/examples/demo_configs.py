@@ -115,6 +115,9 @@ class DemoSettings:
   out: str = "jmp_train_output"
   seed: int = 0
   eval_batches: int = 4
+  max_skipped_steps: int = 100
+  checkpoint_dir: str | None = None
+  checkpoint_every: int = 50
   num_processes: int = 1
   plot: bool = True
   progress: bool = True

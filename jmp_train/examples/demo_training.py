@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -15,6 +16,7 @@ from jax.sharding import Mesh
 import jmp_train
 from jmp_train.examples.demo_configs import CONFIGS
 from jmp_train.examples.demo_configs import NUM_DEVICES
+from jmp_train.examples.demo_configs import DemoError
 from jmp_train.examples.demo_configs import DemoSettings
 from jmp_train.examples.demo_configs import RunConfig
 from jmp_train.examples.demo_configs import data_parallel_optimizer
@@ -106,30 +108,139 @@ def _tree_bytes(tree: Any) -> int:
   return int(sum(np.dtype(x.dtype).itemsize * np.size(x) for x in jax.tree.leaves(tree)))
 
 
-def _train(step, compiled, state, task, s, progress):
-  """Runs the steps; returns the state, the last metrics, curves and steps/s."""
-  losses, scales, start, metrics = [], [], None, None
-  first = step.shard_batch(_local_rows(task.train_batch(0), step))
-  for i in range(s.steps):
-    batch = first if i == 0 else step.shard_batch(_local_rows(task.train_batch(i), step))
+def _check_skipped(metrics, s: DemoSettings, name: str, step: int) -> None:
+  """Raises once ``s.max_skipped_steps`` steps in a row were skipped.
+
+  With dynamic loss scaling a model that makes NaN or inf by itself has
+  every step skipped: the scale falls to its floor and training stops
+  without a word. Called every 10 steps, where the loop already waits for
+  the metrics (one more scalar read, no extra host sync per step).
+
+  Raises:
+    DemoError: naming the count, the configuration and the step.
+  """
+  consecutive = int(metrics.get("consecutive_skipped_steps", 0))
+  if consecutive >= s.max_skipped_steps:
+    raise DemoError(
+        f"configuration {name!r} cannot learn: the last {consecutive} steps (to step "
+        f"{step}) were all skipped for non-finite gradients, at loss scale "
+        f"{float(metrics['loss_scale']):g} (--max-skipped-steps {s.max_skipped_steps}); "
+        "the model makes NaN or inf by itself (try a float32 or bfloat16 policy, or a "
+        "lower --lr)."
+    )
+
+
+# Settings that change what a configuration computes: a checkpoint written
+# under others cannot be resumed.
+_RUN_SETTINGS = (
+    "task", "steps", "batch", "seq_len", "d_model", "layers", "hidden", "learning_rate",
+    "warmup_fraction", "final_lr_fraction", "momentum", "one_bit_warmup_steps",
+    "one_bit_scale", "init", "seed",
+)
+
+
+class _Checkpoints:
+  """One configuration's checkpoints under ``s.checkpoint_dir/<name>`` (orbax).
+
+  Each checkpoint holds the :class:`~jmp_train.TrainState` and, as JSON, the
+  curves so far, the last metrics and the settings it was trained under.
+  Saves are asynchronous, at every multiple of ``s.checkpoint_every`` and at
+  the last step; the last two are kept.
+  """
+
+  def __init__(self, name: str, s: DemoSettings):
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    self._ocp, self._s, self.name = ocp, s, name
+    self.directory = os.path.abspath(os.path.join(s.checkpoint_dir, name))
+    self.settings = {k: getattr(s, k) for k in _RUN_SETTINGS}
+    self.manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True))
+
+  def restore(self, state):
+    """``(state, step, record)`` of the latest complete checkpoint, else ``(state, 0, None)``."""
+    latest = self.manager.latest_step()
+    if latest is None:
+      return state, 0, None
+    ocp = self._ocp
+    restored = self.manager.restore(latest, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(state), record=ocp.args.JsonRestore()))
+    record = restored["record"]
+    if record.get("settings") != self.settings:
+      changed = sorted(k for k in self.settings
+                       if record.get("settings", {}).get(k) != self.settings[k])
+      raise DemoError(
+          f"the checkpoint of {self.name!r} in {self.directory} was trained with other "
+          f"settings ({', '.join(changed)} differ); rerun with those, or pass another "
+          "--checkpoint-dir."
+      )
+    return restored["state"], latest, record
+
+  def due(self, n: int) -> bool:
+    return n % self._s.checkpoint_every == 0 or n == self._s.steps
+
+  def save(self, n: int, state, curves: dict[str, list[float]], metrics) -> None:
+    ocp = self._ocp
+    record = {
+        "settings": self.settings,
+        **curves,
+        "metrics": {k: float(metrics[k]) for k in ("loss_scale", "skipped_steps")},
+    }
+    self.manager.save(n, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
+
+  def close(self) -> None:
+    self.manager.close()  # waits for a save in flight
+
+
+def _host_curve(prior: list[float], values: list[Any]) -> list[float]:
+  if not values:
+    return list(prior)
+  return list(prior) + np.asarray(jax.device_get(jnp.stack(values)), np.float64).tolist()
+
+
+def _train(step, compiled, state, task, s, progress, name="?", checkpoints=None):
+  """Runs the steps; returns the state, the last metrics, curves and steps/s.
+
+  Every 10 steps, when the metrics are fetched for the progress bar, it
+  checks the consecutive skipped steps (:func:`_check_skipped`). With
+  ``checkpoints`` (a :class:`_Checkpoints`), it starts from the latest
+  complete checkpoint and saves periodically.
+  """
+  begin, prior = 0, {"loss": [], "loss_scale": []}
+  metrics = None
+  if checkpoints is not None:
+    state, begin, record = checkpoints.restore(state)
+    if record is not None:
+      prior = {k: record[k] for k in prior}
+      metrics = record["metrics"]
+      progress(begin, {"resumed": begin})
+  losses, scales, start = [], [], None
+  for i in range(begin, s.steps):
+    batch = step.shard_batch(_local_rows(task.train_batch(i), step))
     state, metrics = compiled(state, batch)
     losses.append(metrics["loss"])
     scales.append(metrics["loss_scale"])
-    if step.mode != "single" or i == 0:
+    if step.mode != "single" or i == begin:
       # Wait for each multi-device step before queueing the next: queued
       # collectives can starve on XLA:CPU.
       jax.block_until_ready(metrics)
-    if i == 0:
+    if i == begin:
       start = time.perf_counter()
+    if checkpoints is not None and checkpoints.due(i + 1):
+      curves = {"loss": _host_curve(prior["loss"], losses),
+                "loss_scale": _host_curve(prior["loss_scale"], scales)}
+      checkpoints.save(i + 1, state, curves, metrics)
     if (i + 1) % 10 == 0 or i + 1 == s.steps:
       progress(i + 1, {"loss": float(metrics["loss"])})
+      _check_skipped(metrics, s, name, i + 1)
   jax.block_until_ready(state)
-  elapsed = time.perf_counter() - start
-  steps_per_s = (s.steps - 1) / elapsed if s.steps > 1 and elapsed > 0 else float("nan")
-  curves = {
-      "loss": np.asarray(jax.device_get(jnp.stack(losses)), np.float64).tolist(),
-      "loss_scale": np.asarray(jax.device_get(jnp.stack(scales)), np.float64).tolist(),
-  }
+  ran = s.steps - begin
+  elapsed = time.perf_counter() - start if start is not None else 0.0
+  steps_per_s = (ran - 1) / elapsed if ran > 1 and elapsed > 0 else float("nan")
+  curves = {"loss": _host_curve(prior["loss"], losses),
+            "loss_scale": _host_curve(prior["loss_scale"], scales)}
   return state, metrics, curves, steps_per_s
 
 
@@ -160,7 +271,13 @@ def run_config(
   compile_s = time.perf_counter() - t0
   wire = jmp_train.diagnostics.collective_bytes(compiled, wire=True)["total"] if cfg.devices > 1 else 0
   state_bytes = _tree_bytes(step.unreplicate((state.params, state.opt_state)))
-  state, metrics, curves, steps_per_s = _train(step, compiled, state, task, s, progress)
+  checkpoints = _Checkpoints(cfg.name, s) if s.checkpoint_dir else None
+  try:
+    state, metrics, curves, steps_per_s = _train(
+        step, compiled, state, task, s, progress, cfg.name, checkpoints)
+  finally:
+    if checkpoints is not None:
+      checkpoints.close()
   evals = _evaluate(step, state, task)
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), step.unreplicate(state.params))
   probed = jax.device_get(probe(params, task.eval_sets["val"][0]))

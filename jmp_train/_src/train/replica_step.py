@@ -252,14 +252,18 @@ def _update(cfg: StepConfig, state: TrainState, grads, model_state):
   updates, opt_state = cfg.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   if cfg.ls_api is None:
-    return params, opt_state, model_state, None, jnp.zeros((), jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    return params, opt_state, model_state, None, zero, zero
   ls_metrics = cfg.ls_api.loss_scale_metrics(opt_state)
   finite = jnp.asarray(ls_metrics["last_finite"], jnp.bool_)
   model_state = jax.tree.map(
       lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
   )
   skipped = jnp.asarray(ls_metrics["total_notfinite"], jnp.int32)
-  return params, opt_state, model_state, ls_metrics["loss_scale"], skipped
+  # Skipped in a row: a run stuck at the scale's floor (a model that makes
+  # NaN by itself) shows here while ``skipped`` only grows.
+  consecutive = jnp.asarray(ls_metrics["notfinite_count"], jnp.int32)
+  return params, opt_state, model_state, ls_metrics["loss_scale"], skipped, consecutive
 
 
 def _mean(cfg: StepConfig, x):
@@ -276,7 +280,8 @@ def train_step(cfg: StepConfig, state: TrainState, batch):
   inputs, targets = _split_batch(batch)
   loss, aux, model_state, grads, scale = _gradients(cfg, state, inputs, targets)
   grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / scale
-  params, opt_state, model_state, new_scale, skipped = _update(cfg, state, grads, model_state)
+  params, opt_state, model_state, new_scale, skipped, consecutive = _update(
+      cfg, state, grads, model_state)
   new_state = state.replace(
       step=optax.safe_increment(state.step),
       params=params,
@@ -287,6 +292,7 @@ def train_step(cfg: StepConfig, state: TrainState, batch):
       "loss": loss,
       "loss_scale": scale if new_scale is None else new_scale,
       "skipped_steps": skipped,
+      "consecutive_skipped_steps": consecutive,
       "grad_norm": grad_norm,
       **aux,
   }

@@ -156,8 +156,9 @@ def make_train_step(
     with float32 ``loss``, ``loss_scale`` (after this step's adjustment: the
     scale of the next step; 1 without loss scaling), ``grad_norm`` (of the unscaled
     gradients that reach the optimizer; with compression, the replica mean
-    of local norms), ``int32`` ``skipped_steps`` (total), and the aux
-    metrics, each a scalar array averaged over replicas (no host sync).
+    of local norms), ``int32`` ``skipped_steps`` (total) and
+    ``consecutive_skipped_steps`` (in a row; 0 after a finite step), and
+    the aux metrics, each a scalar array averaged over replicas (no host sync).
 
   Raises:
     TypeError: if ``apply_fn``, ``loss_fn`` or ``remat_policy`` is not
@@ -190,7 +191,7 @@ def make_train_step(
     >>> state = step.init(params)
     >>> state, metrics = step(state, (jnp.ones((2, 3)), jnp.zeros((2, 4))))
     >>> sorted(metrics)
-    ['grad_norm', 'loss', 'loss_scale', 'skipped_steps']
+    ['consecutive_skipped_steps', 'grad_norm', 'loss', 'loss_scale', 'skipped_steps']
 
   Warns:
     UserWarning: for float16 compute without a ``loss_scale`` (gradients

@@ -1,0 +1,94 @@
+"""A dead worker process ends a ``--num-processes`` run with a message naming it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import _processes
+from jmp_train.examples import demo
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_a_killed_worker_is_named_not_the_one_that_stopped_after_it(monkeypatch):
+  # Process 0 aborted (SIGABRT: jax.distributed found its peer gone);
+  # process 1 was killed from outside.
+  aborted = "F1127 client.h:80] Terminating process because ... Task 1 heartbeat timeout\n"
+  monkeypatch.setattr(demo, "run_processes",
+                      lambda commands, env: [(-signal.SIGABRT, aborted), (-signal.SIGKILL, "")])
+  with pytest.raises(demo.DemoError) as e:
+    demo._run_processes(  # pylint: disable=protected-access
+        demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
+  assert str(e.value) == (
+      "process 1 of 2 was lost (killed by SIGKILL); the others stopped without it")
+
+
+def test_a_worker_that_failed_on_its_own_is_reported_with_its_error(monkeypatch):
+  monkeypatch.setattr(demo, "run_processes", lambda commands, env: [
+      (0, ""), (-signal.SIGABRT, "F1127 x.cc:1] Check failed: bad\n")])
+  with pytest.raises(demo.DemoError, match=r"process 1 of 2 failed: F1127 x.cc:1\] Check failed"):
+    demo._run_processes(  # pylint: disable=protected-access
+        demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
+
+
+def _worker_pids(marker: str) -> dict[int, int]:
+  """``{process index: pid}`` of the demo's workers whose command line holds ``marker``."""
+  pids = {}
+  for entry in pathlib.Path("/proc").iterdir():
+    if not entry.name.isdigit():
+      continue
+    try:
+      argv = (entry / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+      continue
+    if b"--_process" in argv and marker.encode() in argv:
+      index = int(argv[argv.index(b"--_process") + 1].split(b",")[0])
+      pids[index] = int(entry.name)
+  return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers in /proc")
+def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  env = _processes.worker_env()
+  env["JAX_PLATFORMS"] = "cpu"
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "jmp_train", "--quick", "--task", "digits", "--no-progress",
+       "--no-plot", "--configs", "8dev-f32", "--num-processes", "2", "--steps", "100000",
+       "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--out", str(tmp_path / "out")],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  workers = {}
+  try:
+    # Training has begun once a checkpoint is written.
+    deadline = time.monotonic() + 240
+    while not any(p.name.isdigit() for p in ckpt.glob("8dev-f32/*")):
+      assert launcher.poll() is None, launcher.communicate()
+      assert time.monotonic() < deadline, "no checkpoint written"
+      time.sleep(0.5)
+    workers = _worker_pids(str(ckpt))
+    assert len(workers) == 2, workers
+    victim = workers[1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, err = launcher.communicate(timeout=90)
+    elapsed = time.monotonic() - killed_at
+  finally:
+    for pid in [*workers.values(), launcher.pid]:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    launcher.wait()
+  assert launcher.returncode == 1
+  assert elapsed < 60, elapsed
+  assert err.strip().splitlines()[-1] == (
+      "jmp-train: error: process 1 of 2 was lost (killed by SIGKILL); "
+      "the others stopped without it"), err[-2000:]
