@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train._src.policy.policy import Policy as Policy
   from jmp_train._src.policy.policy import cast_floating as cast_floating
   from jmp_train._src.policy.policy import get_policy as get_policy
-  from jmp_train._src.policy.policy import half_dtype as half_dtype
+  from jmp_train._src.dtypes import half_dtype as half_dtype
   from jmp_train._src.policy.remat import half_precision_saveable as half_precision_saveable
   from jmp_train._src.autocast.transform import autocast as autocast
   from jmp_train._src.autocast.lists import DEFAULT_FLOAT32_OPS as DEFAULT_FLOAT32_OPS
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train._src.loss_scaling.scales import DynamicLossScale as DynamicLossScale
   from jmp_train._src.loss_scaling.scales import NoOpLossScale as NoOpLossScale
   from jmp_train._src.loss_scaling.scales import StaticLossScale as StaticLossScale
-  from jmp_train._src.loss_scaling.scales import all_finite as all_finite
+  from jmp_train._src.leaf_checks import all_finite as all_finite
   from jmp_train._src.loss_scaling.wrapper import LossScaledState as LossScaledState
   from jmp_train._src.loss_scaling.lookup import get_loss_scale as get_loss_scale
   from jmp_train._src.loss_scaling.lookup import loss_scale_metrics as loss_scale_metrics
@@ -82,7 +82,7 @@ _EXPORTS = {
     "Policy": "policy.policy",
     "cast_floating": "policy.policy",
     "get_policy": "policy.policy",
-    "half_dtype": "policy.policy",
+    "half_dtype": "dtypes",
     "half_precision_saveable": "policy.remat",
     # autocast: a policy as a function transformation
     "autocast": "autocast.transform",
@@ -104,7 +104,7 @@ _EXPORTS = {
     "DynamicLossScale": "loss_scaling.scales",
     "NoOpLossScale": "loss_scaling.scales",
     "StaticLossScale": "loss_scaling.scales",
-    "all_finite": "loss_scaling.scales",
+    "all_finite": "leaf_checks",
     "LossScaledState": "loss_scaling.wrapper",
     "get_loss_scale": "loss_scaling.lookup",
     "loss_scale_metrics": "loss_scaling.lookup",

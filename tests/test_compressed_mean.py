@@ -96,19 +96,36 @@ def test_float8_matches_reference_and_conserves(fmt):
     np.testing.assert_allclose(u.reshape(-1), expected + e_new, rtol=1e-5, atol=1e-6)
 
 
+BYTES_K, BYTES_SHAPES = 8, {"w": (256, 64), "b": (64,)}
+
+
+@functools.lru_cache(maxsize=None)
+def float32_mean_wire_bytes(mode):
+  """Wire bytes of a float32 ``pmean`` of the gradients (compiled once per mode)."""
+  k, shapes = BYTES_K, BYTES_SHAPES
+  if mode == "pmap":
+    grads = {n: jnp.zeros((k,) + s) for n, s in shapes.items()}
+    base = jax.pmap(lambda g: jax.lax.pmean(g, AXIS), axis_name=AXIS).lower(grads).compile()
+  else:
+    mesh = jax.make_mesh((k,), (AXIS,))
+    grads = {n: jax.device_put(jnp.zeros((k * s[0],) + s[1:]), NamedSharding(mesh, P(AXIS)))
+             for n, s in shapes.items()}
+    mean = jax.shard_map(lambda g: jax.lax.pmean(g, AXIS), mesh=mesh, in_specs=P(AXIS), out_specs=P())
+    base = jax.jit(mean).lower(grads).compile()
+  return collective_bytes(base, wire=True)["total"]
+
+
 @pytest.mark.parametrize(
     "wire, ratio", [("bfloat16", 2), ("float8_e4m3", 4), ("float8_e5m2", 4)]
 )
 @pytest.mark.parametrize("mode", ["pmap", "shard_map"])
 def test_moves_the_promised_bytes(wire, ratio, mode):
-  k = 8
-  shapes = {"w": (256, 64), "b": (64,)}
+  k, shapes = BYTES_K, BYTES_SHAPES
   tx = compressed_mean(AXIS, wire=wire, num_replicas=k)
   if mode == "pmap":
     grads = {n: jnp.zeros((k,) + s) for n, s in shapes.items()}
     state = jax.pmap(tx.init, axis_name=AXIS)(grads)
     compiled = jax.pmap(tx.update, axis_name=AXIS).lower(grads, state).compile()
-    base = jax.pmap(lambda g: jax.lax.pmean(g, AXIS), axis_name=AXIS).lower(grads).compile()
   else:
     mesh = jax.make_mesh((k,), (AXIS,))
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
@@ -120,10 +137,8 @@ def test_moves_the_promised_bytes(wire, ratio, mode):
         tx.update, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs)
     )
     compiled = jax.jit(update).lower(grads, state).compile()
-    mean = jax.shard_map(lambda g: jax.lax.pmean(g, AXIS), mesh=mesh, in_specs=P(AXIS), out_specs=P())
-    base = jax.jit(mean).lower(grads).compile()
   got = collective_bytes(compiled, wire=True)
-  f32 = collective_bytes(base, wire=True)["total"]
+  f32 = float32_mean_wire_bytes(mode)
   assert got["all-reduce"] == 0
   # Wire elements only, in one unsigned message per phase (float8: with each
   # chunk's 4-byte scale appended).

@@ -68,6 +68,20 @@ def _adam_float32(lr, steps):
   return _train(optax.adam(lr), jnp.float32, steps)
 
 
+@functools.cache
+def _adam_8bit_plain(lr, steps, dtype):
+  """``_train(adam_8bit(lr, min_8bit_size=0), dtype, steps)``, once per worker and dtype."""
+  return _train(adam_8bit(lr, min_8bit_size=0), dtype, steps)
+
+
+@functools.cache
+def _sgd_run(lr, steps, nesterov, bits8):
+  """Momentum SGD (0.9) in float32 or with an 8-bit trace (stochastic rounding), once per worker."""
+  if bits8:
+    return _train(sgd_8bit(lr, 0.9, nesterov, min_8bit_size=0), jnp.float32, steps)
+  return _train(optax.sgd(lr, 0.9, nesterov), jnp.float32, steps)
+
+
 # ---------------------------------------------------------------------------
 # Dtype choice per moment.
 # ---------------------------------------------------------------------------
@@ -110,9 +124,10 @@ def test_bfloat16_nu_stalls_where_8bit_follows():
   results = {}
   for nu_dtype in ("bfloat16", "8bit", "float32"):
     tx = scale_by_narrow_adam(b1=0.0, nu_dtype=nu_dtype, min_8bit_size=0)
-    state = tx.init(g)
-    for _ in range(300):
-      _, state = jax.jit(tx.update)(g, state)
+    # 300 updates in one compiled scan (not 300 dispatches).
+    run = jax.jit(lambda s, tx=tx: jax.lax.scan(lambda s, _: (tx.update(g, s)[1], None), s,
+                                                None, length=300)[0])
+    state = run(tx.init(g))
     nu = state.nu["w"]
     v = qs.dequantize(nu, signed=False) ** 2 if isinstance(nu, qs.QuantizedArray) else nu
     results[nu_dtype] = float(jnp.mean(v.astype(jnp.float32))) / (1 - 0.999 ** 300)
@@ -142,8 +157,8 @@ def test_nearest_rounding_freezes_a_slow_trace():
   # Full-batch gradients shrink slowly: the trace's changes fall below half a
   # code interval, and rounding to nearest stops following them.
   lr, steps = 2e-3, 300
-  _, _, final32 = _train(optax.sgd(lr, 0.9), jnp.float32, steps)
-  _, _, stochastic = _train(sgd_8bit(lr, 0.9, min_8bit_size=0), jnp.float32, steps)
+  _, _, final32 = _sgd_run(lr, steps, False, False)
+  _, _, stochastic = _sgd_run(lr, steps, False, True)
   _, _, nearest = _train(sgd_8bit(lr, 0.9, min_8bit_size=0, rounding="nearest"), jnp.float32, steps)
   assert abs(stochastic / final32 - 1) < 0.01
   assert abs(nearest / final32 - 1) > 3 * abs(stochastic / final32 - 1)
@@ -161,15 +176,15 @@ def test_adam_8bit_with_half_weights(half, finisher):
   params, _, final = _train(optax.chain(adam_8bit(lr, min_8bit_size=0), finisher()), half, steps)
   assert params["w"].dtype == half
   assert abs(final / final32 - 1) < 0.05
-  _, _, plain = _train(adam_8bit(lr, min_8bit_size=0), half, steps)
+  _, _, plain = _adam_8bit_plain(lr, steps, half)
   assert abs(final / final32 - 1) < abs(plain / final32 - 1)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_8bit_tracks_momentum_sgd(nesterov):
   lr, steps = 2e-3, 300
-  p32, l32, final32 = _train(optax.sgd(lr, 0.9, nesterov), jnp.float32, steps)
-  p8, l8, final8 = _train(sgd_8bit(lr, 0.9, nesterov, min_8bit_size=0), jnp.float32, steps)
+  p32, l32, final32 = _sgd_run(lr, steps, nesterov, False)
+  p8, l8, final8 = _sgd_run(lr, steps, nesterov, True)
   assert final32 < 0.3 * l32[0]
   assert abs(final8 / final32 - 1) < 0.01
   assert float(jnp.linalg.norm(p8["w"] - p32["w"]) / jnp.linalg.norm(p32["w"])) < 0.02
@@ -264,13 +279,15 @@ def test_loss_scaled_skip_leaves_state_bit_for_bit():
 def test_checkpoint_resume_is_bit_exact(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   tx = optax.chain(adam_8bit(1e-3, block_size=128), jmp_train.stochastic_rounding(3))
-  update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+  @jax.jit
+  def update(g, s, p):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
 
   def run(state, start, stop):
     for step in range(start, stop):
-      updates, opt_state = update(_grads(step, jnp.bfloat16), state.opt_state, state.params)
-      state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                            opt_state=opt_state)
+      params, opt_state = update(_grads(step, jnp.bfloat16), state.opt_state, state.params)
+      state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return state
 
   params = _params(jnp.bfloat16)
@@ -325,13 +342,17 @@ def test_pmap_and_shard_map_keep_replicated_state_identical(num_devices):
   chex.assert_trees_all_equal_shapes_and_dtypes(s_sm, s_single)
 
 
-def test_after_sign_compression_under_pmap(num_devices):
+def test_after_sign_compression_under_pmap():
+  # Four replicas: the exchange's program grows with their number, and any
+  # replica count > 1 shows whether they agree.
+  num_devices = 4
   tx = optax.chain(jmp_train.sign_compression("batch"), adam_8bit(1e-2, min_8bit_size=0))
   params = _params()
   rng = np.random.default_rng(0)
   grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=(num_devices,) + p.shape), jnp.float32), params)
-  init = jax.pmap(tx.init, axis_name="batch")
-  update = jax.pmap(tx.update, axis_name="batch")
+  devices = jax.devices()[:num_devices]
+  init = jax.pmap(tx.init, axis_name="batch", devices=devices)
+  update = jax.pmap(tx.update, axis_name="batch", devices=devices)
   state = init(jax.tree.map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), params))
   for _ in range(2):
     updates, new_state = jax.block_until_ready(update(grads, state))

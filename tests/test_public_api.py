@@ -115,8 +115,15 @@ def test_a_type_checker_resolves_public_names_from_a_users_file(tmp_path):
       "reveal_type(jmp_train.loss_scaled)\n"
       "reveal_type(jmp_train.flax.apply_policy)\n"
       "reveal_type(jmp_train.diagnostics.precision_audit)\n")
+  # Our modules are read in full; the libraries under them are skipped (their
+  # types become Any): what is checked is that our own signatures resolve.
+  config = tmp_path / "mypy.ini"
+  config.write_text(
+      "[mypy]\nfollow_imports = silent\n"
+      "[mypy-jax.*,jaxlib.*,flax.*,optax.*,chex.*,numpy.*,orbax.*,ml_dtypes.*,scipy.*]\n"
+      "follow_imports = skip\n")
   done = subprocess.run(
-      [sys.executable, "-m", "mypy", "--follow-imports=silent", "--no-incremental",
+      [sys.executable, "-m", "mypy", "--config-file", str(config), "--no-incremental",
        "--cache-dir", str(tmp_path / "cache"), str(user)],
       cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
   revealed = [line for line in done.stdout.splitlines() if "Revealed type" in line]

@@ -149,11 +149,11 @@ def test_compiled_exchange_has_no_gather_scatter_or_sort(scale):
 def test_unpack_columns_inverts_packing_the_transpose(rows, cols, word):
   bits = np.random.default_rng(rows).random((rows, cols)) > 0.5
   packed = np.packbits(bits.T.reshape(-1), bitorder="little")
-  got = sign_bits.pack_columns(jnp.asarray(bits), word)
+  # Compiled (one program each, not one per operation), as the codec runs them.
+  got = jax.jit(sign_bits.pack_columns, static_argnums=1)(jnp.asarray(bits), word)
   np.testing.assert_array_equal(np.asarray(got), packed)
-  np.testing.assert_array_equal(
-      np.asarray(sign_bits.unpack_columns(jnp.asarray(packed), rows, cols, word)), bits
-  )
+  unpack = jax.jit(sign_bits.unpack_columns, static_argnums=(1, 2, 3))
+  np.testing.assert_array_equal(np.asarray(unpack(jnp.asarray(packed), rows, cols, word)), bits)
 
 
 @pytest.mark.parametrize("rows, cols", [(1, 5), (7, 3), (64, 24)])
@@ -210,7 +210,8 @@ def test_column_worker_pairs_are_the_column_means(rows):
   x = np.random.default_rng(rows).standard_normal((rows, 6)).astype(np.float32)
   x[:, 0] = np.abs(x[:, 0])
   layout = sign_layout.make_layout([x.shape], "column", 2)
-  _, pairs, _, _ = sign_codec.worker_step([jnp.asarray(x)], None, layout, "column", decode=False)
+  pairs = jax.jit(lambda x: sign_codec.worker_step([x], None, layout, "column", decode=False)[1])(
+      jnp.asarray(x))
   nonneg = x >= 0
   hi = np.where(nonneg, x, 0).sum(0) / np.maximum(nonneg.sum(0), 1)
   lo = np.where(nonneg, 0, x).sum(0) / np.maximum((~nonneg).sum(0), 1)
@@ -268,7 +269,8 @@ def test_decode_packed_runs_equal_decoding_the_unpacked_bits(start, count, lengt
   bits = rng.random(8 * (-(-n // 8))) > 0.5
   pairs = jnp.asarray(rng.standard_normal((count, 2)), jnp.float32)
   run = sign_layout.Run(start, count, length, 0)
-  got = sign_codec._decode_packed(jnp.asarray(np.packbits(bits, bitorder="little")), run, pairs)
+  got = jax.jit(lambda b, p: sign_codec._decode_packed(b, run, p))(
+      jnp.asarray(np.packbits(bits, bitorder="little")), pairs)
   rows = bits[start : start + count * length].reshape(count, length)
   want = np.where(rows, np.asarray(pairs)[:, :1], np.asarray(pairs)[:, 1:])
   np.testing.assert_array_equal(np.asarray(got), want)
@@ -284,9 +286,8 @@ def test_final_decode_takes_each_piece_pair_from_its_owner(scale, k):
   rng = np.random.default_rng(k)
   bits = rng.random((k, layout.chunk)) > 0.5
   pairs = rng.standard_normal((k, layout.max_local, 2)).astype(np.float32)
-  got = sign_codec.final_decode(
-      jnp.asarray(np.packbits(bits, axis=-1, bitorder="little")), jnp.asarray(pairs), layout,
-      [jnp.float32] * len(shapes))
+  got = jax.jit(lambda b, p: sign_codec.final_decode(b, p, layout, [jnp.float32] * len(shapes)))(
+      jnp.asarray(np.packbits(bits, axis=-1, bitorder="little")), jnp.asarray(pairs))
   flat = bits.reshape(-1)
   for i, leaf in enumerate(got):
     want = np.zeros(layout.sizes[i], np.float32)

@@ -22,7 +22,7 @@ from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
 
 
 @pytest.mark.parametrize(
-    "k, scale", [(2, "column"), (4, "column"), (8, "column"), (4, "l1"), (8, "l2")]
+    "k, scale", [(2, "column"), (4, "column"), (8, "column"), (4, "l1"), (4, "l2")]
 )
 def test_matches_numpy_reference_and_conserves(k, scale):
   init, update = pmapped(k, scale=scale)
@@ -165,7 +165,7 @@ def test_warmup_is_exact_pmean_then_compressed():
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_non_finite_gradient_keeps_residuals(bad):
   k = 4
-  init, update = pmapped(k)
+  init, update = pmapped(k, scale="column")  # the default, spelled as above: one compiled update
   state = init(replicated_zeros(k))
   _, state = update(make_grads(k, seed=40), state)
   grads = make_grads(k, seed=41)

@@ -35,9 +35,9 @@ NOTEBOOKS_DIR = DOCS / "_notebooks"
 # longest matching prefix, a name matching none to "Other".
 NAMESPACES = (
     ("jmp_train", "jmp_train", "``jmp_train``", (
-        ("Dtype policies", ("policy",)),
+        ("Dtype policies", ("policy", "dtypes")),
         ("Autocast", ("autocast",)),
-        ("Loss scaling", ("loss_scaling",)),
+        ("Loss scaling", ("loss_scaling", "leaf_checks")),
         ("Half-precision weights", (
             "low_precision.kahan_compensation",
             "low_precision.modified_momentum",

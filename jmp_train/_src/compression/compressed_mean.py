@@ -61,7 +61,7 @@ from jax import lax
 
 from jmp_train._src import buckets as buckets_lib
 from jmp_train._src.leaf_checks import check_leaves
-from jmp_train._src.loss_scaling.scales import all_finite
+from jmp_train._src.leaf_checks import all_finite
 from jmp_train._src.compression.replica_averaging import ReplicaCompressor
 from jmp_train._src.compression.sign_layout import axis_size
 from jmp_train._src.compression.wire_messages import append_floats, split_floats

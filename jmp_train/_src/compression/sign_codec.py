@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jmp_train._src.buckets import assemble
-from jmp_train._src.loss_scaling.scales import all_finite
+from jmp_train._src.leaf_checks import all_finite
 from jmp_train._src.compression.sign_bits import (
     SHIFTS, bit_lanes, pack, unpack, unpack_columns, wider_words, words_to_bytes,
 )

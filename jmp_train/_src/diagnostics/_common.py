@@ -20,8 +20,8 @@ from jax.extend import source_info_util
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train._src.policy import policy as policy_lib
-from jmp_train._src.policy.policy import is_floating_array
+from jmp_train._src import dtypes
+from jmp_train._src.dtypes import is_floating_array
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
@@ -40,7 +40,7 @@ def target_dtype(dtype: Any) -> np.dtype:
   """Parses the half type values are cast to; float16 or bfloat16 only."""
   valid = "float16 (f16, fp16) or bfloat16 (bf16), or 'half'"
   try:
-    parsed = policy_lib.parse_dtype(dtype)
+    parsed = dtypes.parse_dtype(dtype)
   except ValueError as e:
     raise ValueError(f"Bad target dtype {dtype!r}: {e} Valid targets: {valid}.") from None
   if parsed not in HALF_DTYPES:

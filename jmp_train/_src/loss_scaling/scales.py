@@ -20,7 +20,7 @@ dataclass fields themselves, so no field can be forgotten.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +33,13 @@ from jmp_train._src.loss_scaling.checks import as_flag
 from jmp_train._src.loss_scaling.checks import as_scale_array
 from jmp_train._src.loss_scaling.checks import dynamic_config
 from jmp_train._src.loss_scaling.checks import dynamic_scale
-from jmp_train._src.policy.policy import is_floating_array
+from jmp_train._src.dtypes import is_floating_array
 
 __all__ = [
     "LossScale",
     "NoOpLossScale",
     "StaticLossScale",
     "DynamicLossScale",
-    "all_finite",
 ]
 
 def _static(**kwargs: Any) -> Any:
@@ -345,44 +344,3 @@ class DynamicLossScale(LossScale):
     new_scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
     new_counter = jnp.where(finite & ~grow, next_count, jnp.zeros_like(counter))
     return self.replace(loss_scale=new_scale, counter=new_counter)
-
-
-def all_finite(
-    tree: Any, axis_name: str | Sequence[str] | None = None
-) -> jax.Array:
-  """Whether every floating-point leaf of ``tree`` is free of inf and NaN.
-
-  Computed as one ``sum(leaf * 0)`` per leaf: ``x * 0`` is ``0`` for finite
-  ``x`` and NaN for inf or NaN, so the sums are zero exactly when every
-  element is finite and can never overflow (large finite float16 values do
-  not add up to a false inf, as a plain ``sum(leaf)`` would). It is one
-  fused reduction per leaf; ``all(isfinite(leaf))`` is also correct, but
-  XLA:CPU writes out the boolean array before reducing it, an extra pass
-  over memory on the critical path of every train step. Python floats
-  count as float32; non-floating leaves (integers, ``float0``
-  gradients of integer inputs, ``None``) are ignored.
-
-  Args:
-    tree: a pytree of arrays, typically gradients.
-    axis_name: name (or names) of a mapped axis (``pmap``, ``shard_map``,
-      ``vmap``). When given, the answer is reduced with ``lax.pmin`` over the
-      axis, so every replica gets the same answer: all replicas skip if any
-      replica overflowed.
-
-  Returns:
-    A boolean scalar array.
-
-  Examples:
-    >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
-    False
-  """
-  leaves = [jnp.asarray(x, jnp.float32) if isinstance(x, float) else x
-            for x in jax.tree.leaves(tree)]
-  leaves = [x for x in leaves if is_floating_array(x)]
-  finite = jnp.array(True)
-  for leaf in leaves:
-    # Zeros in the leaf's own dtype: exact, whatever the dtype.
-    finite = finite & jnp.isfinite(jnp.sum(leaf * jnp.zeros((), leaf.dtype)))
-  if axis_name is not None:
-    finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-  return finite

@@ -16,9 +16,9 @@ import optax
 
 from jmp_train._src.loss_scaling.scales import LossScale
 from jmp_train._src.loss_scaling.scales import NoOpLossScale
-from jmp_train._src.loss_scaling.scales import all_finite
+from jmp_train._src.leaf_checks import all_finite
 from jmp_train._src.loss_scaling.scales import apply_scale
-from jmp_train._src.policy.policy import is_floating_array
+from jmp_train._src.dtypes import is_floating_array
 from jmp_train._src.varying_axes import pvary
 from jmp_train._src.varying_axes import varying_axes
 

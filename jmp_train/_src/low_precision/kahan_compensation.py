@@ -13,8 +13,8 @@ from jmp_train._src.low_precision.half_updates import check_params
 from jmp_train._src.low_precision.half_updates import check_structure
 from jmp_train._src.low_precision.half_updates import land
 from jmp_train._src.low_precision.half_updates import unzip_pairs
-from jmp_train._src.policy.policy import is_floating_array
-from jmp_train._src.policy.policy import parse_dtype
+from jmp_train._src.dtypes import is_floating_array
+from jmp_train._src.dtypes import parse_dtype
 
 __all__ = ["KahanCompensationState", "kahan_compensation"]
 

@@ -24,7 +24,7 @@ from jmp_train._src.low_precision.half_updates import unzip_pairs
 from jmp_train._src.hyperparams import check_bool
 from jmp_train._src.hyperparams import check_learning_rate
 from jmp_train._src.hyperparams import check_unit
-from jmp_train._src.policy.policy import is_floating_array
+from jmp_train._src.dtypes import is_floating_array
 
 __all__ = ["ModifiedMomentumState", "modified_momentum_sgd"]
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jmp_train._src.low_precision import quantized_state as qs
 from jmp_train._src.hyperparams import static_hint
-from jmp_train._src.policy.policy import parse_dtype
+from jmp_train._src.dtypes import parse_dtype
 
 __all__ = [
     "Moment",

@@ -12,7 +12,7 @@ import optax
 from jmp_train._src.low_precision.half_updates import check_params
 from jmp_train._src.low_precision.half_updates import check_structure
 from jmp_train._src.low_precision.half_updates import is_narrower_than_float32
-from jmp_train._src.policy.policy import is_floating_array
+from jmp_train._src.dtypes import is_floating_array
 from jmp_train._src.pytrees import fresh_arrays
 
 __all__ = ["StochasticRoundingState", "stochastic_rounding"]

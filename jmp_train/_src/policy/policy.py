@@ -13,35 +13,18 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jmp_train._src.dtypes import DTYPE_ALIASES as _DTYPE_ALIASES
+from jmp_train._src.dtypes import is_floating_array, parse_dtype
 from jmp_train._src.fp8.products import Fp8Recipe
 
 __all__ = [
     "Policy",
     "get_policy",
-    "half_dtype",
     "cast_floating",
-    "parse_dtype",
-    "is_floating_array",
 ]
 
-# Names accepted for floating dtypes. "half" resolves per backend at parse time.
-_DTYPE_ALIASES: dict[str, str] = {
-    "float16": "float16",
-    "f16": "float16",
-    "fp16": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float32": "float32",
-    "f32": "float32",
-    "fp32": "float32",
-    "full": "float32",
-    "float64": "float64",
-    "f64": "float64",
-    "fp64": "float64",
-}
 _KEY_ALIASES: dict[str, str] = {
     "params": "param",
     "param": "param",
@@ -65,86 +48,6 @@ _MATMUL_VALUES = {"fp8": "delayed", "fp8_delayed": "delayed", "fp8_current": "cu
 _FP8_KEYS = ("matmul", "fp8_history", "fp8_margin", "fp8_amax")
 _ACCEPTED_DTYPES = sorted(set(_DTYPE_ALIASES) | {"half"})
 _ACCEPTED_KEYS = sorted(set(_KEY_ALIASES) | set(_FP8_KEYS))
-
-
-def half_dtype() -> np.dtype:
-  """Returns the half-precision dtype suited to the default backend.
-
-  float16 on GPU (Tensor Cores run float16 and bfloat16 alike, and float16
-  keeps 3 more bits of mantissa); bfloat16 on TPU and CPU (TPUs' native half
-  type; CPUs emulate both, and bfloat16 needs no loss scaling).
-
-  Returns:
-    ``jnp.float16`` or ``jnp.bfloat16`` as a NumPy dtype.
-
-  Examples:
-    >>> import jmp_train
-    >>> jmp_train.half_dtype() in (jnp.float16, jnp.bfloat16)
-    True
-  """
-  if jax.default_backend() in ("gpu", "cuda", "rocm"):
-    return np.dtype(jnp.float16)
-  return np.dtype(jnp.bfloat16)
-
-
-def parse_dtype(value: Any) -> np.dtype:
-  """Parses a floating dtype from a name (``"bf16"``, ``"half"``) or a dtype.
-
-  Args:
-    value: a dtype name, alias, NumPy/JAX dtype or scalar type.
-
-  Returns:
-    The NumPy dtype.
-
-  Raises:
-    ValueError: if the name is unknown or the dtype is not floating point.
-  """
-  if isinstance(value, str):
-    name = value.strip().lower()
-    if name == "half":
-      return half_dtype()
-    if name not in _DTYPE_ALIASES:
-      try:
-        known = np.dtype(name)
-      except TypeError:
-        known = None
-      if known is not None and not jnp.issubdtype(known, jnp.floating):
-        raise ValueError(
-            f"{value!r} is not a floating dtype; a policy needs one of "
-            f"{', '.join(_ACCEPTED_DTYPES)}."
-        )
-      raise ValueError(
-          f"Unknown dtype {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}."
-      )
-    return np.dtype(getattr(jnp, _DTYPE_ALIASES[name]))
-  try:
-    dtype = np.dtype(value)
-  except TypeError as e:
-    raise ValueError(
-        f"Not a dtype: {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}."
-    ) from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(
-        f"{dtype.name!r} is not a floating dtype; a policy needs one of "
-        f"{', '.join(_ACCEPTED_DTYPES)}."
-    )
-  return dtype
-
-
-def is_floating_array(x: Any) -> bool:
-  """Whether ``x`` is a floating-point array (or tracer, or shape struct).
-
-  The one leaf predicate of the library: Python scalars have no dtype, and
-  typed PRNG keys have an extended dtype that is not floating, so both are
-  left alone wherever the library casts, scales or inspects leaves.
-  """
-  dtype = getattr(x, "dtype", None)
-  if dtype is None or not hasattr(x, "shape"):
-    return False
-  try:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:  # extended dtypes (typed PRNG keys)
-    return False
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:
