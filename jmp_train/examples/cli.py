@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any, Callable
 
 _NUM_DEVICES = 8
 # jax.distributed timeouts of the --num-processes workers, in seconds.
-_HEARTBEAT_S = 20
+_HEARTBEAT_S = 10
 _SHUTDOWN_S = 60
 _PROG = "jmp-train"
 
@@ -263,12 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 1
   try:
-    _setup_jax(args._process)  # pylint: disable=protected-access
-    from jmp_train.examples import demo  # pylint: disable=g-import-not-at-top
+    from jmp_train.examples import stopping  # pylint: disable=g-import-not-at-top
 
-    s = demo.DemoSettings(**settings)
-    # The flags worker processes inherit (the launcher sets the others).
-    rows = demo.run_demo(s, argv_base=_strip(argv), worker=args._process is not None)  # pylint: disable=protected-access
+    # A worker process leaves SIGTERM to jax.distributed's preemption
+    # service: the workers agree on a step, save it and stop together.
+    with stopping.sigterm_unwinds(args._process is None):  # pylint: disable=protected-access
+      _setup_jax(args._process)  # pylint: disable=protected-access
+      from jmp_train.examples import demo  # pylint: disable=g-import-not-at-top
+
+      s = demo.DemoSettings(**settings)
+      # The flags worker processes inherit (the launcher sets the others).
+      rows = demo.run_demo(s, argv_base=_strip(argv), worker=args._process is not None)  # pylint: disable=protected-access
     if args._process is None:  # pylint: disable=protected-access
       print(demo.format_table(rows))
       print(f"\nwritten: {os.path.join(s.out, 'results.json')}"
@@ -278,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 130
+  except _terminated():
+    print(f"{_PROG}: terminated (SIGTERM); run the same command again to resume "
+          "from the latest checkpoint" if settings["checkpoint_dir"] else
+          f"{_PROG}: terminated (SIGTERM)", file=sys.stderr)
+    return 128 + signal.SIGTERM
   except Exception as e:  # pylint: disable=broad-except
     # One line, never a traceback; JMP_TRAIN_DEBUG=1 shows it.
     if os.environ.get("JMP_TRAIN_DEBUG"):
@@ -287,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{message}", file=sys.stderr)
     return 1
   return 0
+
+
+def _terminated():
+  from jmp_train.examples.stopping import Terminated  # pylint: disable=g-import-not-at-top
+
+  return Terminated
 
 
 def _known():

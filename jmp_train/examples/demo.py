@@ -69,6 +69,7 @@ from jmp_train.examples.demo_tasks import gpt2_init
 from jmp_train.examples.demo_training import data_parallel_devices
 from jmp_train.examples.demo_training import run_configs
 from jmp_train.examples.processes import free_port, run_processes
+from jmp_train.examples.stopping import Terminated
 
 __all__ = [
     "CONFIGS", "COLUMNS", "DemoError", "DemoSettings", "RunConfig", "format_table", "run_demo",
@@ -140,6 +141,10 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
       raise DemoError(
           f"process {pid} of {s.num_processes} was lost ({_signal_name(-code)}); "
           "the others stopped without it")
+    if any(code == 128 + signal.SIGTERM for code, _ in results) and all(
+        code in (0, 128 + signal.SIGTERM) for code, _ in results):
+      # SIGTERM to a worker: all of them saved the same step and stopped.
+      raise Terminated()
     for pid, (code, log) in enumerate(results):
       if code != 0:
         raise DemoError(f"process {pid} of {s.num_processes} failed: {_failure_line(log)}")

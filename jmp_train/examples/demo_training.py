@@ -25,6 +25,9 @@ from jmp_train.examples.demo_tasks import TASKS
 from jmp_train.examples.demo_tasks import Task
 from jmp_train.examples.demo_tasks import init_params as init_task_params
 from jmp_train.examples.demo_tasks import loss_fn
+from jmp_train.examples.stopping import Terminated
+from jmp_train.examples.stopping import deferred
+from jmp_train.examples.stopping import preempted
 
 __all__ = ["data_parallel_devices", "run_config", "run_configs"]
 
@@ -164,8 +167,9 @@ class _Checkpoints:
     if latest is None:
       return state, 0, None
     ocp = self._ocp
-    restored = self.manager.restore(latest, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(state), record=ocp.args.JsonRestore()))
+    with deferred():
+      restored = self.manager.restore(latest, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(state), record=ocp.args.JsonRestore()))
     record = restored["record"]
     if record.get("settings") != self.settings:
       changed = sorted(k for k in self.settings
@@ -187,11 +191,13 @@ class _Checkpoints:
         **curves,
         "metrics": {k: float(metrics[k]) for k in ("loss_scale", "skipped_steps")},
     }
-    self.manager.save(n, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
+    with deferred():  # SIGTERM: after the save has started
+      self.manager.save(n, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
 
   def close(self) -> None:
-    self.manager.close()  # waits for a save in flight
+    with deferred():
+      self.manager.close()  # waits for a save in flight
 
 
 def _host_curve(prior: list[float], values: list[Any]) -> list[float]:
@@ -228,10 +234,14 @@ def _train(step, compiled, state, task, s, progress, name="?", checkpoints=None)
       jax.block_until_ready(metrics)
     if i == begin:
       start = time.perf_counter()
-    if checkpoints is not None and checkpoints.due(i + 1):
+    # SIGTERM to any worker process: all save this step and stop.
+    stop = preempted(i + 1)
+    if checkpoints is not None and (checkpoints.due(i + 1) or stop):
       curves = {"loss": _host_curve(prior["loss"], losses),
                 "loss_scale": _host_curve(prior["loss_scale"], scales)}
       checkpoints.save(i + 1, state, curves, metrics)
+    if stop:
+      raise Terminated()
     if (i + 1) % 10 == 0 or i + 1 == s.steps:
       progress(i + 1, {"loss": float(metrics["loss"])})
       _check_skipped(metrics, s, name, i + 1)

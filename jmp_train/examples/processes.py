@@ -13,6 +13,10 @@ from typing import Mapping, Sequence
 
 __all__ = ["free_port", "run_processes"]
 
+# Seconds a process has to finish after SIGTERM (a checkpoint save in flight)
+# before it is killed.
+_GRACE_S = 15
+
 
 def free_port() -> int:
   """A TCP port on 127.0.0.1 that is free now (the coordinator's port).
@@ -35,8 +39,9 @@ def run_processes(
   """Runs the commands side by side and waits for all of them.
 
   Each process's standard output and error are read together. A process
-  still running when waiting fails (``timeout`` passed, an interrupt) is
-  killed, so no worker outlives its job.
+  still running when waiting fails (``timeout`` passed, an interrupt,
+  SIGTERM) is sent SIGTERM, and killed if it has not ended 15 seconds
+  later, so no worker outlives its job.
 
   Args:
     commands: one argv per process, all started before any is waited for.
@@ -60,8 +65,13 @@ def run_processes(
     for p in procs:
       logs.append(p.communicate(timeout=timeout)[0])
   finally:
-    for p in procs:
-      if p.poll() is None:
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+      p.terminate()
+    for p in running:
+      try:
+        p.wait(timeout=_GRACE_S)
+      except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
   return [(p.returncode, log) for p, log in zip(procs, logs)]
