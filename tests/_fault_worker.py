@@ -2,7 +2,7 @@
 
 Run as ``python tests/_fault_worker.py PROCESS_ID NUM_PROCESSES PORT DIR
 [flags]``. The process joins a ``jax.distributed`` job on
-``127.0.0.1:PORT`` (2 CPU devices, gloo collectives, a heartbeat timeout
+``127.0.0.1:PORT`` (one CPU device, gloo collectives, a heartbeat timeout
 so that a dead peer ends the job) and trains a small MLP with
 :func:`jmp_train.make_train_step` in ``shard_map`` mode:
 :func:`jmp_train.one_bit_adam` (per-device worker and server residuals),
@@ -21,8 +21,8 @@ there is one, trains to ``--steps`` and saves every ``--every`` steps:
 Fault injection, for the test to kill the process at a known point:
 ``--stop-after N`` writes ``DIR/at<N>.<pid>`` after step ``N`` and waits
 there; ``--die-in-save N`` sends SIGKILL to this process right after it
-has started the (asynchronous) save of step ``N``. ``--dump`` writes every
-local shard of the final state to ``DIR/state<pid>.npz``;
+has started the (asynchronous) save of step ``N``. ``--dump`` writes this
+process's replica of every leaf of the final state to ``DIR/state<pid>.npz``;
 ``--compilation-cache DIR`` turns on JAX's persistent compilation cache.
 """
 
@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 
-STEPS, EVERY, WARMUP, DEVICES = 40, 10, 5, 2
+STEPS, EVERY, WARMUP, DEVICES = 40, 10, 5, 1
 HEARTBEAT_S = 10
 
 
@@ -55,7 +55,7 @@ def _args(argv):
   return p.parse_args(argv)
 
 
-def _batch(i, pid, n, per_process=8):
+def batch(i, pid, n, per_process=8):
   """Process ``pid``'s share of the global batch of step ``i``."""
   import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -65,7 +65,8 @@ def _batch(i, pid, n, per_process=8):
   return x[pid * per_process:(pid + 1) * per_process], y[pid * per_process:(pid + 1) * per_process]
 
 
-def _make_step():
+def make_step(mesh=None):
+  """The train step (over ``mesh``, else all devices of the job)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import jmp_train  # pylint: disable=g-import-not-at-top
 
@@ -76,18 +77,30 @@ def _make_step():
   return jmp_train.make_train_step(
       apply_fn, lambda out, y: jnp.mean((out - y) ** 2), None,
       compression=jmp_train.one_bit_adam(3e-2, axis_name="batch", warmup_steps=WARMUP),
-      policy="mixed_float16", mode="shard_map",
+      policy="mixed_float16", mode="shard_map", mesh=mesh,
       # Grows every 4 good steps from 2^14: float16 overflows on the way.
       loss_scale=jmp_train.DynamicLossScale(2.0**14, growth_interval=4))
 
 
-def _params():
+def params():
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(0)
   return {"w1": (rng.normal(size=(8, 16)) * 0.3).astype(np.float32),
           "b1": np.zeros(16, np.float32),
           "w2": (rng.normal(size=(16, 4)) * 0.3).astype(np.float32)}
+
+
+def local_replicas(state) -> dict:
+  """``{"<leaf path>@<replica>": array}`` for this process's replicas of every leaf."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    for shard in leaf.addressable_shards:  # leading axis: one entry per replica
+      out[f"{jax.tree_util.keystr(path)}@{shard.index[0].start or 0}"] = np.asarray(shard.data)
+  return out
 
 
 def _mark(path: pathlib.Path) -> None:
@@ -114,8 +127,8 @@ def main(argv) -> int:
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import jmp_train  # pylint: disable=g-import-not-at-top
 
-  step = _make_step()
-  state = step.init(_params())
+  step = make_step()
+  state = step.init(params())
   ckpt = a.dir / "ckpt"
   manager = None
   begin = 0
@@ -135,7 +148,7 @@ def main(argv) -> int:
   assert int(step.unreplicate(state.step)) == begin
 
   for i in range(begin, a.steps):
-    state, metrics = step(state, step.shard_batch(_batch(i, a.pid, a.n)))
+    state, metrics = step(state, step.shard_batch(batch(i, a.pid, a.n)))
     n = i + 1
     if manager is not None:
       manager.save(n, args=ocp.args.StandardSave(state))
@@ -154,11 +167,7 @@ def main(argv) -> int:
     manager.close()
   jax.block_until_ready(metrics)
   if a.dump:
-    shards = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-      for shard in leaf.addressable_shards:
-        shards[f"{jax.tree_util.keystr(path)}@{shard.device.id}"] = np.asarray(shard.data)
-    np.savez(a.dir / f"state{a.pid}.npz", **shards)
+    np.savez(a.dir / f"state{a.pid}.npz", **local_replicas(state))
     print(f"process {a.pid}: loss scale {float(metrics['loss_scale'])}, "
           f"skipped {int(metrics['skipped_steps'])}", flush=True)
   jax.distributed.shutdown()
