@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import jmp_train.diagnostics as diag
 from jmp_train.examples import models
 
 from _flax_policy_util import fill
@@ -56,8 +55,8 @@ def _dtypes_of(fn, *args, names=MATMULS):
   return {np.dtype(e.outvars[0].aval.dtype) for e in _eqns(jaxpr) if e.primitive.name in names}
 
 
-def _matmul_signature(fn, *args):
-  report = diag.tensor_core_report(fn, *args, backward=True)
+def _matmul_signature(report):
+  """The (phase, op, dtypes) counts of a ``diag.tensor_core_report``."""
   return collections.Counter(
       (e.phase, e.op, e.lhs_dtype.name, e.rhs_dtype.name, e.out_dtype.name) for e in report.entries
   )

@@ -52,8 +52,8 @@ def _assert_bitwise_equal(a, b):
   assert _bits(a) == _bits(b)
 
 
-def _run(mode, fn, *args):
-  """Runs ``fn(*args)`` eagerly, jitted, or pmapped over 8 replicas.
+def _run(mode, fn, *args, ndev=NDEV):
+  """Runs ``fn(*args)`` eagerly, jitted, or pmapped over ``ndev`` replicas.
 
   Under pmap every argument is replicated and the first replica's output is
   returned after checking that all replicas agree bit for bit.
@@ -62,9 +62,9 @@ def _run(mode, fn, *args):
     return fn(*args)
   if mode == "jit":
     return jax.jit(fn)(*args)
-  replicated = jax.tree.map(lambda x: np.stack([x] * NDEV), args)
-  out = jax.pmap(fn, axis_name="i")(*replicated)
+  replicated = jax.tree.map(lambda x: np.stack([x] * ndev), args)
+  out = jax.pmap(fn, axis_name="i", devices=jax.devices()[:ndev])(*replicated)
   first = jax.tree.map(lambda x: x[0], out)
-  for r in range(1, NDEV):
+  for r in range(1, ndev):
     _assert_bitwise_equal(jax.tree.map(lambda x: x[r], out), first)
   return first

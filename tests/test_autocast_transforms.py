@@ -40,14 +40,19 @@ def test_custom_jvp_activations(act):
     return jnp.sum(act(x @ w) @ w)
 
   cast = autocast(f, "mixed_float16")
-  value, grad = jax.jit(jax.value_and_grad(cast))(w, x)
-  v32, g32 = jax.value_and_grad(f)(w, x)
+
+  # One program each (eager op-by-op would compile every op): reverse mode
+  # and forward mode, autocast and float32 reference together.
+  @jax.jit
+  def run(w, x):
+    jvp = lambda fn: jax.jvp(lambda x: fn(w, x), (x,), (jnp.ones_like(x),))[1]
+    return (jax.value_and_grad(cast)(w, x), jax.value_and_grad(f)(w, x), jvp(cast), jvp(f))
+
+  (value, grad), (v32, g32), tangent, t32 = run(w, x)
   assert grad.dtype == F32
   assert abs(float(value - v32)) < 1e-2 * (1 + abs(float(v32)))
   assert _rel_err(grad, g32) < 1e-2
   # Forward-mode too: the rule is consistent with the primal's dtypes.
-  _, tangent = jax.jvp(lambda x: cast(w, x), (x,), (jnp.ones_like(x),))
-  _, t32 = jax.jvp(lambda x: f(w, x), (x,), (jnp.ones_like(x),))
   assert abs(float(tangent - t32)) < 2e-2 * (1 + abs(float(t32)))
 
 
@@ -61,7 +66,7 @@ def test_custom_vjp_rule_is_kept():
   def f(w, x):
     return jnp.sum(clip_grad(x @ w) * 3.0)
 
-  g = jax.grad(autocast(f, "mixed_bfloat16"), argnums=1)(jnp.eye(4), jnp.ones((2, 4)))
+  g = jax.jit(jax.grad(autocast(f, "mixed_bfloat16"), argnums=1))(jnp.eye(4), jnp.ones((2, 4)))
   # Without the rule the gradient would be 3; the clipped one is 0.5.
   np.testing.assert_allclose(g, 0.5)
   assert g.dtype == F32
@@ -104,8 +109,10 @@ def test_control_flow_and_nested_jit():
   assert _dtypes_of(cast, w, x) == {F16}
   assert _dtypes_of(cast, w, x, names=("exp",)) == {F32}
   # Forward mode (reverse mode does not go through while_loop).
-  v, t = jax.jvp(cast, (w, x), (jnp.ones_like(w), jnp.ones_like(x)))
-  v32, t32 = jax.jvp(f, (w, x), (jnp.ones_like(w), jnp.ones_like(x)))
+  jvp = jax.jit(lambda fn, w, x: jax.jvp(fn, (w, x), (jnp.ones_like(w), jnp.ones_like(x))),
+                static_argnums=0)
+  v, t = jvp(cast, w, x)
+  v32, t32 = jvp(f, w, x)
   assert abs(float(v - v32)) < 2e-2 * abs(float(v32))
   assert abs(float(t - t32)) < 2e-2 * abs(float(t32))
 
@@ -141,6 +148,12 @@ W = jax.random.normal(jax.random.key(0), (8, 8)) / 3
 X = jax.random.normal(jax.random.key(1), (16, 8))
 
 
+@functools.cache
+def _loss32():
+  """The float32 value and gradient of ``_loss`` at (W, X), compiled once."""
+  return jax.jit(jax.value_and_grad(_loss))(W, X)
+
+
 @pytest.mark.parametrize("order", ["jit_outside", "jit_inside", "vmap_outside", "vmap_inside",
                                    "checkpoint_outside", "checkpoint_inside"])
 def test_composes_with_transformations(order):
@@ -155,16 +168,20 @@ def test_composes_with_transformations(order):
       "checkpoint_inside": cast(jax.checkpoint(_loss, policy=saveable)),
   }
   fn = fns[order]
-  v, g = jax.value_and_grad(fn)(W, X)
-  v32, g32 = jax.value_and_grad(_loss)(W, X)
+  # Under an outer jit: one compile instead of one per eager op (the
+  # order of autocast and the transformation inside is unchanged).
+  v, g = jax.jit(jax.value_and_grad(fn))(W, X)
+  v32, g32 = _loss32()
   assert v.dtype == F32 and g.dtype == F32
   assert abs(float(v - v32)) < 2e-2 * abs(float(v32)) and _rel_err(g, g32) < 5e-2
   assert _dtypes_of(fn, W, X) == {BF16}
 
 
 @pytest.mark.parametrize("inside", [False, True], ids=["shard_map_outside", "shard_map_inside"])
-def test_composes_with_shard_map(inside, num_devices):
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+def test_composes_with_shard_map(inside):
+  # Two devices: the composition does not depend on how many (fewer
+  # replicas compile faster).
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
 
   def per_shard(w, x):
     return jax.lax.pmean(_loss(w, x), "batch")
@@ -174,17 +191,20 @@ def test_composes_with_shard_map(inside, num_devices):
       autocast(per_shard, "mixed_bfloat16"))
   v, g = jax.jit(jax.value_and_grad(fn))(W, X)
   jax.block_until_ready((v, g))
-  v32, g32 = jax.value_and_grad(_loss)(W, X)
+  v32, g32 = _loss32()
   assert abs(float(v - v32)) < 2e-2 * abs(float(v32)) and _rel_err(g, g32) < 5e-2
   assert _dtypes_of(jax.jit(fn), W, X) == {BF16}
 
 
-def test_composes_with_pmap(num_devices):
-  fn = jax.pmap(jax.grad(autocast(_loss, "mixed_float16")), in_axes=(None, 0))
-  g = fn(W, X.reshape(num_devices, -1, 8))
+def test_composes_with_pmap():
+  # Two replicas: the composition does not depend on how many.
+  replicas = 2
+  fn = jax.pmap(jax.grad(autocast(_loss, "mixed_float16")), in_axes=(None, 0),
+                devices=jax.devices()[:replicas])
+  g = fn(W, X.reshape(replicas, -1, 8))
   jax.block_until_ready(g)
-  assert g.dtype == F32 and g.shape == (num_devices, 8, 8)
-  g32 = jax.vmap(jax.grad(_loss), (None, 0))(W, X.reshape(num_devices, -1, 8))
+  assert g.dtype == F32 and g.shape == (replicas, 8, 8)
+  g32 = jax.jit(jax.vmap(jax.grad(_loss), (None, 0)))(W, X.reshape(replicas, -1, 8))
   assert _rel_err(g, g32) < 2e-2
 
 
@@ -210,6 +230,14 @@ def test_with_make_train_step_and_loss_scaling():
 # NNX and Equinox.
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _out_ref_and_grads(cast, apply, params, x, labels):
+  """``cast``'s output and loss gradients and ``apply``'s output, in one program."""
+  (_, out), grads = jax.value_and_grad(
+      lambda p: (lambda o: (_xent(o, labels), o))(cast(p, x)), has_aux=True)(params)
+  return out, apply(params, x), grads
+
+
 def test_nnx_model_through_split_and_merge():
   # The NNX twin of the linen Transformer of _flax_cases(), built abstractly
   # and given its (NumPy-filled) variables: no initializer runs.
@@ -222,12 +250,11 @@ def test_nnx_model_through_split_and_merge():
     return nnx.merge(graphdef, params)(tokens)
 
   cast = autocast(apply, "mixed_bfloat16")
-  out = jax.jit(cast)(params, TOKENS)
+  out, out32, grads = _out_ref_and_grads(cast, apply, params, TOKENS, TOKENS)
   assert out.dtype == F32
-  assert _rel_err(out, jax.jit(apply)(params, TOKENS)) < 8 * float(jnp.finfo(BF16).eps)
+  assert _rel_err(out, out32) < 8 * float(jnp.finfo(BF16).eps)
   assert _dtypes_of(cast, params, TOKENS) == {BF16}
   diag.precision_audit(cast, params, TOKENS, backward=True).assert_clean()
-  grads = jax.jit(jax.grad(lambda p: _xent(cast(p, TOKENS), TOKENS)))(params)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
 
@@ -240,11 +267,10 @@ def test_equinox_model():
     return jax.vmap(eqx.combine(params, static))(x)
 
   cast = autocast(apply, "mixed_float16")
-  out = jax.jit(cast)(params, X_IMG)
+  out, out32, grads = _out_ref_and_grads(cast, apply, params, X_IMG, jnp.arange(8))
   assert out.dtype == F32
-  assert _rel_err(out, jax.jit(apply)(params, X_IMG)) < 8 * float(jnp.finfo(F16).eps)
+  assert _rel_err(out, out32) < 8 * float(jnp.finfo(F16).eps)
   assert _dtypes_of(cast, params, X_IMG) == {F16}
-  grads = jax.jit(jax.grad(lambda p: _xent(cast(p, X_IMG), jnp.arange(8))))(params)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
 
@@ -352,15 +378,19 @@ def test_digits_training_parity():
     params = variables["params"]
     opt_state = tx.init(params)
 
-    @jax.jit
-    def step(params, opt_state):
-      loss, g = jax.value_and_grad(lambda p: _xent(apply({"params": p}, x), y))(params)
+    def step(_, carry):
+      params, opt_state = carry
+      g = jax.grad(lambda p: _xent(apply({"params": p}, x), y))(params)
       updates, opt_state = tx.update(g, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
+      return optax.apply_updates(params, updates), opt_state
 
-    for _ in range(150):
-      params, opt_state, loss = step(params, opt_state)
-    return float(_xent(model.apply({"params": params}, x), y))
+    # The 150 steps and the float32 evaluation in one program.
+    @jax.jit
+    def run(params, opt_state):
+      params, _ = jax.lax.fori_loop(0, 150, step, (params, opt_state))
+      return _xent(model.apply({"params": params}, x), y)
+
+    return float(run(params, opt_state))
 
   f32 = train(model.apply)
   margin = abs(train(jflax.apply_policy(model, "mixed_bfloat16").apply) - f32)

@@ -224,10 +224,11 @@ def test_execution_modes(mode, half):
   variables = fill(jax.eval_shape(model.init, jax.random.key(0), x))
   reference = _tiny_reference(variables, x)
   if mode == "pmap":
-    n = jax.device_count()
-    assert n == 8
+    # Two replicas: the dtypes do not depend on how many (fewer compile faster).
+    n = 2
     replicated = jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), variables)
-    out = jax.pmap(model.apply)(replicated, x.reshape(n, 1, 16)).reshape(8, 8)
+    out = jax.pmap(model.apply, devices=jax.devices()[:n])(
+        replicated, x.reshape(n, -1, 16)).reshape(8, 8)
   elif mode == "jit":
     out = jax.jit(model.apply)(variables, x)
   else:

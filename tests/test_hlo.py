@@ -114,10 +114,11 @@ def _tree():
 
 
 def _compiled_pmap(k, **kwargs):
+  # Compiled from shapes only: nothing is initialized or run.
   tx = sign_compression(AXIS, **kwargs)
-  params = jax.tree.map(lambda x: jnp.broadcast_to(x, (k,) + x.shape), _tree())
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct((k,) + x.shape, x.dtype), _tree())
   devices = jax.devices()[:k]
-  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
+  state = jax.eval_shape(jax.pmap(tx.init, axis_name=AXIS, devices=devices), params)
   update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
   return update.lower(params, state).compile()
 
@@ -169,10 +170,20 @@ def test_shard_map_program_wire_format():
   params = _tree()
   shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
   specs = sign_compression_specs(shapes, AXIS)
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-  grads = jax.device_put(
-      jax.tree.map(lambda x: jnp.zeros((k,) + x.shape), params), NamedSharding(mesh, P(AXIS))
-  )
+  # Compiled from shapes only: nothing is initialized or run.
+  def placed(spec, shapes):
+    sharding = NamedSharding(mesh, spec)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        shapes)
+
+  state = jax.tree.map(
+      placed, specs,
+      jax.eval_shape(jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)),
+                     params),
+      is_leaf=lambda x: isinstance(x, P))
+  grads = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((k,) + x.shape, x.dtype, sharding=NamedSharding(mesh, P(AXIS))),
+      params)
   step = jax.jit(
       jax.shard_map(
           lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),

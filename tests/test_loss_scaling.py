@@ -74,7 +74,9 @@ def test_update_rule(dtype, mode, skip_mode):
     _, (states, updates) = jax.lax.scan(body, state0, stacked)
     return state0, states, updates
 
-  state0, states, updates = _run(mode, script, params, grads_seq)
+  # Two replicas: the axis reduction and the replicas' agreement do not
+  # depend on their number (test_loss_scaling_distributed runs eight).
+  state0, states, updates = _run(mode, script, params, grads_seq, ndev=2)
   if mode != "nojit":  # unstack the scan's outputs
     unstack = lambda tree: [jax.tree.map(lambda x: x[t], tree)
                             for t in range(len(_SCRIPT))]
@@ -252,21 +254,24 @@ def test_finiteness_is_of_unscaled_grads(dtype, jit):
   scales = [2.0**-10, 0.5, 1.0, 3.0, 2.0**15]
   if not jit:  # Op by op every case costs seconds: the edges only.
     values, scales = [1.0, big / 2 * 1.0009765625, np.inf, np.nan], [0.5, 2.0**15]
+  steps = {}
   for scale in scales:
     ls = StaticLossScale(scale)
     tx = loss_scaled(optax.sgd(1.0), ls)
     update = jax.jit(tx.update) if jit else tx.update
+    steps[scale] = tx, update
     for v in values:
       for sign in [1.0, -1.0]:
         g = _np_grads(dtype, bad=np.array(sign * v, np.float32).astype(dtype))
         want = bool(jmp_train.all_finite(ls.unscale(g)))
         _, state = update(g, tx.init(_params(dtype)))
         assert bool(state.last_finite) == want, (scale, sign * v)
-  # The cases that differ from a test of the scaled gradients.
-  tx = loss_scaled(optax.sgd(1.0), StaticLossScale(0.5))
+  # The cases that differ from a test of the scaled gradients (S = 0.5,
+  # with the step compiled above).
+  tx, update = steps[0.5]
   for sign in [1.0, -1.0]:
     g = _np_grads(dtype, bad=np.array(sign * big, np.float32).astype(dtype))
-    updates, state = tx.update(g, tx.init(_params(dtype)))
+    updates, state = update(g, tx.init(_params(dtype)))
     assert not bool(state.last_finite)
     chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, g))
 

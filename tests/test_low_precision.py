@@ -195,18 +195,30 @@ def test_error_feedback_is_a_no_op_when_nothing_rounds():
 # ---------------------------------------------------------------------------
 
 
+_SR_UNBIASED = jmp_train.stochastic_rounding(seed=11)
+
+
+@jax.jit
+def _two_rounded_steps(params, u32):
+  """Two stochastic_rounding steps of u32 from params, and round to nearest."""
+  state = _SR_UNBIASED.init(params)
+  updates, new_state = _SR_UNBIASED.update(u32, state, params)
+  updates2, _ = _SR_UNBIASED.update(u32, new_state, params)
+  new = optax.apply_updates(params, updates)
+  nearest = (params.astype(F32) + u32).astype(params.dtype)
+  return updates, updates2, new, nearest, state.key, new_state.key
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("fraction", [0.3, -0.1, 0.5])
 def test_stochastic_rounding_is_unbiased(dtype, fraction):
+  # One compiled program per dtype, shared by the fractions.
   n = 1 << 15
-  params = jnp.ones(n, dtype)  # ulp above 1 is eps, below 1 is eps/2
+  params = np.ones(n, dtype)  # ulp above 1 is eps, below 1 is eps/2
   ulp = _eps(dtype) if fraction > 0 else _eps(dtype) / 2
-  u32 = jnp.full(n, fraction * ulp, F32)
-  opt = jmp_train.stochastic_rounding(seed=11)
-  state = opt.init(params)
-  updates, new_state = jax.jit(opt.update)(u32, state, params)
+  u32 = np.full(n, fraction * ulp, np.float32)
+  updates, updates2, new, nearest, key, new_key = _two_rounded_steps(params, u32)
   assert updates.dtype == F32
-  new = optax.apply_updates(params, updates)
   new32 = np.asarray(new.astype(F32))
   # Every draw is one of the two neighbours of 1 + u.
   lo, hi = (1.0, 1.0 + ulp) if fraction > 0 else (1.0 - ulp, 1.0)
@@ -217,11 +229,10 @@ def test_stochastic_rounding_is_unbiased(dtype, fraction):
   mean = float(np.mean(new32 - 1.0))
   assert abs(mean - fraction * ulp) < 5 * sigma, (mean, fraction * ulp, sigma)
   # Round to nearest is biased: every weight lands on the same value.
-  nearest = np.asarray((params.astype(F32) + u32).astype(dtype).astype(F32))
+  nearest = np.asarray(nearest.astype(F32))
   assert abs(float(np.mean(nearest - 1.0)) - fraction * ulp) > 5 * sigma
   # The key advances, so the next step draws differently.
-  assert not np.array_equal(np.asarray(new_state.key), np.asarray(state.key))
-  updates2, _ = jax.jit(opt.update)(u32, new_state, params)
+  assert not np.array_equal(np.asarray(new_key), np.asarray(key))
   assert not np.array_equal(np.asarray(updates2), np.asarray(updates))
 
 
@@ -242,36 +253,47 @@ def test_updates_land_bit_exactly(dtype):
     return ((t / 2 <= p) & (p <= 2 * t)) | ((t / 2 >= p) & (p >= 2 * t))
 
   kahan = jmp_train.kahan_compensation()
-  out, state = kahan.update(u, jmp_train.KahanCompensationState(comp0), params)
-  assert out.dtype == dtype and state.compensation.dtype == dtype
-  target = params.astype(F32) + (u.astype(F32) + comp0.astype(F32))
-  new = optax.apply_updates(params, out)
-  exact = representable(target)
+  sr = jmp_train.stochastic_rounding(seed=0)
+
+  # One compiled program for both updates and their references (op by op,
+  # every eager operation would compile on its own).
+  @jax.jit
+  def land(params, u, comp0):
+    out, state = kahan.update(u, jmp_train.KahanCompensationState(comp0), params)
+    target = params.astype(F32) + (u.astype(F32) + comp0.astype(F32))
+    new = optax.apply_updates(params, out)
+    left = (u.astype(F32) + comp0.astype(F32)) - (new.astype(F32) - params.astype(F32))
+    kahan_out = dict(out=out, compensation=state.compensation, new=new,
+                     target=target.astype(dtype), exact=representable(target),
+                     left=left.astype(dtype))
+    out, _ = sr.update(u, sr.init(params), params)
+    new = optax.apply_updates(params, out).astype(F32)
+    target = params.astype(F32) + u.astype(F32)
+    below = jnp.nextafter(target.astype(dtype), jnp.asarray(-jnp.inf, dtype)).astype(F32)
+    above = jnp.nextafter(target.astype(dtype), jnp.asarray(jnp.inf, dtype)).astype(F32)
+    nearest = target.astype(dtype).astype(F32)
+    sr_out = dict(new=new, target=target, below=below, above=above, nearest=nearest,
+                  representable=representable(target))
+    return kahan_out, sr_out
+
+  k, r = jax.tree.map(np.asarray, land(params, u, comp0))
+  assert k["out"].dtype == dtype and k["compensation"].dtype == dtype
+  exact = k["exact"]
   assert float(exact.mean()) > 0.97  # all but the few steps ~ the weight
   np.testing.assert_array_equal(
-      np.asarray(new[exact]).view(np.uint16),
-      np.asarray(target.astype(dtype)[exact]).view(np.uint16),
-  )
+      k["new"][exact].view(np.uint16), k["target"][exact].view(np.uint16))
   # The new buffer is exactly what was not applied.
-  left = (u.astype(F32) + comp0.astype(F32)) - (new.astype(F32) - params.astype(F32))
-  np.testing.assert_array_equal(
-      np.asarray(state.compensation), np.asarray(left.astype(dtype))
-  )
+  np.testing.assert_array_equal(k["compensation"], k["left"])
 
-  sr = jmp_train.stochastic_rounding(seed=0)
-  out, _ = sr.update(u, sr.init(params), params)
-  new = optax.apply_updates(params, out).astype(F32)
-  target = params.astype(F32) + u.astype(F32)
-  below = jnp.nextafter(target.astype(dtype), jnp.asarray(-jnp.inf, dtype)).astype(F32)
-  above = jnp.nextafter(target.astype(dtype), jnp.asarray(jnp.inf, dtype)).astype(F32)
-  nearest = target.astype(dtype).astype(F32)
+  new, target, below, above, nearest = (
+      r["new"], r["target"], r["below"], r["above"], r["nearest"])
   # new is a neighbour of the target in dtype: the nearest or the other one.
   ok = (new == nearest) | ((new == below) & (below < target)) | (
       (new == above) & (above > target)
   )
-  assert bool(ok[representable(target)].all())
+  assert bool(ok[r["representable"]].all())
   exact = nearest == target
-  np.testing.assert_array_equal(np.asarray(new[exact]), np.asarray(target[exact]))
+  np.testing.assert_array_equal(new[exact], target[exact])
 
 
 def test_kahan_resets_non_finite_compensation():

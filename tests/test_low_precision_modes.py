@@ -46,7 +46,7 @@ class TestDtypeStability(chex.TestCase):
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), params)
     opts = _three_methods()
 
-    @self.variant
+    @self.variant(n_devices=2)  # with_pmap: two replicas show the dtypes
     def two_steps(params, grads):
       out = {}
       for name, opt in opts.items():
@@ -150,7 +150,12 @@ def test_no_implicit_promotion(dtype):
       ),
       optax.chain(optax.sgd(0.1), jmp_train.kahan_compensation(jnp.float32)),
   ]
+
+  @jax.jit  # traced under strict promotion: one program for the five steps
+  def steps(params):
+    return [optax.apply_updates(params, opt.update(params, opt.init(params), params)[0])
+            for opt in opts]
+
   with jax.numpy_dtype_promotion("strict"):
-    for opt in opts:
-      u, state = opt.update(params, opt.init(params), params)
-      assert optax.apply_updates(params, u)["w"].dtype == dtype
+    for new in steps(params):
+      assert new["w"].dtype == dtype

@@ -1,5 +1,6 @@
 """Tests of blockwise 8-bit quantization (jmp_train._src.low_precision.quantized_state)."""
 
+import functools
 import math
 
 import jax
@@ -37,6 +38,13 @@ def _reference_quantize(x, block_size, table):
     smallest = np.flatnonzero(table > 0)[0]
     codes = np.where((normed > 0) & (table[codes] == 0), smallest, codes)
   return codes.ravel()[: flat.size].reshape(np.shape(x)), absmax
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "code", "signed"))
+def _round_trip(x, *, block_size=256, code="dynamic", signed=True):
+  """quantize then dequantize, compiled as one program (not op by op)."""
+  q = qs.quantize(x, block_size=block_size, code=code, signed=signed)
+  return q, qs.dequantize(q, block_size=block_size, code=code, signed=signed)
 
 
 def _sample(shape, signed, seed=0):
@@ -86,8 +94,8 @@ def test_quantize_matches_numpy_reference(code, signed, shape, block_size):
 def test_error_bound_per_block(code, signed):
   block_size = 128
   x = _sample((16, block_size), signed, seed=1)
-  q = qs.quantize(x, block_size=block_size, code=code, signed=signed)
-  back = np.asarray(qs.dequantize(q, block_size=block_size, code=code, signed=signed))
+  _, back = _round_trip(x, block_size=block_size, code=code, signed=signed)
+  back = np.asarray(back)
   table = qs.code_map(code, signed)
   half_gap = np.diff(table).max() / 2
   # The signed dynamic code's most negative entry is above -1; unsigned codes
@@ -109,7 +117,7 @@ def test_dynamic_code_keeps_small_values(signed):
   keep = np.abs(x) > 1e-4
   rel = {}
   for code in qs.CODES:
-    back = np.asarray(qs.dequantize(qs.quantize(x, code=code, signed=signed), code=code, signed=signed))
+    back = np.asarray(_round_trip(x, code=code, signed=signed)[1])
     rel[code] = np.median(np.abs(back - x)[keep] / np.abs(x)[keep])
   assert rel["dynamic"] < 0.1
   assert rel["dynamic"] < rel["linear"] / 5
@@ -120,7 +128,8 @@ def test_stochastic_rounding_is_unbiased_between_neighbours(code, signed):
   table = qs.code_map(code, signed)
   x = np.float32(_sample((256,), signed, seed=3))
   x = x / np.abs(x).max()  # one block, absmax 1: x is the normalized value
-  draws = jax.vmap(lambda k: qs.dequantize(qs.quantize(x, code=code, signed=signed, key=k), code=code, signed=signed))(
+  draws = jax.jit(jax.vmap(
+      lambda k: qs.dequantize(qs.quantize(x, code=code, signed=signed, key=k), code=code, signed=signed)))(
       jax.random.split(jax.random.key(0), 1000))
   draws = np.asarray(draws)
   # Every draw is one of the two entries around the value.
@@ -140,11 +149,11 @@ def test_stochastic_rounding_is_unbiased_between_neighbours(code, signed):
 def test_zeros_and_zero_blocks():
   x = jnp.zeros((300,)).at[280].set(2.0)
   for signed in (True, False):
-    q = qs.quantize(x, signed=signed)
-    back = qs.dequantize(q, signed=signed)
+    q, back = _round_trip(x, signed=signed)
     assert float(q.absmax[0]) == 0.0
     np.testing.assert_array_equal(back[:256], 0.0)
-  np.testing.assert_array_equal(qs.dequantize(qs.quantize(x)), x)
+  # The defaults (dynamic, signed, 256) round-trip it exactly.
+  np.testing.assert_array_equal(jax.jit(lambda x: qs.dequantize(qs.quantize(x)))(x), x)
 
 
 def test_quantized_array_is_a_pytree():
