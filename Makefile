@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install demo bench docs lint gpu-probe clean
+.PHONY: test install demo bench docs lint wheel-check gpu-probe clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,18 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 # The site, with every warning an error (a broken reference, a missing page).
 docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
+
+# What a user installs: the sdist and the wheel built from it, the wheel
+# (not editable) in a new virtual environment, and README.md's quick start
+# run there from a folder outside the repository, so that it imports the
+# installed package. Dependencies come from the package index.
+wheel-check: $(STAMP)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(PY) -m build -q --outdir "$$tmp/dist" . && \
+	ls "$$tmp/dist" && \
+	$(PYTHON) -m venv "$$tmp/venv" && \
+	"$$tmp/venv/bin/python" -m pip install -q "$$tmp"/dist/jmp_train-*.whl && \
+	cd "$$tmp" && "$$tmp/venv/bin/python" -I "$(CURDIR)/.ci/quickstart_check.py" "$(CURDIR)/README.md"
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)

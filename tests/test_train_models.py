@@ -163,4 +163,6 @@ def test_float16_compute_without_a_loss_scale_warns_once_at_construction():
     warnings.simplefilter("error")
     make(policy="mixed_float16", loss_scale=jmp_train.DynamicLossScale(2.0**15))
     make(policy="mixed_bfloat16")
+    # float16 weights with a plain optax.sgd warn on their own (tests/test_user_errors.py).
+    warnings.filterwarnings("ignore", "Half-precision parameters", UserWarning)
     make(policy="params=float16,compute=float32,output=float32")

@@ -218,3 +218,146 @@ def test_dropout_without_rngs_says_what_make_train_step_expects():
   step = jmp_train.make_train_step(module, _mse, optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"nnx\.Dropout\(0\.5, rngs=nnx\.Rngs\(dropout=0\)\)"):
     step(step.init(module), _BATCH)
+
+
+def _linear_apply(v, x, **_):
+  return x @ v["params"]["w"]
+
+
+def test_a_batch_not_laid_out_for_the_mode_names_shard_batch(monkeypatch):
+  x, y = np.ones((16, 3), np.float32), np.zeros((16, 2), np.float32)
+  step = jmp_train.make_train_step(_linear_apply, _mse, optax.sgd(0.1), mode="pmap")
+  state = step.init({"w": jnp.ones((3, 2))})
+  for call in (step, step.evaluate):
+    # Without step.shard_batch: JAX's "cannot select an axis to squeeze out".
+    with pytest.raises(ValueError) as info:
+      call(state, (x, y))
+    message = str(info.value)
+    assert "step.shard_batch(batch)" in message, message
+    assert "the leaf [0] has shape (16, 3)" in message and "(8, 2, 3)" in message, message
+  # The laid-out batch runs; the state it was given is donated.
+  new_state, _ = step(state, step.shard_batch((x, y)))
+  for call in (step, step.evaluate):
+    # JAX's "Array has been deleted", or a crash on CPU devices.
+    with pytest.raises(ValueError, match=r"donated to an earlier step.*donate=False"):
+      call(state, step.shard_batch((x, y)))
+  assert int(step.unreplicate(new_state.step)) == 1
+
+  step = jmp_train.make_train_step(_linear_apply, _mse, optax.sgd(0.1), mode="shard_map")
+  state = step.init({"w": jnp.ones((3, 2))})
+  with pytest.raises(ValueError, match=r"leaf \[0\] has shape \(12, 3\).*mesh's 8 devices.*"
+                                       r"step\.shard_batch\(batch\)"):
+    step(state, (x[:12], y[:12]))
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"host array \(ndarray\).*multi-process.*shard_batch"):
+    step.evaluate(state, (x, y))
+
+
+def test_a_state_used_again_after_a_donated_step_says_so():
+  step = _linear_step()
+  state = step.init({"w": jnp.ones((3, 2))})
+  new_state, _ = step(state, _BATCH)
+  for call in (step, step.evaluate):
+    # JAX's "Buffer has been deleted or donated" / "Array has been deleted".
+    with pytest.raises(ValueError) as info:
+      call(state, _BATCH)
+    message = str(info.value)
+    assert "donated to an earlier step" in message, message
+    assert "state, metrics = step(state, batch)" in message and "donate=False" in message
+  # A state with only some leaves donated (a fresh step counter) too.
+  with pytest.raises(ValueError, match="donated to an earlier step"):
+    step(state.replace(step=jnp.zeros((), jnp.int32)), _BATCH)
+  step(new_state, _BATCH)  # the returned state trains on
+
+
+def test_an_apply_policy_model_has_flax_dtype_attributes():
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  dense = nn.Dense(4)
+  model = jmp_train.flax.apply_policy(dense, "mixed_bfloat16")
+  # Flax's examples read model.dtype (e.g. to pick a loss scale).
+  assert model.dtype == jnp.bfloat16 and model.param_dtype == jnp.float32
+  half = jmp_train.flax.apply_policy(dense, "float16")
+  assert half.dtype == jnp.float16 and half.param_dtype == jnp.float16
+  with pytest.raises(AttributeError):
+    model.dtype = jnp.float32  # read-only: the policy decides
+  # Not fields: the variables are still exactly the wrapped module's.
+  x = jnp.ones((2, 3))
+  shapes = lambda m: jax.tree.map(lambda v: (v.shape, v.dtype),
+                                  jax.eval_shape(m.init, jax.random.PRNGKey(0), x))
+  assert shapes(model) == shapes(dense)
+  assert model.clone().dtype == jnp.bfloat16
+  out = model.apply(dense.init(jax.random.PRNGKey(0), x), x)
+  assert out.shape == (2, 4) and out.dtype == jnp.float32
+
+
+def test_half_weights_with_a_plain_optimizer_warn_at_construction():
+  import warnings  # pylint: disable=g-import-not-at-top
+
+  make = lambda optimizer, policy="bfloat16", **kwargs: jmp_train.make_train_step(
+      _linear_apply, _mse, optimizer, policy=policy, **kwargs)
+  for optimizer, policy, part in [
+      (optax.sgd(0.1), "bfloat16", "(bfloat16, policy"),
+      (optax.adam(1e-3), "params=float16,compute=float32,output=float32", "scale_by_adam"),
+      (jmp_train.adam_8bit(1e-3), "bfloat16", "|w|*2**-8"),  # narrow state, not a rule
+  ]:
+    with pytest.warns(UserWarning, match="^Half-precision parameters") as record:
+      make(optimizer, policy)
+    message = str(record[0].message)
+    assert record[0].filename == __file__, record[0].filename  # the user's call
+    assert part in message, message
+    for fix in ("jmp_train.stochastic_rounding(seed=0)", "jmp_train.kahan_compensation()",
+                "jmp_train.modified_momentum_sgd(", "policy='mixed_float16'"):
+      assert fix in message, message
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    make(optax.sgd(0.1), "mixed_bfloat16")  # float32 master weights
+    make(jmp_train.modified_momentum_sgd(0.1), "params=float16,compute=float32,output=float32")
+    make(optax.chain(optax.adam(1e-3), jmp_train.stochastic_rounding(seed=0)))
+    make(optax.inject_hyperparams(jmp_train.modified_momentum_sgd)(learning_rate=0.1))
+    make(optax.MultiSteps(optax.chain(optax.sgd(0.1), jmp_train.kahan_compensation()),
+                          2).gradient_transformation())
+
+
+def test_a_mismatched_restore_of_a_checkpoint_manager_step_names_the_leaf_quietly(
+    tmp_path, capfd, caplog, monkeypatch):
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  ocp = pytest.importorskip("orbax.checkpoint")
+
+  caplog.set_level(logging.INFO)
+  unraisables = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisables.append)
+
+  def make(width, optimizer):
+    model = nn.Dense(width)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 3)))["params"]
+    params = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), params)
+    return jmp_train.make_train_step(model.apply, _mse, optimizer).init(params)
+
+  state = make(4, optax.adam(1e-3))
+  # The guide's recipe: periodic saves with orbax's CheckpointManager.
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(0, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+  capfd.readouterr()
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    step_folder = manager.directory / str(manager.latest_step())
+    # manager.restore(...) with these templates: orbax's error and about a
+    # dozen "Event loop is closed" tracebacks. Through restore_checkpoint:
+    for like, problem in [
+        (make(8, optax.adam(1e-3)),
+         "the leaf .params['bias'] has shape (4,) in the checkpoint but (8,) in the template"),
+        (make(4, optax.sgd(0.1)),
+         "the checkpoint's leaf ['opt_state'][0]['count'] (shape (), int32) is not in"),
+    ]:
+      with pytest.raises(ValueError) as info:
+        jmp_train.restore_checkpoint(step_folder, like)
+      message = str(info.value)
+      assert message.startswith(f"Cannot restore {tmp_path / 'run' / '0' / 'default'} "), message
+      assert problem in message and "step.init(params)" in message, message
+    _assert_quiet(capfd, caplog, unraisables)
+    restored = jmp_train.restore_checkpoint(step_folder, make(4, optax.adam(1e-3)))
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  _assert_quiet(capfd, caplog, unraisables)  # no "Metadata file does not exist"
+  with pytest.raises(ValueError, match=r"steps of an orbax CheckpointManager \(0\).*/run/0'"):
+    jmp_train.restore_checkpoint(tmp_path / "run", state)

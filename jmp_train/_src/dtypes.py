@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DTYPE_ALIASES", "half_dtype", "is_floating_array", "parse_dtype"]
+__all__ = ["DTYPE_ALIASES", "half_dtype", "is_floating_array", "is_floating_dtype", "parse_dtype"]
 
 # Names accepted for floating dtypes. "half" resolves per backend at parse time.
 DTYPE_ALIASES: dict[str, str] = {
@@ -84,6 +84,9 @@ def parse_dtype(value: Any) -> np.dtype:
           f"Unknown dtype {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}."
       )
     return np.dtype(getattr(jnp, DTYPE_ALIASES[name]))
+  if value is None:  # np.dtype(None) is float64: never a silent choice
+    raise ValueError(
+        f"None is not a dtype; accepted names: {', '.join(_ACCEPTED_DTYPES)}.")
   try:
     dtype = np.dtype(value)
   except TypeError as e:
@@ -98,6 +101,20 @@ def parse_dtype(value: Any) -> np.dtype:
   return dtype
 
 
+def is_floating_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` is a floating-point dtype (``None`` and key dtypes are not).
+
+  The one dtype predicate of the library, behind :func:`is_floating_array`
+  and every jaxpr walker that asks of an abstract value's dtype.
+  """
+  if dtype is None:
+    return False
+  try:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+  except TypeError:  # extended dtypes (typed PRNG keys)
+    return False
+
+
 def is_floating_array(x: Any) -> bool:
   """Whether ``x`` is a floating-point array (or tracer, or shape struct).
 
@@ -105,10 +122,4 @@ def is_floating_array(x: Any) -> bool:
   typed PRNG keys have an extended dtype that is not floating, so both are
   left alone wherever the library casts, scales or inspects leaves.
   """
-  dtype = getattr(x, "dtype", None)
-  if dtype is None or not hasattr(x, "shape"):
-    return False
-  try:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:  # extended dtypes (typed PRNG keys)
-    return False
+  return hasattr(x, "shape") and is_floating_dtype(getattr(x, "dtype", None))

@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from jmp_train._src.dtypes import is_floating_dtype
 from jmp_train._src.policy import policy as policy_lib
 
 
@@ -35,13 +36,7 @@ _F32 = np.dtype(jnp.float32)
 _CONST, _PARAM, _HALF, _FLOAT32 = 0, 1, 2, 3
 
 
-def _is_float(dtype: Any) -> bool:
-  if dtype is None:
-    return False
-  try:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:  # extended dtypes (keys)
-    return False
+_is_float = is_floating_dtype
 
 
 def _dtype(x: Any) -> np.dtype | None:

@@ -323,9 +323,21 @@ def _is_graph_node(nnx: Any, x: Any) -> bool:
   return isinstance(x, nnx.Variable) or nnx.graph.is_node_module(x)
 
 
+def _check_values(out: Any) -> None:
+  """A TypeError naming the first output leaf that is not an array or number."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+    if not (_is_array(leaf) or isinstance(leaf, (bool, int, float, complex))):
+      where = jax.tree_util.keystr(path) or "the output"
+      raise TypeError(
+          f"autocast's function returned {type(leaf).__name__} {leaf!r:.60} at {where}: "
+          "autocast traces the function, so its outputs must be arrays or numbers. "
+          "Return the other values from outside the autocast function.")
+
+
 def _check_out(nnx: Any, out: Any) -> Any:
-  """``out``, or a TypeError if it holds an NNX module (it would come back a copy)."""
+  """``out``, or a TypeError if it holds a non-array or an NNX module (a copy)."""
   if nnx is None:
+    _check_values(out)
     return out
   is_module = lambda x: not isinstance(x, nnx.Variable) and nnx.graph.is_node_module(x)
   found = [type(x).__name__ for x in jax.tree.leaves(out, is_leaf=is_module) if is_module(x)]
@@ -335,6 +347,7 @@ def _check_out(nnx: Any, out: Any) -> Any:
         "back as detached copies. Return nnx.state(module) instead; the modules passed as "
         "arguments are updated in place."
     )
+  _check_values(out)
   return out
 
 

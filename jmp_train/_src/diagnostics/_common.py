@@ -193,11 +193,6 @@ def trace(fn: Callable, args: tuple, backward: bool) -> list[tuple[str, Any]]:
   cts = [o for o, f in zip(out_leaves, out_float) if f]
   phases.append(("backward", jax.make_jaxpr(pullback)(res_leaves, cts).jaxpr))
   return phases
-def is_float_dtype(dtype) -> bool:
-  try:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:
-    return False
 
 
 def prod(xs: Iterable[int]) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 
 from jmp_train._src import tables
 from jmp_train._src.diagnostics import _common
+from jmp_train._src.dtypes import is_floating_dtype
 
 __all__ = [
     "ISSUE_KINDS",
@@ -241,7 +242,7 @@ class _Audit:
   def visit(self, eqn, phase: str, repeats: int, where: str) -> None:
     """Counts one equation and records what is wrong with it, if anything."""
     floats = [np.dtype(v.aval.dtype) for v in eqn.invars
-              if hasattr(v.aval, "dtype") and _common.is_float_dtype(v.aval.dtype)]
+              if hasattr(v.aval, "dtype") and is_floating_dtype(v.aval.dtype)]
     name = eqn.primitive.name
     if not floats or (_common.has_subjaxpr(eqn) and name not in _SCATTER_SUMS):
       return  # Calls (jit, scan, ...) are counted through their bodies.

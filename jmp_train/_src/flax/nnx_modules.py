@@ -19,7 +19,7 @@ from jmp_train._src.flax import layers as flax_layers
 from jmp_train._src.fp8 import flax_layers as fp8_flax
 from jmp_train._src.policy import policy as policy_lib
 
-__all__ = ["Float32LookupEmbed", "NNXPolicyWrapper", "apply_policy_nnx"]
+__all__ = ["Float32LookupEmbed", "NNXPolicyWrapper", "apply_policy_nnx", "configured_copy"]
 
 
 class Float32LookupEmbed(nnx.Embed):
@@ -122,6 +122,22 @@ def apply_policy_nnx(
     cast_inputs: bool,
     recompute: str | None,
 ) -> NNXPolicyWrapper:
+  model = configured_copy(module, policy, float32_modules, float32_paths)
+  return NNXPolicyWrapper(model, policy, cast_inputs, recompute)
+
+
+def configured_copy(
+    module: nnx.Module,
+    policy: policy_lib.Policy,
+    float32_modules: tuple[type, ...] = flax_layers.DEFAULT_FLOAT32_MODULES,
+    float32_paths: tuple[str, ...] = (),
+) -> nnx.Module:
+  """A copy of ``module`` whose layers carry ``policy`` (no wrapper around it).
+
+  The copy has the same ``nnx.Param`` paths as ``module`` (cast to
+  ``param_dtype``); with an FP8 policy its products gain ``Fp8Meta``
+  variables.
+  """
   # NNX layers are created eagerly with their fields as plain attributes,
   # read at call time: a deep copy (`nnx.clone`, so the caller's module is
   # untouched) whose layers get new attributes and whose parameters are
@@ -147,7 +163,7 @@ def apply_policy_nnx(
         object.__setattr__(m, "__class__", Float32LookupEmbed)
   params = nnx.state(model, nnx.Param)
   nnx.update(model, jax.tree.map(functools.partial(_cast_param, policy), params))
-  return NNXPolicyWrapper(model, policy, cast_inputs, recompute)
+  return model
 
 
 def _cast_param(policy: policy_lib.Policy, x: Any) -> Any:

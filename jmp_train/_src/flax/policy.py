@@ -71,6 +71,11 @@ class LinenPolicyWrapper(nn.Module):
     cast_inputs: cast the floating inputs to the compute dtype on entry.
     recompute: ``"float32"`` (recompute float32 values and casts in the
       backward pass, keep the half-precision ones) or ``None``.
+    dtype: the policy's compute dtype (read-only), as a Flax layer's
+      ``dtype``: code that reads ``model.dtype``, as Flax's examples do,
+      sees the dtype the wrapped module computes in.
+    param_dtype: the policy's parameter dtype (read-only), as a Flax
+      layer's ``param_dtype``.
   """
 
   module: nn.Module
@@ -79,6 +84,16 @@ class LinenPolicyWrapper(nn.Module):
   float32_paths: tuple[str, ...] = ()
   cast_inputs: bool = True
   recompute: str | None = "float32"
+
+  # Properties, not fields: fields would change the module's signature
+  # (and its clones); the variables stay those of the wrapped module.
+  @property
+  def dtype(self) -> Any:
+    return self.policy.compute_dtype
+
+  @property
+  def param_dtype(self) -> Any:
+    return self.policy.param_dtype
 
   def setup(self):
     nn.share_scope(self, self.module)

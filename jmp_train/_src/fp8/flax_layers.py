@@ -37,6 +37,7 @@ __all__ = [
     "Fp8ConvGeneralDilated",
     "NNXFp8DotGeneral",
     "NNXFp8ConvGeneralDilated",
+    "initial_fp8_values",
     "linen_fp8_fields",
     "nnx_fp8_attributes",
 ]
@@ -54,6 +55,11 @@ def _to_meta(values: dict[str, jax.Array]) -> fp8_lib.Fp8DotMeta:
       fp8_lib.Fp8TensorMeta(values[f"{n}_scale"], values[f"{n}_amax_history"])
       for n in _NAMES
   ))
+
+
+def initial_fp8_values(recipe: fp8_lib.Fp8Recipe) -> dict[str, jax.Array]:
+  """Each FP8 scaling variable's initial value, by variable name."""
+  return _initial_values(recipe)
 
 
 def _initial_values(recipe: fp8_lib.Fp8Recipe) -> dict[str, jax.Array]:

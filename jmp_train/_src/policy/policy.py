@@ -87,7 +87,8 @@ class Policy:
   Attributes:
     param_dtype: dtype parameters are created and stored in.
     compute_dtype: dtype of the forward and backward computation.
-    output_dtype: dtype of the model's outputs.
+    output_dtype: dtype of the model's outputs; ``None`` keeps them in
+      ``compute_dtype``.
     fp8: ``None``, or the :class:`~jmp_train.Fp8Recipe` with which matmuls
       and convolutions run in FP8 (E4M3 operands, E5M2 gradients; the rest
       of the computation stays in ``compute_dtype``).
@@ -114,8 +115,14 @@ class Policy:
   fp8: Fp8Recipe | None = None
 
   def __post_init__(self):
+    if self.output_dtype is None:
+      object.__setattr__(self, "output_dtype", self.compute_dtype)
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
-      object.__setattr__(self, field, parse_dtype(getattr(self, field)))
+      value = getattr(self, field)
+      try:
+        object.__setattr__(self, field, parse_dtype(value))
+      except ValueError as e:
+        raise ValueError(f"Policy's {field}: {e}") from None
     if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
       raise TypeError(f"fp8 must be None or a jmp_train.Fp8Recipe, got {self.fp8!r}.")
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
+
+from jmp_train._src.dtypes import is_floating_dtype
 
 __all__ = ["half_precision_saveable", "policy_saveable"]
 
@@ -41,13 +42,8 @@ _ALWAYS_SAVED = frozenset({"dot_product_attention_fwd", "dot_product_attention_f
 
 def _is_half_floating(aval: Any) -> bool:
   dtype = getattr(aval, "dtype", None)
-  if dtype is None:
-    return False
-  try:
-    floating = bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:  # extended dtypes (PRNG keys): recompute
-    return False
-  return floating and np.dtype(dtype).itemsize <= 2
+  # Extended dtypes (PRNG keys) are not floating: recomputed.
+  return is_floating_dtype(dtype) and np.dtype(dtype).itemsize <= 2
 
 
 def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:

@@ -31,19 +31,19 @@ __all__ = ["as_model", "LinenModel", "NnxModel"]
 
 
 def _is_linen_module(x: Any) -> bool:
-  from flax import linen  # pylint: disable=g-import-not-at-top
+  from flax import linen
 
   return isinstance(x, linen.Module)
 
 
 def _is_nnx_module(x: Any) -> bool:
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
 
   return isinstance(x, nnx.Module)
 
 
 def _invalid_rng_error() -> type[Exception]:
-  from flax import errors  # pylint: disable=g-import-not-at-top
+  from flax import errors
 
   return errors.InvalidRngError
 
@@ -51,7 +51,10 @@ def _invalid_rng_error() -> type[Exception]:
 def _first_line(e: BaseException) -> str:
   """The first line of ``e``'s message, without Flax's link to its docs."""
   lines = str(e).strip().splitlines()
-  return re.sub(r"\s*\(https?://[^)]*\)", "", lines[0]) if lines else type(e).__name__
+  if not lines:
+    return type(e).__name__
+  # Without Flax's link, and without the scope of the step's own remat.
+  return re.sub(r"\s*\(https?://[^)]*\)", "", lines[0]).replace("/remat()", "")
 
 
 def _linen_rng_error(e: Exception, rng: Any, rng_collections: Sequence[str]) -> ValueError:
@@ -87,6 +90,44 @@ def _nnx_rng_error(e: Exception) -> ValueError | None:
   )
 
 
+def _collection_name(e: Exception) -> str | None:
+  match = re.search(r'collection "([^"]+)"', str(e))
+  return match.group(1) if match else None
+
+
+def _missing_collection_error(e: Exception, model_state: Any) -> ValueError:
+  """What make_train_step expects, for a linen ``ScopeCollectionNotFound`` ``e``."""
+  name = _collection_name(e) or "batch_stats"
+  if name == fp8_meta_collection():
+    return ValueError(
+        f"The model's FP8 products keep their scaling state in the {name!r} collection, "
+        f"which the state does not hold ({_first_line(e)}). Make it with "
+        "step.init(params, ..., inputs=example_inputs): the step traces the model once "
+        "on the example inputs (their shapes) to find its products.")
+  held = sorted(model_state) if isinstance(model_state, dict) else []
+  hint = ""
+  if held:
+    hint = (f" model_state holds {held}: it maps collection names to their variables, "
+            f"so pass model_state={{{name!r}: variables[{name!r}]}}, not the "
+            "collection's contents.")
+  return ValueError(
+      f"The model reads the {name!r} collection, which the state does not hold "
+      f"({_first_line(e)}). Pass it to step.init(params, model_state={{{name!r}: "
+      f"variables[{name!r}]}}) with variables = model.init(...).{hint}")
+
+
+def fp8_meta_collection() -> str:
+  from jmp_train._src.fp8 import flax_layers
+
+  return flax_layers.FP8_COLLECTION
+
+
+def _scope_errors() -> tuple[type[Exception], type[Exception]]:
+  from flax import errors
+
+  return errors.ScopeCollectionNotFound, errors.ModifyScopeVariableError
+
+
 @dataclasses.dataclass(frozen=True)
 class LinenModel:
   """A Flax linen-style ``apply_fn(variables, inputs, **kwargs)``."""
@@ -94,11 +135,70 @@ class LinenModel:
   apply_fn: Callable[..., Any]
   eval_apply_fn: Callable[..., Any] | None
   rng_collections: Sequence[str]
+  # "flax" or "autocast": the apply runs under the policy; "inputs": as given.
+  mechanism: str = "inputs"
+  # Trace the forward pass for products wider than the compute dtype.
+  audit: bool = False
+  # The same model under autocast, run where casts leave wide products.
+  fallback: "LinenModel | None" = None
 
-  def initial(self, params: Any, model_state: Any) -> tuple[Any, Any]:
+  # The policy of the "flax" mechanism (FP8 scaling state at init).
+  policy: Any = None
+
+  def initial(self, params: Any, model_state: Any, inputs: Any = None,
+              axis_name: str | None = None) -> tuple[Any, Any]:
+    """``(params, model_state)``, the latter with FP8 scaling state made if missing.
+
+    Raises:
+      TypeError: without ``params``.
+      ValueError: if an FP8 policy needs the ``"fp8_meta"`` collection and
+        neither ``model_state`` nor ``inputs`` gives it.
+    """
     if params is None:
       raise TypeError("init needs the parameters: step.init(params).")
-    return params, {} if model_state is None else dict(model_state)
+    model_state = {} if model_state is None else dict(model_state)
+    name = fp8_meta_collection()
+    if self.policy is not None and self.policy.fp8 is not None and name not in model_state:
+      if inputs is None:
+        if self.mechanism != "flax":  # a model of the user's: it may hold no FP8 products
+          return params, model_state
+        raise ValueError(
+            f"Under the FP8 policy {self.policy} each product of the model keeps its "
+            f"scaling state in the {name!r} collection, which model_state does not hold. "
+            "Pass example inputs (one batch's inputs, or arrays of their shapes) so the "
+            "step can make it: step.init(params, ..., inputs=example_inputs).")
+      fp8_meta = self._initial_fp8_meta(params, model_state, inputs, axis_name)
+      if fp8_meta:
+        model_state[name] = fp8_meta
+    return params, model_state
+
+  def _initial_fp8_meta(self, params: Any, model_state: Any, inputs: Any,
+                        axis_name: str | None) -> Any:
+    """The ``"fp8_meta"`` collection of the model on ``inputs``, at its initial values."""
+    from jmp_train._src.fp8 import flax_layers
+
+    name = fp8_meta_collection()
+    key = jax.random.key(0)
+    rngs = {c: key for c in self.rng_collections}
+    inputs = self.policy.cast_to_compute(inputs)
+    trace = lambda p, s, x: self.apply_fn({"params": p, **s}, x, rngs=rngs,
+                                          mutable=[*s, name])[1]
+    if axis_name is not None:  # the model's collectives (synchronized BatchNorm)
+      trace = jax.vmap(trace, in_axes=None, out_axes=None, axis_size=1, axis_name=axis_name)
+    try:
+      shapes = jax.eval_shape(trace, self.policy.cast_to_param(params), model_state, inputs)
+    except _scope_errors() as e:
+      raise _missing_collection_error(e, model_state) from None
+    values = flax_layers.initial_fp8_values(self.policy.fp8)
+
+    def initial(path, shape):
+      value = values[path[-1].key]
+      if value.shape == shape.shape:
+        return value
+      # A layer of another recipe (a model wrapped by hand): the same rule, its length.
+      return jnp.full(shape.shape, value.reshape(-1)[0] if value.size else 0, shape.dtype)
+
+    return jax.tree_util.tree_map_with_path(initial, shapes.get(name, {}))
 
   def train_apply(self, params, model_state, inputs, rng, replica):
     """Outputs and new model state in training mode.
@@ -123,6 +223,8 @@ class LinenModel:
       )
     except _invalid_rng_error() as e:
       raise _linen_rng_error(e, rng, self.rng_collections) from None
+    except _scope_errors()[0] as e:
+      raise _missing_collection_error(e, model_state) from None
     return outputs, dict(new_model_state)
 
   def eval_apply(self, params, model_state, inputs):
@@ -134,6 +236,16 @@ class LinenModel:
     """
     try:
       return (self.eval_apply_fn or self.apply_fn)({"params": params, **model_state}, inputs)
+    except _scope_errors()[0] as e:
+      raise _missing_collection_error(e, model_state) from None
+    except _scope_errors()[1] as e:
+      raise ValueError(
+          f"evaluate calls the model with nothing mutable, but it writes to the "
+          f"{_collection_name(e) or 'batch_stats'!r} collection in this mode "
+          f"({_first_line(e)}): a model in training mode (BatchNorm updating its "
+          "statistics). Pass make_train_step(..., eval_apply_fn=functools.partial("
+          "model.apply, train=False)), an apply in evaluation mode."
+      ) from None
     except _invalid_rng_error() as e:
       raise ValueError(
           f"evaluate calls the model without PRNG keys, but it needs one "
@@ -152,15 +264,19 @@ def _key_to_data(tree: Any) -> Any:
 
 def _data_to_key(tree: Any, replica: jax.Array | None) -> Any:
   """Typed keys back from key data, folded with the replica index if any."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
 
   def wrap(variable):
     if not isinstance(variable, nnx.RngKey):
       return variable
     key = jax.random.wrap_key_data(variable.get_value())
     if replica is not None:
-      # One dropout mask per replica, not the same mask everywhere.
-      key = jax.random.fold_in(key, replica)
+      # One dropout mask per replica, not the same mask everywhere. A stream
+      # of layers made under nnx.vmap (scan over layers) holds a key per layer.
+      fold = lambda k: jax.random.fold_in(k, replica)
+      for _ in range(key.ndim):
+        fold = jax.vmap(fold)
+      key = fold(key)
     return variable.replace(key)
 
   tree = jax.tree.map(wrap, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -176,19 +292,37 @@ class NnxModel:
   graphdef: Any
   params: Any
   rest: Any
+  # The policy the module's layers get ("flax"), or None (as given).
+  policy: Any = None
+  # "flax": the layers carry the policy; "autocast": the call runs under it.
+  mechanism: str = "inputs"
+  # The caller's graph definition, for to_module (None: ``graphdef``).
+  user_graphdef: Any = None
+  audit: bool = False
+  fallback: None = None
 
   @classmethod
-  def from_module(cls, module: Any) -> "NnxModel":
-    from flax import nnx  # pylint: disable=g-import-not-at-top
+  def from_module(cls, module: Any, policy: Any = None, mechanism: str = "inputs",
+                  audit: bool = False) -> "NnxModel":
+    from flax import nnx
+    from jmp_train._src.flax import nnx_modules
 
+    user_graphdef = None
+    if mechanism == "flax":
+      user_graphdef = nnx.graphdef(module)
+      module = nnx_modules.configured_copy(module, policy)
+      if policy.fp8 is not None:
+        user_graphdef = None  # FP8 scaling state: only the configured module holds it
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    return cls(graphdef, params, _key_to_data(rest))
+    return cls(graphdef, params, _key_to_data(rest), policy, mechanism, user_graphdef, audit)
 
-  def initial(self, params: Any, model_state: Any) -> tuple[Any, Any]:
+  def initial(self, params: Any, model_state: Any, inputs: Any = None,
+              axis_name: str | None = None) -> tuple[Any, Any]:
+    del inputs, axis_name  # An NNX module holds all of its state already.
     if params is None:
       return self.params, self.rest if model_state is None else model_state
     if _is_nnx_module(params):
-      other = NnxModel.from_module(params)
+      other = NnxModel.from_module(params, self.policy, self.mechanism)
       if jax.tree.structure(other.params) != jax.tree.structure(self.params):
         raise ValueError(
             "init got an nnx.Module whose parameters differ in structure from "
@@ -198,13 +332,35 @@ class NnxModel:
     return params, self.rest if model_state is None else model_state
 
   def _merge(self, params, model_state, replica):
-    from flax import nnx  # pylint: disable=g-import-not-at-top
+    from flax import nnx
 
     return nnx.merge(self.graphdef, params, _data_to_key(model_state, replica))
 
   def to_module(self, params, model_state):
-    """The module holding ``params`` and ``model_state`` (typed keys again)."""
-    return self._merge(params, model_state, None)
+    """The module holding ``params`` and ``model_state`` (typed keys again).
+
+    Of the caller's class and fields where the step configured a copy of it
+    for the policy (``model_policy="flax"``), unless FP8 scaling state makes
+    the configured module the only one that holds the state.
+    """
+    from flax import nnx
+
+    if self.user_graphdef is None:
+      return self._merge(params, model_state, None)
+    return nnx.merge(self.user_graphdef, params, _data_to_key(model_state, None))
+
+  def _call(self, model, inputs):
+    """``model(inputs)`` as the mechanism runs it."""
+    if self.mechanism == "flax":
+      from jmp_train._src.flax import nnx_modules
+
+      # The recompute of apply_policy's wrapper; inputs are cast by the step.
+      return nnx_modules.NNXPolicyWrapper(model, self.policy, cast_inputs=False)(inputs)
+    if self.mechanism == "autocast":
+      from jmp_train._src.train import model_policy
+
+      return model_policy.autocast_call(model, inputs, self.policy)
+    return model(inputs)
 
   def train_apply(self, params, model_state, inputs, rng, replica):
     """Outputs and new model state in training mode.
@@ -213,13 +369,13 @@ class NnxModel:
       ValueError: if an ``nnx.Dropout`` has no RNG stream, saying how to
         give it one.
     """
-    from flax import nnx  # pylint: disable=g-import-not-at-top
+    from flax import nnx
 
     del rng  # The module draws from its own nnx.Rngs streams.
     model = self._merge(params, model_state, replica)
     model.train()
     try:
-      outputs = model(inputs)
+      outputs = self._call(model, inputs)
     except (ValueError, TypeError) as e:
       error = _nnx_rng_error(e)
       if error is None:
@@ -237,13 +393,24 @@ class NnxModel:
   def eval_apply(self, params, model_state, inputs):
     model = self._merge(params, model_state, None)
     model.eval()
-    return model(inputs)
+    return self._call(model, inputs)
+
+
+def _linen_apply_fn(fn: Any, policy: Any, mechanism: str) -> Any:
+  """``fn`` with the policy applied by ``mechanism`` (``"flax"`` falls back to autocast)."""
+  from jmp_train._src.train import model_policy
+
+  if mechanism == "flax" and model_policy.linen_parts(fn) is None:
+    mechanism = "autocast"  # an evaluation function that is no linen apply
+  return model_policy.linen_apply(fn, policy, mechanism)
 
 
 def as_model(
     apply_fn: Any,
     eval_apply_fn: Any,
     rng_collections: Sequence[str],
+    policy: Any = None,
+    model_policy: str = "inputs",
 ) -> LinenModel | NnxModel:
   """The model interface for what was passed as ``apply_fn``.
 
@@ -252,26 +419,38 @@ def as_model(
       ``apply`` is used) or a ``flax.nnx.Module``.
     eval_apply_fn: the apply for evaluation, or ``None``.
     rng_collections: the ``rngs`` names a linen apply receives.
+    policy: the step's :class:`~jmp_train.Policy`, or None.
+    model_policy: how the policy reaches the model's products (see
+      ``train.model_policy``): ``"auto"``, ``"flax"``, ``"autocast"`` or
+      ``"inputs"``.
 
   Returns:
     A :class:`LinenModel` or :class:`NnxModel`.
 
   Raises:
-    TypeError: if ``apply_fn`` or ``eval_apply_fn`` is not callable, or an
-      ``eval_apply_fn`` is given with an NNX module.
+    TypeError: if ``apply_fn`` or ``eval_apply_fn`` is not callable, an
+      ``eval_apply_fn`` is given with an NNX module, or ``model_policy="flax"``
+      is given a function that is not a Flax module's apply.
 
   Examples:
     >>> import flax.linen as nn
     >>> as_model(nn.Dense(3), None, ("dropout",)).apply_fn.__name__
     'apply'
   """
+  from jmp_train._src.train import model_policy as mp
+
+  narrow = policy is not None and mp.is_narrow(policy)
+  mechanism = model_policy if narrow and not mp.applies_policy(apply_fn) else "inputs"
+  audit = mechanism != "inputs" or (narrow and model_policy == "auto"
+                                    and not mp.applies_policy(apply_fn))
   if _is_nnx_module(apply_fn):
     if eval_apply_fn is not None:
       raise TypeError(
           "eval_apply_fn is not used with an nnx.Module: evaluation calls "
           "module.eval() on a copy of the module."
       )
-    return NnxModel.from_module(apply_fn)
+    return NnxModel.from_module(apply_fn, policy, "flax" if mechanism == "auto" else mechanism,
+                                audit)
   if _is_linen_module(apply_fn):
     apply_fn = apply_fn.apply
   if _is_linen_module(eval_apply_fn):
@@ -286,4 +465,20 @@ def as_model(
         f"eval_apply_fn must be callable or None, got "
         f"{type(eval_apply_fn).__name__}: {eval_apply_fn!r}."
     )
-  return LinenModel(apply_fn, eval_apply_fn, tuple(rng_collections))
+  rng_collections = tuple(rng_collections)
+  fallback = None
+  if mechanism == "auto":
+    if mp.linen_parts(apply_fn) is not None:
+      mechanism = "flax"
+    else:
+      # Casts first; autocast where they leave products wide (audited).
+      mechanism = "inputs"
+      fallback = LinenModel(mp.linen_apply(apply_fn, policy, "autocast"),
+                            mp.linen_apply(eval_apply_fn, policy, "autocast"),
+                            rng_collections, "autocast", audit=True)
+  if mechanism != "inputs":
+    apply_fn = mp.linen_apply(apply_fn, policy, mechanism)
+    eval_apply_fn = (None if eval_apply_fn is None
+                     else _linen_apply_fn(eval_apply_fn, policy, mechanism))
+  return LinenModel(apply_fn, eval_apply_fn, rng_collections, mechanism, audit, fallback,
+                    policy)

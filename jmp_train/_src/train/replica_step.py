@@ -13,6 +13,8 @@ import collections.abc
 import dataclasses
 import functools
 import inspect
+import re
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -26,6 +28,7 @@ from jmp_train._src.fp8 import flax_layers as fp8_flax
 from jmp_train._src.leaf_checks import first_not_differentiable
 from jmp_train._src.messages import describe, error_summary
 from jmp_train._src.policy.policy import Policy
+from jmp_train._src.train import model_policy
 from jmp_train._src.train.state import TrainState
 
 __all__ = ["StepConfig", "eval_step", "train_step"]
@@ -46,6 +49,7 @@ class StepConfig:
   remat_policy: Callable[..., bool] | None
   bucket_bytes: int
   reduce_dtype: Any
+  regularizer: Callable[[Any], Any] | None = None
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
@@ -103,7 +107,9 @@ def _loss_signature_mismatch(loss_fn: Callable[..., Any], error: Exception,
     if first in _MODEL_PARAMETERS:
       return (f"The {shown} given takes {first!r} first (make_train_step runs the "
               "model itself, so a Flax-tutorial loss_fn(model, batch) or "
-              f"loss_fn(params, batch) does not fit) and raised {error_summary(error)}.")
+              f"loss_fn(params, batch) does not fit) and raised {error_summary(error)}. "
+              "A term of the parameters (an L2 penalty) goes in make_train_step(..., "
+              "regularizer=lambda params: ...).")
   if isinstance(error, TypeError) and "string indexing" in str(error):
     return (f"The {shown} given indexed an array with a string ({error_summary(error)}), "
             "as a Flax-tutorial loss_fn(model, batch) does with batch['label'].")
@@ -113,7 +119,8 @@ def _loss_signature_mismatch(loss_fn: Callable[..., Any], error: Exception,
 def _call_loss_fn(cfg: StepConfig, outputs, targets):
   try:
     return cfg.loss_fn(outputs, targets)
-  except (TypeError, IndexError, KeyError, AttributeError) as e:
+  # ValueError: a loss_fn(params, batch) unpacking `x, y = batch` from the targets.
+  except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
     why = _loss_signature_mismatch(cfg.loss_fn, e, outputs, targets)
     if why is None:
       raise
@@ -160,18 +167,94 @@ def _loss(cfg: StepConfig, outputs, targets):
   return loss, aux
 
 
+def _regularization(cfg: StepConfig, params):
+  """``regularizer(params)`` as a float32 scalar.
+
+  Raises:
+    ValueError: if it is not a scalar.
+  """
+  value = jnp.asarray(cfg.regularizer(params), jnp.float32)
+  if value.shape != ():
+    raise ValueError(
+        f"regularizer must return a scalar, got shape {value.shape}: reduce it "
+        "(e.g. with sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params))).")
+  return value
+
+
+def _unbound_axis(cfg: StepConfig, e: NameError) -> ValueError | None:
+  """What make_train_step expects, if ``e`` is JAX's unbound axis name in the model."""
+  match = re.search(r"unbound axis name:? (\S+)", str(e))
+  if match is None:
+    return None
+  name = match.group(1).strip("'\".,")
+  if cfg.axis_name is None:
+    fix = (f"build the step with mode='shard_map' (or 'pmap') and axis_name={name!r}, "
+           "or, to train on one device with mode='single', build the model without it "
+           "(BatchNorm(..., axis_name=None))")
+  else:
+    fix = (f"the step maps the axis {cfg.axis_name!r}: build it with "
+           f"make_train_step(..., axis_name={name!r}), or the model with "
+           f"axis_name={cfg.axis_name!r}")
+  return ValueError(
+      f"The model averages over an axis named {name!r} (a BatchNorm with "
+      f"axis_name={name!r}, as in Flax's ImageNet example, or a collective of its "
+      f"own), which the step does not map: {fix}.")
+
+
+def _in_collective(e: BaseException) -> bool:
+  """Whether ``e`` was raised inside JAX's collectives (``lax.psum`` and kin)."""
+  frames = traceback.extract_tb(e.__traceback__)
+  return any(f.filename.replace("\\", "/").endswith("lax/parallel.py") for f in frames)
+
+
+def _run_model(cfg: StepConfig, run: Callable[[], Any]) -> Any:
+  """``run()``, with JAX's errors for a model's unmapped axis made clear.
+
+  Raises:
+    ValueError: if a collective of the model names an axis the step does
+      not map (JAX's ``NameError`` outside a mapped step, an
+      ``AssertionError`` inside one).
+  """
+  try:
+    return run()
+  except NameError as e:
+    error = _unbound_axis(cfg, e)
+    if error is None:
+      raise
+    raise error from None
+  except AssertionError as e:
+    if cfg.axis_name is None or not _in_collective(e):
+      raise
+    raise ValueError(
+        f"A collective inside the model (a BatchNorm's axis_name, or a psum/pmean of "
+        f"its own) names an axis the step does not map: the step maps "
+        f"{cfg.axis_name!r}. Build the model with axis_name={cfg.axis_name!r}, or the "
+        f"step with the model's axis name, make_train_step(..., axis_name=...)."
+    ) from None
+
+
 def _forward(cfg: StepConfig, params, model_state, inputs, targets, rng, replica):
   """The loss of one replica's batch, its aux metrics and the new model state."""
+  stored = params
   if cfg.cast_params:
     params = cfg.policy.cast_to_compute(params)
-  outputs, new_model_state = cfg.model.train_apply(
-      params, model_state, cfg.policy.cast_to_compute(inputs), rng, replica
-  )
+  inputs = cfg.policy.cast_to_compute(inputs)
+
+  def run():
+    model = model_policy.audited(
+        cfg.model, cfg.policy,
+        lambda m: lambda p, s, x: m.train_apply(p, s, x, rng, replica),
+        (params, model_state, inputs), warn=True)
+    return model.train_apply(params, model_state, inputs, rng, replica)
+
+  outputs, new_model_state = _run_model(cfg, run)
   # Keep the model state's dtypes stable across steps.
   new_model_state = jax.tree.map(
       lambda new, old: jnp.asarray(new, old.dtype), new_model_state, model_state
   )
   loss, aux = _loss(cfg, outputs, targets)
+  if cfg.regularizer is not None:
+    loss = loss + _regularization(cfg, stored)
   return loss, (aux, new_model_state)
 
 
@@ -302,6 +385,15 @@ def train_step(cfg: StepConfig, state: TrainState, batch):
 def eval_step(cfg: StepConfig, state: TrainState, batch):
   inputs, targets = _split_batch(batch)
   params = cfg.policy.cast_to_compute(state.params) if cfg.cast_params else state.params
-  outputs = cfg.model.eval_apply(params, state.model_state, cfg.policy.cast_to_compute(inputs))
+  inputs = cfg.policy.cast_to_compute(inputs)
+
+  def run():
+    model = model_policy.audited(cfg.model, cfg.policy, lambda m: m.eval_apply,
+                                 (params, state.model_state, inputs), warn=False)
+    return model.eval_apply(params, state.model_state, inputs)
+
+  outputs = _run_model(cfg, run)
   loss, aux = _loss(cfg, outputs, targets)
+  if cfg.regularizer is not None:
+    loss = loss + _regularization(cfg, state.params)
   return jax.tree.map(functools.partial(_mean, cfg), {"loss": loss, **aux})

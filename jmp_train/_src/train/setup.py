@@ -7,8 +7,10 @@ optimizer chain wrapped in loss scaling.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from jmp_train._src.compression.replica_averaging import ReplicaCompressor, Repl
 
 __all__ = [
     "LossScalingFns", "check_arguments", "compose", "layout", "warn_float16_without_loss_scale",
+    "warn_half_weights_without_narrow_rule",
 ]
 
 MODES = ("single", "pmap", "shard_map")
@@ -82,6 +85,121 @@ def warn_float16_without_loss_scale(policy: Any, loss_scale: Any) -> None:
         "('mixed_bfloat16'), which needs no loss scale.",
         UserWarning, stacklevel=3,
     )
+
+
+# The modules of the narrow-weights rules: transformations that land each
+# update on a well-chosen half-precision weight instead of letting round to
+# nearest drop it (see the narrow-weights guide). The 8-bit optimizers only
+# store their moments narrowly: they are not among them.
+_NARROW_WEIGHT_RULE_MODULES = frozenset(
+    f"jmp_train._src.low_precision.{name}"
+    for name in ("stochastic_rounding", "kahan_compensation", "modified_momentum")
+)
+# Composition helpers, left out of an optimizer's description.
+_WRAPPERS = frozenset(("chain", "named_chain", "with_extra_args_support", "identity",
+                       "inject_hyperparams", "init_empty_state"))
+
+
+def _functions(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
+  """The Python functions a transformation is made of, through its closures.
+
+  A transformation's ``init`` and ``update`` are closures over its
+  hyperparameters and the transformations it wraps (``optax.chain``,
+  ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...): following the
+  closure cells, partials, bound methods of optax's and our classes, and
+  tuples, lists and dicts reaches the functions of every transformation
+  inside, built by factories such as :func:`jmp_train.stochastic_rounding`.
+  Arrays and other values are not entered.
+  """
+  if depth > 16 or id(obj) in seen:
+    return
+  seen.add(id(obj))
+  children: tuple[Any, ...] = ()
+  if isinstance(obj, functools.partial):
+    children = (obj.func, *obj.args, *obj.keywords.values())
+  elif inspect.ismethod(obj):
+    owner = type(obj.__self__).__module__.split(".")[0]
+    children = (obj.__func__,)
+    if owner in ("optax", "jmp_train"):
+      children += tuple(vars(obj.__self__).values()) if hasattr(obj.__self__, "__dict__") else ()
+  elif inspect.isfunction(obj):
+    yield obj
+    cells = []
+    for cell in obj.__closure__ or ():
+      try:
+        cells.append(cell.cell_contents)
+      except ValueError:  # an empty cell
+        pass
+    children = (*cells, getattr(obj, "__wrapped__", None))
+  elif isinstance(obj, (tuple, list)):
+    children = tuple(obj)
+  elif isinstance(obj, dict):
+    children = tuple(obj.values())
+  for child in children:
+    yield from _functions(child, seen, depth + 1)
+
+
+def _parts(*transformations: Any) -> list[Any]:
+  seen: set[int] = set()
+  return [f for tx in transformations if tx is not None
+          for f in _functions((getattr(tx, "init", None), getattr(tx, "update", None)), seen)]
+
+
+def has_narrow_weights_rule(*transformations: Any) -> bool:
+  """Whether one of the library's narrow-weights rules is among ``transformations``.
+
+  Recognised by the module of the functions the transformation is built
+  from (:func:`jmp_train.stochastic_rounding`,
+  :func:`jmp_train.kahan_compensation`,
+  :func:`jmp_train.modified_momentum_sgd`), wrapped or chained in any way
+  optax composes transformations.
+  """
+  return any(f.__module__ in _NARROW_WEIGHT_RULE_MODULES for f in _parts(*transformations))
+
+
+def _describe(tx: Any) -> str:
+  """The factories a transformation was built with, e.g. ``scale_by_adam, scale``."""
+  names = []
+  for f in _parts(tx):
+    # A closure made by a factory, or a factory itself (inject_hyperparams').
+    head = f.__qualname__.split(".<locals>")[0]
+    factory = head != f.__qualname__ or (
+        f.__module__.split(".")[0] in ("optax", "jmp_train") and not head.startswith("_"))
+    if factory and head not in _WRAPPERS and head not in names:
+      names.append(head)
+  return "built from " + (", ".join(names[:4]) or type(tx).__name__)
+
+
+def warn_half_weights_without_narrow_rule(policy: Any, optimizer: Any, compression: Any) -> None:
+  """A ``UserWarning`` when half-precision weights have no rule to keep small updates.
+
+  With ``policy.param_dtype`` float16 or bfloat16 (no float32 master
+  weights), round to nearest returns ``w`` unchanged for an update ``u``
+  with ``|u| < |w|·2^-11`` (float16; ``2^-8`` in bfloat16): a plain optax
+  optimizer then stops moving the weights where float32 ones go on. Silent
+  when ``optimizer`` or ``compression`` holds one of the library's
+  narrow-weights rules (:func:`has_narrow_weights_rule`). A rule of one's
+  own is not recognised: filter the warning
+  (``warnings.filterwarnings("ignore", "Half-precision parameters")``).
+  """
+  dtype = np.dtype(policy.param_dtype)
+  if dtype not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+    return
+  if has_narrow_weights_rule(optimizer, compression):
+    return
+  bits = 11 if dtype == np.dtype(jnp.float16) else 8
+  used = " and ".join(_describe(t) for t in (compression, optimizer) if t is not None)
+  warnings.warn(
+      f"Half-precision parameters ({dtype.name}, policy {policy}) with an optimizer that "
+      f"has no narrow-weights rule ({used}): updates smaller than about |w|*2**-{bits} "
+      f"round away in {dtype.name}, so the weights stop moving where float32 ones go on. "
+      "Chain a rule last, e.g. optax.chain(optimizer, jmp_train.stochastic_rounding(seed=0)) "
+      "or optax.chain(optimizer, jmp_train.kahan_compensation()), or use "
+      "jmp_train.modified_momentum_sgd(...) for float16 weights; or keep float32 "
+      "parameters with policy='mixed_float16' or 'mixed_bfloat16'. See the guide on "
+      "narrow weights and optimizer state.",
+      UserWarning, stacklevel=3,
+  )
 
 
 def _dtype_name(dtype: Any) -> str | None:

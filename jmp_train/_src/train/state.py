@@ -10,6 +10,7 @@ device, one copy per device (a leading device axis) for ``pmap`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -113,12 +114,94 @@ class TrainStep:
   _model: Any = None
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-    """Runs one step. ``batch`` is ``(inputs, targets)`` laid out by :meth:`shard_batch`."""
-    return self._step(state, batch)
+    """Runs one step. ``batch`` is ``(inputs, targets)`` laid out by :meth:`shard_batch`.
+
+    Raises:
+      ValueError: if ``state`` was donated to an earlier step (use the state
+        that step returned, or build the step with ``donate=False``), or if
+        ``batch`` is not laid out for the mode (``pmap``: a leading axis
+        of one entry per local device; ``shard_map``: a leading axis that
+        divides among the mesh's devices, and device arrays in a
+        multi-process run); each names :meth:`shard_batch`.
+    """
+    self._check_inputs(state, batch, "step")
+    try:
+      return self._step(state, batch)
+    except (ValueError, RuntimeError):
+      self._check_not_donated(state, "step", every_leaf=True)
+      raise
 
   def evaluate(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
-    """Loss (and the loss function's aux values) without an update."""
-    return self._eval(state, batch)
+    """Loss (and the loss function's aux values) without an update.
+
+    Raises:
+      ValueError: as for a step: a donated ``state``, or a ``batch`` not
+        laid out by :meth:`shard_batch`.
+    """
+    self._check_inputs(state, batch, "step.evaluate")
+    try:
+      return self._eval(state, batch)
+    except (ValueError, RuntimeError):
+      self._check_not_donated(state, "step.evaluate", every_leaf=True)
+      raise
+
+  def _check_inputs(self, state: Any, batch: Any, call: str) -> None:
+    """Host-side checks before the compiled call: no device sync, no tracing.
+
+    JAX's own errors here are a squeeze of the wrong axis (``pmap``), a
+    divisibility complaint about ``shard_map``'s arguments, or "Array has
+    been deleted" (and, under ``pmap`` on CPU devices, a crash).
+    """
+    # A donated state has every leaf deleted: in "single" mode its step
+    # counter tells, at no cost, and the other leaves are checked when the
+    # call fails. Over several (CPU) devices a single deleted leaf crashes
+    # the process, so those modes check every leaf first.
+    self._check_not_donated(state, call, every_leaf=self.mode != "single")
+    if self.mode == "single":
+      return
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+      problem = self._batch_layout_problem(jax.tree_util.keystr(path) or "batch", x)
+      if problem is not None:
+        raise ValueError(
+            f"{call}(state, batch) in mode {self.mode!r} got a batch that is not laid "
+            f"out for it: {problem}. Pass step.shard_batch(batch), which lays out this "
+            "process's examples for the mode."
+        )
+
+  @staticmethod
+  def _check_not_donated(state: Any, call: str, every_leaf: bool) -> None:
+    leaves = jax.tree.leaves(state) if every_leaf else [getattr(state, "step", None)]
+    if any([isinstance(x, jax.Array) and x.is_deleted() for x in leaves]):
+      raise ValueError(
+          f"The state passed to {call}(state, batch) was donated to an earlier step: "
+          "its buffers were reused for the state that step returned. Pass the returned "
+          "state (state, metrics = step(state, batch)), or build the step with "
+          "make_train_step(..., donate=False) to keep the input state alive."
+      ) from None
+
+  @functools.cached_property
+  def _local_devices(self) -> int:
+    return jax.local_device_count()
+
+  def _batch_layout_problem(self, name: str, x: Any) -> str | None:
+    shape = tuple(np.shape(x))
+    if self.mode == "pmap":
+      n = self._local_devices
+      if shape and shape[0] == n:
+        return None
+      expected = f"a leading axis of {n}, one slice per local device"
+      if shape and shape[0] % n == 0:
+        expected += f": {(n, shape[0] // n, *shape[1:])}"
+      return f"the leaf {name} has shape {shape}, expected {expected}"
+    n = self.num_replicas
+    if not shape or shape[0] % n:
+      return (f"the leaf {name} has shape {shape}, whose leading axis does not divide "
+              f"among the mesh's {n} devices")
+    if jax.process_count() > 1 and not isinstance(x, jax.Array):
+      return (f"the leaf {name} of shape {shape} is a host array "
+              f"({type(x).__name__}), but a multi-process run needs one global device "
+              "array built from each process's examples")
+    return None
 
   def lower(self, state: TrainState, batch: Any) -> Any:
     """``jax.stages.Lowered`` of the step, e.g. for :func:`jmp_train.diagnostics.collective_bytes`."""
@@ -130,6 +213,7 @@ class TrainStep:
       *,
       model_state: Any = None,
       rng: jax.Array | int | None = None,
+      inputs: Any = None,
   ) -> TrainState:
     """Builds the initial :class:`TrainState`, laid out for the mode.
 
@@ -143,12 +227,17 @@ class TrainStep:
       model_state: other Flax collections (``{"batch_stats": ...}``) or None.
       rng: a PRNG key or an int seed for dropout-style randomness, or None.
         (An ``nnx.Module`` draws from its own ``nnx.Rngs`` streams instead.)
+      inputs: example inputs (one batch's inputs, or ``jax.ShapeDtypeStruct``
+        s of their shapes), or None. Only a linen model under an FP8 policy
+        that the step applies needs them: the model is traced on them (not
+        run) to make each product's scaling state, the ``"fp8_meta"``
+        collection, when ``model_state`` does not hold it.
 
     Returns:
       The state: plain arrays in ``"single"`` mode; one copy per device (a
       leading device axis) in ``"pmap"`` and ``"shard_map"`` modes.
     """
-    params, model_state = self._model.initial(params, model_state)
+    params, model_state = self._model.initial(params, model_state, inputs, self.axis_name)
     params = self.policy.cast_to_param(params)
     if isinstance(rng, int):
       rng = jax.random.PRNGKey(rng)

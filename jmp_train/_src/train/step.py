@@ -28,6 +28,8 @@ from jmp_train._src.train.setup import check_arguments
 from jmp_train._src.train.setup import compose
 from jmp_train._src.train.setup import layout
 from jmp_train._src.train.setup import warn_float16_without_loss_scale
+from jmp_train._src.train.setup import warn_half_weights_without_narrow_rule
+from jmp_train._src.train.model_policy import check_model_policy
 from jmp_train._src.train.state import TrainStep
 
 __all__ = ["make_train_step"]
@@ -45,7 +47,9 @@ def make_train_step(
     axis_name: str = "batch",
     mesh: Mesh | None = None,
     has_aux: bool = False,
-    cast_params: bool = True,
+    model_policy: str = "auto",
+    cast_params: bool | None = None,
+    regularizer: Callable[[Any], Any] | None = None,
     rng_collections: Sequence[str] = ("dropout",),
     eval_apply_fn: Callable[..., Any] | None = None,
     donate: bool = True,
@@ -121,13 +125,43 @@ def make_train_step(
     mesh: the ``shard_map`` mesh; default a 1-D mesh of ``jax.devices()``
       named ``axis_name``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    model_policy: how the policy reaches the model's matrix products and
+      convolutions, whatever dtype its layers declare (Flax's example models
+      declare ``dtype=jnp.float32`` on every layer, which a cast of the
+      inputs alone would leave in float32). Under a policy that computes in
+      float32 nothing is applied. ``"auto"`` (default): a
+      ``flax.linen.Module``, its ``apply``, or a ``functools.partial`` of its
+      ``apply`` (and the same for ``eval_apply_fn``) runs under
+      :func:`jmp_train.flax.apply_policy` (norms in float32, attention's
+      softmax in float32, FP8 products under an FP8 policy); an
+      ``nnx.Module`` gets the policy's layer fields in a copy (the same
+      ``nnx.Param`` paths; :meth:`TrainStep.to_nnx` returns the caller's
+      module class and fields); any other callable runs with its parameters
+      and inputs cast, and under :func:`jmp_train.autocast` if a product is
+      still wider than the compute dtype. ``"flax"``:
+      :func:`jmp_train.flax.apply_policy` (Flax modules only);
+      ``"autocast"``: :func:`jmp_train.autocast`, for any model;
+      ``"inputs"``: parameters and inputs cast, nothing else (the layers'
+      declared dtypes win). A model that applies a policy itself (made with
+      :func:`jmp_train.flax.apply_policy` or :func:`jmp_train.autocast`) is
+      used as is. At the first trace the forward pass is checked (except
+      with ``"inputs"`` or a model that applies a policy itself), and a
+      ``UserWarning`` names the products still wider than the compute dtype.
     cast_params: cast parameters to the compute dtype before ``apply_fn``
-      (the jmp way). Set ``False`` when the model applies the policy itself
-      (:func:`jmp_train.flax.apply_policy` or :func:`jmp_train.autocast`),
-      for example to keep batch-norm parameters in float32, or to sum an
-      embedding table's gradient in float32: a table cast up front is
-      gathered in the compute dtype, so its gradient (a sum over the batch's
-      tokens) is summed in that dtype too.
+      (the jmp way). Default (``None``): ``True`` when the model receives its
+      parameters as stored (``model_policy="inputs"``, a model that applies
+      a policy itself, or a plain function under ``"auto"``), ``False`` when
+      the step applies the policy inside the model (which keeps batch-norm
+      parameters in float32, and sums an embedding table's gradient in
+      float32: a table cast up front is gathered in the compute dtype, so
+      its gradient, a sum over the batch's tokens, is summed in that dtype
+      too). Pass ``False`` for a model that applies the policy itself.
+    regularizer: ``None``, or ``regularizer(params)`` returning a scalar
+      added to the loss, such as an L2 penalty: ``lambda params: 1e-4 * 0.5 *
+      sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params) if p.ndim > 1)``.
+      It sees the parameters as stored (``param_dtype``, not cast) and runs
+      in float32; the ``loss`` metric is the sum, the objective
+      differentiated.
     rng_collections: the ``rngs`` names ``apply_fn`` receives.
     eval_apply_fn: the apply :meth:`TrainStep.evaluate` uses, called as
       ``eval_apply_fn(variables, inputs)`` (no ``rngs``, nothing mutable);
@@ -161,8 +195,9 @@ def make_train_step(
     the aux metrics, each a scalar array averaged over replicas (no host sync).
 
   Raises:
-    TypeError: if ``apply_fn``, ``loss_fn`` or ``remat_policy`` is not
-      callable, or ``optimizer`` / ``compression`` is not a transformation
+    TypeError: if ``apply_fn``, ``loss_fn``, ``regularizer`` or
+      ``remat_policy`` is not callable, ``model_policy="flax"`` is given a
+      function that is no Flax module's apply, or ``optimizer`` / ``compression`` is not a transformation
       (a string, or a factory such as ``optax.sgd`` instead of
       ``optax.sgd(0.1)``); if ``optimizer`` averages local gradients itself
       (``one_bit_adam``, ``one_bit_momentum``, ``sign_compression``,
@@ -171,15 +206,24 @@ def make_train_step(
       floating (its path named), ``loss_fn`` does not take ``(outputs,
       targets)`` (a Flax-tutorial ``loss_fn(model, batch)``), or it returns a
       tuple without ``has_aux`` (or no ``(loss, aux dict)`` with it).
-    ValueError: for an unknown ``mode`` or ``grad_reduce_dtype``, a
+    ValueError: for an unknown ``mode``, ``model_policy`` or
+      ``grad_reduce_dtype``, a
       non-positive ``bucket_bytes``, a non-string ``axis_name``, a non-bool
       ``has_aux``, ``cast_params`` or ``donate``, ``rng_collections`` that
       are not a sequence of names, a ``compression`` without a
       data-parallel mode, or a ``mesh`` that lacks ``axis_name``; at the
-      first step, for a loss that is not a scalar, or a model that draws
+      first step, for a loss (or ``regularizer`` value) that is not a scalar,
+      a model that reads a collection ``model_state`` does not hold (naming
+      ``step.init(params, model_state={"batch_stats": ...})``, or
+      ``inputs=`` for FP8 scaling state), a model whose collectives name an
+      axis the step does not map (a BatchNorm with ``axis_name="batch"`` in
+      ``mode="single"``), or a model that draws
       random keys the step does not give it (a linen model without
       ``step.init(..., rng=...)`` or its collection in ``rng_collections``;
-      an ``nnx.Dropout`` without an ``nnx.Rngs`` stream).
+      an ``nnx.Dropout`` without an ``nnx.Rngs`` stream); at every step
+      (:meth:`TrainStep.__call__`, :meth:`TrainStep.evaluate`), for a state
+      donated to an earlier step or a batch not laid out by
+      ``step.shard_batch(batch)`` for ``pmap``/``shard_map``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jmp_train
@@ -195,18 +239,34 @@ def make_train_step(
 
   Warns:
     UserWarning: for float16 compute without a ``loss_scale`` (gradients
-      flush to zero or overflow; bfloat16 needs none).
+      flush to zero or overflow; bfloat16 needs none); at the first trace,
+      for products the policy leaves wider than the compute dtype (see
+      ``model_policy``); for float16 or bfloat16 parameters without a
+      narrow-weights rule in ``optimizer`` (updates below about
+      ``|w|·2^-11`` round away: chain :func:`jmp_train.stochastic_rounding`
+      or :func:`jmp_train.kahan_compensation`, use
+      :func:`jmp_train.modified_momentum_sgd`, or keep float32 parameters).
 
   References:
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
     https://arxiv.org/abs/1710.03740
   """
   check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype, bucket_bytes,
-                  axis_name=axis_name, has_aux=has_aux, cast_params=cast_params,
+                  axis_name=axis_name, has_aux=has_aux,
+                  cast_params=True if cast_params is None else cast_params,
                   donate=donate, rng_collections=rng_collections, remat_policy=remat_policy)
+  model_policy = check_model_policy(model_policy)
+  if regularizer is not None and not callable(regularizer):
+    raise TypeError(
+        f"regularizer must be None or a function of the parameters returning a scalar, "
+        f"e.g. lambda params: 1e-4 * sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params)), "
+        f"got {type(regularizer).__name__}: {regularizer!r}.")
   policy = get_policy(policy)
   warn_float16_without_loss_scale(policy, loss_scale)
-  model = train_model.as_model(apply_fn, eval_apply_fn, rng_collections)
+  warn_half_weights_without_narrow_rule(policy, optimizer, compression)
+  model = train_model.as_model(apply_fn, eval_apply_fn, rng_collections, policy, model_policy)
+  if cast_params is None:
+    cast_params = model.mechanism == "inputs"
   mesh, num_replicas = layout(mode, axis_name, mesh)
   axis = axis_name if mode != "single" else None
   tx, ls_api = compose(optimizer, compression, loss_scale, axis)
@@ -214,6 +274,7 @@ def make_train_step(
       model=model, loss_fn=loss_fn, tx=tx, policy=policy, ls_api=ls_api,
       axis_name=axis, exchange=axis is not None and compression is None,
       has_aux=has_aux, cast_params=cast_params, remat_policy=remat_policy,
+      regularizer=regularizer,
       bucket_bytes=bucket_bytes,
       reduce_dtype=None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
   )

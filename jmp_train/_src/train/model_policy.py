@@ -1,0 +1,240 @@
+"""How a train step's policy reaches every product of the model.
+
+Flax's example models, and most models written after them, declare the
+dtype of every layer (``nn.Dense(..., dtype=jnp.float32)``,
+``nnx.Linear(..., dtype=jnp.float32)``): a layer promotes its inputs to that
+dtype, so casting the parameters and the batch to the compute dtype up front
+leaves every matrix product in float32. :func:`applied` chooses, for what was
+passed to :func:`jmp_train.make_train_step`, how the policy reaches the
+products instead (``model_policy``):
+
+* ``"auto"`` (the default): a ``flax.linen.Module``, its ``apply``, or a
+  ``functools.partial`` of its ``apply`` runs under
+  :func:`jmp_train.flax.apply_policy` (the layers' own ``dtype`` fields, set
+  while they run); an ``nnx.Module`` is copied with the policy's layer
+  fields (what :func:`jmp_train.flax.apply_policy` does to NNX modules); any
+  other callable runs with its parameters and inputs cast, and, if a product
+  is still wider than the compute dtype at the first trace, under
+  :func:`jmp_train.autocast` instead;
+* ``"flax"``: :func:`jmp_train.flax.apply_policy` (Flax modules only);
+* ``"autocast"``: :func:`jmp_train.autocast` for any model;
+* ``"inputs"``: parameters and inputs cast, nothing else (the layers'
+  declared dtypes win).
+
+A model that applies a policy itself (built with
+:func:`jmp_train.flax.apply_policy` or :func:`jmp_train.autocast`) is used
+as is. :func:`audited` traces the forward pass once per compilation and warns
+when a product still takes operands wider than the compute dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+from jmp_train._src.dtypes import is_floating_dtype
+from jmp_train._src.policy.policy import Policy
+
+__all__ = ["MODEL_POLICIES", "applies_policy", "audited", "check_model_policy",
+           "linen_parts", "mark_applied", "wide_products"]
+
+MODEL_POLICIES = ("auto", "flax", "autocast", "inputs")
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+# Set on functions that apply a policy themselves (autocast's results).
+_APPLIED_ATTR = "_jmp_train_policy"
+
+
+def check_model_policy(model_policy: Any) -> str:
+  """``model_policy`` if valid.
+
+  Raises:
+    ValueError: naming the valid values.
+  """
+  if not isinstance(model_policy, str) or model_policy not in MODEL_POLICIES:
+    raise ValueError(
+        f"model_policy must be one of {MODEL_POLICIES}, got {model_policy!r}: 'auto' "
+        "applies the policy to every product of the model (jmp_train.flax.apply_policy "
+        "for Flax modules, autocast where casts do not suffice), 'inputs' only casts "
+        "the parameters and inputs (the layers' declared dtypes win).")
+  return model_policy
+
+
+def is_narrow(policy: Policy) -> bool:
+  """Whether ``policy`` computes in a dtype narrower than float32, or in FP8."""
+  return policy.compute_dtype.itemsize < 4 or policy.fp8 is not None
+
+
+def mark_applied(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+  """Marks ``fn`` as applying ``policy`` itself (so a train step leaves it alone)."""
+  setattr(fn, _APPLIED_ATTR, policy)
+  return fn
+
+
+def linen_parts(fn: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | None:
+  """``(module, args, kwargs)`` if ``fn`` is a linen module's ``apply``, else None.
+
+  ``fn`` may be the module itself, its bound ``apply``, or a (nested)
+  ``functools.partial`` of either; ``args``/``kwargs`` are the partial's.
+  """
+  from flax import linen as nn
+
+  args: tuple[Any, ...] = ()
+  kwargs: dict[str, Any] = {}
+  while isinstance(fn, functools.partial):
+    args = tuple(fn.args) + args
+    kwargs = {**fn.keywords, **kwargs}
+    fn = fn.func
+  if isinstance(fn, nn.Module):
+    return fn, args, kwargs
+  owner = getattr(fn, "__self__", None)
+  if isinstance(owner, nn.Module) and getattr(fn, "__name__", None) == "apply":
+    return owner, args, kwargs
+  return None
+
+
+def applies_policy(fn: Any) -> bool:
+  """Whether ``fn`` (an apply function or module) applies a policy itself."""
+  from jmp_train._src.flax import nnx_modules
+  from jmp_train._src.flax import policy as flax_policy
+
+  if isinstance(fn, nnx_modules.NNXPolicyWrapper):
+    return True
+  parts = linen_parts(fn)
+  if parts is not None:
+    return isinstance(parts[0], flax_policy.LinenPolicyWrapper)
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  return getattr(fn, _APPLIED_ATTR, None) is not None
+
+
+def _autocast(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+  from jmp_train._src.autocast.transform import autocast
+
+  return autocast(fn, policy, params_argnums=0)
+
+
+def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str
+                ) -> Callable[..., Any] | None:
+  """``fn`` (a linen-style apply) with ``policy`` applied by ``mechanism``."""
+  if fn is None or mechanism == "inputs" or applies_policy(fn):
+    return fn
+  parts = linen_parts(fn)
+  if mechanism == "flax":
+    if parts is None:
+      raise TypeError(
+          f"model_policy='flax' applies jmp_train.flax.apply_policy, which needs a "
+          f"flax.linen.Module, its apply, or a functools.partial of its apply; got "
+          f"{fn!r}. Pass the module (or model.apply), or model_policy='autocast' for "
+          "any function.")
+    from jmp_train._src.flax import policy as flax_policy
+
+    module, args, kwargs = parts
+    return functools.partial(flax_policy.apply_policy(module, policy).apply, *args, **kwargs)
+  return _autocast(fn, policy)
+
+
+# ---------------------------------------------------------------------------
+# The audit: products still wider than the compute dtype.
+
+
+def _walk(jaxpr: Any) -> Iterator[Any]:
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      yield from _walk(sub)
+
+
+def _where(eqn: Any) -> str:
+  try:
+    where = source_info_util.summarize(eqn.source_info)
+  except Exception:  # pragma: no cover - source info is best effort.
+    where = ""
+  scope = str(getattr(eqn.source_info, "name_stack", "") or "")
+  return " ".join(s for s in (scope, where) if s) or eqn.primitive.name
+
+
+def _float_dtype(var: Any) -> np.dtype | None:
+  dtype = getattr(getattr(var, "aval", None), "dtype", None)
+  return np.dtype(dtype) if is_floating_dtype(dtype) else None
+
+
+def wide_products(jaxpr: Any, compute_dtype: Any) -> list[str]:
+  """One line per product whose floating operands are wider than ``compute_dtype``.
+
+  Products are ``dot_general`` and ``conv_general_dilated`` equations, in
+  every sub-jaxpr (jit, scan, remat, custom derivatives, control flow).
+  """
+  width = np.dtype(compute_dtype).itemsize
+  found = []
+  for eqn in _walk(jaxpr):
+    if eqn.primitive.name not in _PRODUCTS:
+      continue
+    dtypes = [_float_dtype(v) for v in eqn.invars[:2]]
+    if any(d is not None and d.itemsize > width for d in dtypes):
+      shapes = " x ".join(f"{d.name if d else '?'}{list(v.aval.shape)}"
+                          for d, v in zip(dtypes, eqn.invars[:2]))
+      found.append(f"{eqn.primitive.name} {shapes} at {_where(eqn)}")
+  return found
+
+
+def _forward_jaxpr(fn: Callable[..., Any], *args: Any) -> Any:
+  return jax.make_jaxpr(fn)(*args).jaxpr
+
+
+def audited(
+    model: Any,
+    policy: Policy,
+    call: Callable[[Any], Callable[..., Any]],
+    args: tuple[Any, ...],
+    warn: bool,
+) -> Any:
+  """The model to run: ``model``, or its ``autocast`` fallback; warns on wide products.
+
+  Args:
+    model: the step's model (``train.model.LinenModel`` or ``NnxModel``).
+    policy: the step's policy.
+    call: ``call(model)`` is the forward function of ``args`` to audit.
+    args: the forward's arguments (tracers of the enclosing trace).
+    warn: warn when products stay wider than the compute dtype.
+
+  Returns:
+    The model to run: ``model.fallback`` (the same model under
+    :func:`jmp_train.autocast`) when ``model`` leaves products wider than the
+    compute dtype and has a fallback, else ``model``.
+
+  Warns:
+    UserWarning: with ``warn``, when products of the chosen model still take
+      operands wider than the compute dtype: how many, where (the first
+      three) and the fixes.
+  """
+  if not model.audit or (not warn and model.fallback is None):
+    return model
+  wide = wide_products(_forward_jaxpr(call(model), *args), policy.compute_dtype)
+  if wide and model.fallback is not None:
+    model = model.fallback
+    wide = wide_products(_forward_jaxpr(call(model), *args), policy.compute_dtype)
+  if wide and warn:
+    shown = "; ".join(wide[:3]) + (f"; and {len(wide) - 3} more" if len(wide) > 3 else "")
+    warnings.warn(
+        f"Under the policy {policy} the model still runs {len(wide)} matrix "
+        f"product(s) or convolution(s) with operands wider than "
+        f"{policy.compute_dtype.name}: {shown}. Something inside the model casts to "
+        "float32 (jnp.asarray(x, jnp.float32), .astype(jnp.float32)) or runs a "
+        "custom primitive or custom_vjp rule the policy does not reach. Cast there "
+        "to the compute dtype (or take it from the inputs' dtype), pass "
+        "make_train_step(..., model_policy='autocast'), or, if float32 is meant "
+        "there, wrap the model in jmp_train.flax.apply_policy(..., float32_paths=...) "
+        "yourself (a model that applies a policy itself is not audited).",
+        UserWarning, stacklevel=2)
+  return model
+
+
+def autocast_call(module: Any, inputs: Any, policy: Policy) -> Any:
+  """``module(inputs)`` for an NNX module, under :func:`jmp_train.autocast`."""
+  return _autocast(lambda m, x: m(x), policy)(module, inputs)
