@@ -19,7 +19,10 @@
   :mod:`~jmp_train.examples.half_weights_setups`).
 * :mod:`jmp_train.examples.processes`: starts the local processes of a
   ``jax.distributed`` job (the demo's ``--num-processes``, the multi-process
-  benchmark, the tests' workers).
+  benchmark, the tests' workers) and stops them together when one fails.
+* :mod:`jmp_train.examples.checkpoint_lock`: one run at a time per
+  ``--checkpoint-dir``; :mod:`jmp_train.examples.stopping`: SIGTERM as a
+  safe stop.
 
 The library (``jmp_train``, ``jmp_train.flax``, ``jmp_train.diagnostics``)
 imports nothing from here.

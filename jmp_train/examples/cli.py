@@ -7,9 +7,13 @@ flag errors answer without starting JAX.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import signal
 import sys
+import threading
+import time
 from typing import Any, Callable
 
 _NUM_DEVICES = 8
@@ -114,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--checkpoint-dir", default=None,
                       help="save each configuration's training state there (orbax); the "
                            "same command run again resumes each from its latest complete "
-                           "checkpoint")
+                           "checkpoint (with the same --num-processes); one run at a time "
+                           "per folder")
   parser.add_argument("--checkpoint-every", type=_positive_int, default=None,
                       help="steps between checkpoints, with --checkpoint-dir (default 50)")
   parser.add_argument("--num-processes", type=_positive_int, default=1,
@@ -238,7 +243,7 @@ def _setup_jax(process: str | None) -> None:
     if not xla_bridge.backends_are_initialized():
       jax.config.update("jax_num_cpu_devices", _NUM_DEVICES)
     return
-  pid, n, port = (int(x) for x in process.split(","))
+  pid, n, port = (int(x) for x in process.split(",")[:3])
   jax.config.update("jax_num_cpu_devices", _NUM_DEVICES // n)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   # A process that dies (kill -9, out of memory) stops sending heartbeats:
@@ -249,12 +254,51 @@ def _setup_jax(process: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Runs the demo; returns the exit status (0 ok, 1 failed, 2 bad flags)."""
+  """Runs the demo; returns the exit status.
+
+  0: done; 1: failed (a configuration whose loss is not finite included,
+  after the table and ``results.json`` are written); 2: bad flags, or the
+  ``--checkpoint-dir`` is in use by another run.
+  """
   argv = sys.argv[1:] if argv is None else list(argv)
   parser = build_parser()
   try:
     args = parser.parse_args(argv)
     settings = _settings(args, parser.config_names)  # type: ignore[attr-defined]
+  except _UsageError as e:
+    print(f"{_PROG}: error: {e} (see {_PROG} --help)", file=sys.stderr)
+    return 2
+  if args._process is not None:  # pylint: disable=protected-access
+    # A worker of a --num-processes run: it ends with its launcher.
+    watcher = _LauncherWatch(args._process, settings["out"])  # pylint: disable=protected-access
+    if watcher.orphaned():
+      watcher.remove_folder()
+      return 1
+    try:
+      return _run(args, argv, settings)
+    finally:
+      if watcher.orphaned():
+        watcher.remove_folder()
+  from jmp_train.examples import checkpoint_lock  # pylint: disable=g-import-not-at-top
+
+  with contextlib.ExitStack() as stack:
+    if settings["checkpoint_dir"] is not None:
+      # One run per checkpoint folder, refused before anything is imported.
+      try:
+        stack.enter_context(checkpoint_lock.hold(settings["checkpoint_dir"]))
+      except checkpoint_lock.CheckpointDirBusy as e:
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 2
+      except OSError as e:
+        print(f"{_PROG}: error: --checkpoint-dir {settings['checkpoint_dir']}: cannot write "
+              f"there ({e.strerror or type(e).__name__})", file=sys.stderr)
+        return 2
+    return _run(args, argv, settings)
+
+
+def _run(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
+  """The demo once the flags are read; returns the exit status."""
+  try:
     plot_note = _check_optional_dependencies(settings)
     _check_output_dir(settings["out"])
   except _UsageError as e:
@@ -281,6 +325,16 @@ def main(argv: list[str] | None = None) -> int:
             + (f", {os.path.join(s.out, 'results.png')}" if s.plot else ""))
       if plot_note:
         print(plot_note)
+      failed = [r for r in rows if r.get("failed")]
+      if failed:
+        # After everything is written: the table and results.json flag the rows.
+        print(f"{_PROG}: error: "
+              + "; ".join(f"configuration {r['config']!r} failed: {r['failed']} (train_loss "
+                          f"{r['train_loss']:.4g}, val_loss {r['val_loss']:.4g})"
+                          for r in failed)
+              + "; marked failed in results.json (try dynamic loss scaling, a bfloat16 "
+              "policy, or a lower --lr)", file=sys.stderr)
+        return 1
   except KeyboardInterrupt:
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 130
@@ -298,6 +352,78 @@ def main(argv: list[str] | None = None) -> int:
           f"{message}", file=sys.stderr)
     return 1
   return 0
+
+
+class _LauncherWatch:
+  """Ends this worker process when the launcher that started it is gone.
+
+  ``process`` is the launcher's ``--_process`` value, ``index,count,port,
+  launcher pid``. On Linux the kernel sends SIGTERM when the launcher dies
+  (``prctl(PR_SET_PDEATHSIG)``): jax.distributed's preemption service then
+  has every worker save the same step and stop. Elsewhere a thread that
+  polls the parent pid sends the SIGTERM. A worker still running
+  ``_ORPHAN_EXIT_S`` seconds after its launcher went (a peer that never
+  started, a stuck collective) exits at once. An orphaned worker removes
+  the launcher's temporary folder (its ``--out``) as it ends: a launcher
+  killed with SIGKILL cannot.
+  """
+
+  def __init__(self, process: str, out: str):
+    fields = process.split(",")
+    launcher = int(fields[3]) if len(fields) > 3 else os.getppid()
+    self._out = out
+    self._parent = os.getppid()
+    self._gone = self._parent != launcher and not _alive(launcher)
+    if self._gone:
+      return
+    pdeathsig = False
+    if sys.platform.startswith("linux"):
+      try:
+        import ctypes  # pylint: disable=g-import-not-at-top
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pdeathsig = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+      except (OSError, AttributeError):
+        pass
+    # The launcher may have died before prctl: then the parent has changed.
+    self._gone = os.getppid() != self._parent
+    if not self._gone:
+      threading.Thread(target=self._watch, args=(not pdeathsig,), daemon=True,
+                       name="jmp-train-launcher-watch").start()
+
+  def orphaned(self) -> bool:
+    return self._gone or os.getppid() != self._parent
+
+  def remove_folder(self) -> None:
+    from jmp_train.examples.processes import WORKER_FOLDER_PREFIX  # pylint: disable=g-import-not-at-top
+
+    if os.path.basename(os.path.normpath(self._out)).startswith(WORKER_FOLDER_PREFIX):
+      shutil.rmtree(self._out, ignore_errors=True)
+
+  def _watch(self, send_sigterm: bool) -> None:
+    while os.getppid() == self._parent:
+      time.sleep(0.5)
+    if send_sigterm:
+      os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(_ORPHAN_EXIT_S)
+    self.remove_folder()
+    os._exit(1)  # pylint: disable=protected-access
+
+
+# linux/prctl.h
+_PR_SET_PDEATHSIG = 1
+# Seconds an orphaned worker has to save and stop before it exits regardless.
+_ORPHAN_EXIT_S = 30
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
 
 
 def _terminated():

@@ -41,6 +41,7 @@ devices (:func:`jmp_train.examples.cli.main` creates them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -55,6 +56,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jmp_train.examples import checkpoint_lock
 from jmp_train.examples.demo_configs import COLUMNS
 from jmp_train.examples.demo_configs import COMPARISONS
 from jmp_train.examples.demo_configs import CONFIGS
@@ -68,28 +70,84 @@ from jmp_train.examples.demo_tasks import TASKS
 from jmp_train.examples.demo_tasks import gpt2_init
 from jmp_train.examples.demo_training import data_parallel_devices
 from jmp_train.examples.demo_training import run_configs
+from jmp_train.examples.processes import WORKER_FOLDER_PREFIX
 from jmp_train.examples.processes import free_port, run_processes
 from jmp_train.examples.stopping import Terminated
 
 __all__ = [
     "CONFIGS", "COLUMNS", "DemoError", "DemoSettings", "RunConfig", "format_table", "run_demo",
-    "learning_rate_schedule", "data_parallel_optimizer", "TASKS", "gpt2_init",
+    "learning_rate_schedule", "data_parallel_optimizer", "TASKS", "gpt2_init", "write_atomic",
 ]
 
 # Lines that say why a process failed: a Python exception, an absl fatal
 # log line (XLA's failed checks), a C++ exception's message.
 _ERROR_LINE = re.compile(r"Error\b|error:|Check failed|terminate called|what\(\):|^F\d{4} ")
+# What a process that aborts prints after its error: native stack frames
+# ("@ 0x7f... xla::CoordinationServiceAgent::SetError()"), absl's
+# failure-signal banner ("*** SIGABRT received ...", "PC: @ ...").
+_NATIVE_FRAME = re.compile(r"^(@\s+0x|PC: @|\*\*\* )")
+# jax.distributed's words for a process whose heartbeats stopped: the
+# coordinator's list of unhealthy tasks (their numbers on the next lines),
+# "Task 1 heartbeat timeout", or a heartbeat RPC to the coordinator
+# (process 0) that timed out.
+_UNHEALTHY = re.compile(r"stopped sending heartbeats\):")
+_TASK_TIMEOUT = re.compile(r"Task (\d+) heartbeat timeout")
+_HEARTBEAT_RPC = re.compile(r"DEADLINE_EXCEEDED[\s\S]{0,200}?CoordinationService/Heartbeat")
+# Characters of a worker's failure kept in its one-line summary.
+_SUMMARY_CHARS = 300
 
 
 def _failure_line(log: str) -> str:
   """The line of a failed worker's output that says why: its last error line, else its last line.
 
-  A process that aborts prints a native stack after the error; its last
-  line is a stack frame.
+  A process that aborts prints a native stack after the error: its frames
+  are never the answer.
   """
   lines = [line.strip() for line in log.splitlines() if line.strip()]
+  lines = [line for line in lines if not _NATIVE_FRAME.match(line)]
   errors = [line for line in lines if _ERROR_LINE.search(line)]
   return (errors or lines or ["(no output)"])[-1]
+
+
+def _unresponsive_peers(log: str) -> list[int] | None:
+  """The processes a worker's output says stopped sending heartbeats.
+
+  Returns:
+    Their indices (``[0]``: the coordinator, for a worker whose own
+    heartbeats went unanswered); ``[]`` when the output blames heartbeats
+    without naming a process; ``None`` when it does not blame heartbeats.
+  """
+  named = [int(t) for t in _TASK_TIMEOUT.findall(log)]
+  for m in _UNHEALTHY.finditer(log):
+    # The list ends at "The tasks have crashed..." or a blank line; its
+    # items are "1" or "/job:jax_worker/replica:0/task:1" (the last number).
+    block = re.split(r"The tasks|\n\s*\n", log[m.end():m.end() + 400])[0]
+    for part in re.split(r"[,\n]", block):
+      numbers = re.findall(r"\d+", part)
+      if numbers:
+        named.append(int(numbers[-1]))
+  if _HEARTBEAT_RPC.search(log):
+    named.append(0)
+  if named:
+    return sorted(set(named))
+  return [] if "heartbeat" in log.lower() else None
+
+
+def _summary(code: int, log: str, ended: bool) -> str:
+  """One line on how a worker ended, from its exit status and output."""
+  if ended:
+    return "still running after another process had stopped: killed by the launcher"
+  how = (f"exit status {code}" if code >= 0 else
+         "aborted (SIGABRT)" if -code == signal.SIGABRT else _signal_name(-code))
+  peers = _unresponsive_peers(log)
+  if peers:
+    why = ("jax.distributed lost its heartbeats from process "
+           + ", ".join(map(str, peers)))
+  else:
+    why = _failure_line(log)
+  if len(why) > _SUMMARY_CHARS:
+    why = why[:_SUMMARY_CHARS - 3] + "..."
+  return f"{how}: {why}"
 
 
 def _killed(code: int) -> bool:
@@ -121,33 +179,82 @@ def _worker_xla_flags(flags: str) -> str:
   )
 
 
+def _job_error(n: int, results: Sequence[tuple[int, str]]) -> Exception | None:
+  """Why a job of ``n`` worker processes failed, as one line; ``None`` if it did not.
+
+  ``results`` are :func:`run_processes`'s ``(exit status, output)`` pairs;
+  those it killed itself (``ended``: still running well after another
+  process had failed) are told apart from processes lost to a signal from
+  outside.
+  """
+  ended = [bool(getattr(r, "ended", False)) for r in results]
+  lost = [(pid, code) for pid, (code, _) in enumerate(results)
+          if _killed(code) and not ended[pid]]
+  if lost:
+    pid, code = lost[0]
+    return DemoError(
+        f"process {pid} of {n} was lost ({_signal_name(-code)}); "
+        "the others stopped without it")
+  codes = [code for code, _ in results]
+  if (not any(ended) and 128 + signal.SIGTERM in codes
+      and all(code in (0, 128 + signal.SIGTERM) for code in codes)):
+    # SIGTERM to a worker: all of them saved the same step and stopped.
+    return Terminated()
+  failed = [pid for pid, (code, _) in enumerate(results) if code != 0 and not ended[pid]]
+  stuck = [pid for pid in range(n) if ended[pid]]
+  for pid in failed:
+    peers = _unresponsive_peers(results[pid][1])
+    if stuck and peers is not None:
+      # A process alive but not answering: its peer gave up on its
+      # heartbeats, and it was still running after the peer had gone.
+      suspect = next((p for p in stuck if p in peers), stuck[0])
+      return DemoError(
+          f"process {suspect} of {n} stopped responding (alive but not answering: "
+          f"process {pid} gave up on its heartbeats and stopped, it did not); "
+          "the launcher killed it")
+  if failed:
+    pid = failed[0]
+    return DemoError(f"process {pid} of {n} failed: {_failure_line(results[pid][1])}")
+  if stuck:
+    done = [pid for pid in range(n) if not ended[pid]]
+    return DemoError(
+        f"process {stuck[0]} of {n} did not finish: still running long after process "
+        f"{done[0] if done else '?'} had ended; the launcher killed it")
+  return None
+
+
 def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) -> tuple[list[dict], dict]:
-  """Runs ``names`` in ``s.num_processes`` local processes (jax.distributed)."""
+  """Runs ``names`` in ``s.num_processes`` local processes (jax.distributed).
+
+  The workers share a temporary folder with this process (removed when it
+  ends; by the workers when it was killed) and inherit the lock of the
+  checkpoint folder (:mod:`~jmp_train.examples.checkpoint_lock`), which
+  thus lasts as long as any of them.
+  """
   port = free_port()
   env = dict(os.environ)
   env["XLA_FLAGS"] = _worker_xla_flags(env.get("XLA_FLAGS", ""))
-  with tempfile.TemporaryDirectory(prefix="jmp_train_mp_") as tmp:
+  lock = checkpoint_lock.held_fd(s.checkpoint_dir)
+  with tempfile.TemporaryDirectory(prefix=f"{WORKER_FOLDER_PREFIX}{os.getpid()}_") as tmp:
     commands = [
         [sys.executable, "-m", "jmp_train", *argv_base,
          "--configs", ",".join(names), "--out", tmp, "--no-plot", "--no-progress",
          "--num-processes", "1",
-         "--_process", f"{pid},{s.num_processes},{port}"]
+         "--_process", f"{pid},{s.num_processes},{port},{os.getpid()}"]
         for pid in range(s.num_processes)
     ]
-    results = run_processes(commands, env)
-    lost = [(pid, code) for pid, (code, _) in enumerate(results) if _killed(code)]
-    if lost:
-      pid, code = lost[0]
-      raise DemoError(
-          f"process {pid} of {s.num_processes} was lost ({_signal_name(-code)}); "
-          "the others stopped without it")
-    if any(code == 128 + signal.SIGTERM for code, _ in results) and all(
-        code in (0, 128 + signal.SIGTERM) for code, _ in results):
-      # SIGTERM to a worker: all of them saved the same step and stopped.
-      raise Terminated()
-    for pid, (code, log) in enumerate(results):
-      if code != 0:
-        raise DemoError(f"process {pid} of {s.num_processes} failed: {_failure_line(log)}")
+    results = run_processes(commands, env, **({"pass_fds": (lock,)} if lock is not None else {}))
+    error = _job_error(s.num_processes, results)
+    if error is not None:
+      if not isinstance(error, Terminated):
+        for pid, (code, log) in enumerate(results):
+          if code != 0:
+            print(f"process {pid} of {s.num_processes}: "
+                  f"{_summary(code, log, bool(getattr(results[pid], 'ended', False)))}",
+                  file=sys.stderr)
+            if os.environ.get("JMP_TRAIN_DEBUG"):
+              print(log, file=sys.stderr)
+      raise error
     payload = json.loads((pathlib.Path(tmp) / "worker.json").read_text())
   return payload["rows"], payload["curves"]
 
@@ -214,11 +321,14 @@ def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = F
   if worker:
     rows, curves = run_configs(s, s.configs)
     if jax.process_index() == 0:
-      (out / "worker.json").write_text(json.dumps(
+      write_atomic(out / "worker.json", json.dumps(
           {"rows": rows, "curves": {k: _json_curves(v) for k, v in curves.items()}}))
     return rows
   t0, cpu0 = time.perf_counter(), time.process_time()
-  rows, curves = _run_all(s, argv_base)
+  with (checkpoint_lock.hold(s.checkpoint_dir) if s.checkpoint_dir is not None
+        else contextlib.nullcontext()):
+    rows, curves = _run_all(s, argv_base)
+  _mark_failed(rows, curves)
   payload = {
       "settings": dataclasses.asdict(s),
       "machine": {
@@ -233,12 +343,60 @@ def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = F
       "rows": rows,
       "curves": {k: _json_curves(v) for k, v in curves.items()},
   }
-  (out / "results.json").write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+  write_atomic(out / "results.json", json.dumps(payload, indent=2, default=_jsonable) + "\n")
   if s.plot:
     from jmp_train.examples import demo_plot  # pylint: disable=g-import-not-at-top
 
     demo_plot.plot(out / "results.png", rows, curves, s, learning_rate_schedule(s))
   return rows
+
+
+def _mark_failed(rows: list[dict], curves: dict) -> None:
+  """Sets ``row["failed"]`` on a row whose final or validation loss is not finite.
+
+  A row without loss scaling whose weights overflowed trains on to the end
+  with NaN losses: its numbers mean nothing, and the CLI exits 1 once the
+  table and ``results.json`` are written.
+  """
+  for r in rows:
+    losses = [r.get("train_loss"), r.get("val_loss"),
+              (curves.get(r["config"], {}).get("loss") or [None])[-1]]
+    if any(v is not None and not np.isfinite(v) for v in losses):
+      r["failed"] = "loss is not finite"
+
+
+def write_atomic(path: str | os.PathLike[str], text: str) -> None:
+  """Writes ``text`` to ``path`` whole or not at all.
+
+  The text goes to a temporary file in the same folder, is flushed to disk
+  (``fsync``) and renamed over ``path`` (``os.replace``, atomic on POSIX
+  and Windows): a full disk or a crash leaves the previous file, never an
+  empty or partial one.
+
+  Raises:
+    DemoError: the write failed (naming ``path`` and why); ``path`` is
+      unchanged and the temporary file removed.
+  """
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+  try:
+    # Not mkstemp: its file is private (0600); this one gets the umask's mode.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+  except OSError as e:
+    raise DemoError(f"cannot write {path}: {e.strerror or e}") from e
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except OSError as e:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise DemoError(
+        f"cannot write {path}: {e.strerror or e}; "
+        + ("the previous file is unchanged" if path.exists() else "nothing was written")
+    ) from e
 
 
 def _json_curves(curve: dict) -> dict:
@@ -266,9 +424,14 @@ def _cell(v: Any, column: str) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
-  """The rows as a GitHub-markdown table, in the demo's column order."""
+  """The rows as a GitHub-markdown table, in the demo's column order.
+
+  A ``failed`` column is added when a row failed (its loss is not finite).
+  """
   if not rows:
     return "(no rows)"
+  if any(r.get("failed") for r in rows) and "failed" not in columns:
+    columns = (*columns, "failed")
   cells = [[_cell(r.get(c), c) for c in columns] for r in rows]
   widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
 

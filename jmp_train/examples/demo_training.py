@@ -45,6 +45,9 @@ def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> jmp_train.TrainS
   with warnings.catch_warnings():
     # The "f16" row leaves loss scaling out on purpose: it shows what that costs.
     warnings.filterwarnings("ignore", "float16 compute without loss scaling", UserWarning)
+    # The "f16w-sgd" row trains float16 weights with optax.sgd on purpose: it
+    # shows what the modified momentum SGD of "f16w-mmsgd" fixes.
+    warnings.filterwarnings("ignore", "Half-precision parameters", UserWarning)
     return jmp_train.make_train_step(
         functools.partial(model.apply, train=True),
         loss_fn,
@@ -146,20 +149,71 @@ class _Checkpoints:
   """One configuration's checkpoints under ``s.checkpoint_dir/<name>`` (orbax).
 
   Each checkpoint holds the :class:`~jmp_train.TrainState` and, as JSON, the
-  curves so far, the last metrics and the settings it was trained under.
+  curves so far, the last metrics, the settings it was trained under and
+  how it ran (``layout``: the process count, the backend, JAX's version).
   Saves are asynchronous, at every multiple of ``s.checkpoint_every`` and at
   the last step; the last two are kept.
+
+  A resume continues bit for bit only under the same settings, the same
+  process count (a cross-process sum adds in another order with another
+  count) and the same backend: :meth:`check` refuses a checkpoint made
+  otherwise, before anything is compiled. A JAX version that differs is
+  only warned about (its compiler may round differently).
   """
 
-  def __init__(self, name: str, s: DemoSettings):
+  def __init__(self, name: str, s: DemoSettings, processes: int = 1, backend: str | None = None):
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
     self._ocp, self._s, self.name = ocp, s, name
     self.directory = os.path.abspath(os.path.join(s.checkpoint_dir, name))
     self.settings = {k: getattr(s, k) for k in _RUN_SETTINGS}
+    self.layout = {"processes": processes, "backend": backend or jax.default_backend(),
+                   "jax": jax.__version__}
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True))
+
+  def check(self) -> None:
+    """Raises if the latest checkpoint cannot be resumed here (reads its JSON only)."""
+    latest = self.manager.latest_step()
+    if latest is None:
+      return
+    with deferred():
+      restored = self.manager.restore(
+          latest, args=self._ocp.args.Composite(record=self._ocp.args.JsonRestore()))
+    self._check_record(restored["record"], warn=True)
+
+  def _check_record(self, record: dict, warn: bool = False) -> None:
+    if record.get("settings") != self.settings:
+      changed = sorted(k for k in self.settings
+                       if record.get("settings", {}).get(k) != self.settings[k])
+      raise DemoError(
+          f"the checkpoint of {self.name!r} in {self.directory} was trained with other "
+          f"settings ({', '.join(changed)} differ); rerun with those, or pass another "
+          "--checkpoint-dir."
+      )
+    # Checkpoints written before the layout was recorded resume as before.
+    layout = record.get("layout", {})
+    then, now = layout.get("processes"), self.layout["processes"]
+    if then is not None and then != now:
+      raise DemoError(
+          f"the checkpoint of {self.name!r} in {self.directory} was written by {then} "
+          f"process(es) (--num-processes {then}); this run has {now}, and would not "
+          "continue bit for bit (the cross-process sums add in another order); rerun "
+          f"with --num-processes {then}, or pass another --checkpoint-dir."
+      )
+    then, now = layout.get("backend"), self.layout["backend"]
+    if then is not None and then != now:
+      raise DemoError(
+          f"the checkpoint of {self.name!r} in {self.directory} was written on {then}, "
+          f"this run is on {now}, and would not continue bit for bit; rerun on {then} "
+          "(JAX_PLATFORMS), or pass another --checkpoint-dir."
+      )
+    if warn and layout.get("jax") not in (None, self.layout["jax"]):
+      warnings.warn(
+          f"the checkpoint of {self.name!r} was written with jax {layout['jax']}, this is "
+          f"jax {self.layout['jax']}: the resumed run may differ from an uninterrupted one "
+          "in the last bits", RuntimeWarning, stacklevel=3)
 
   def restore(self, state):
     """``(state, step, record)`` of the latest complete checkpoint, else ``(state, 0, None)``."""
@@ -171,14 +225,7 @@ class _Checkpoints:
       restored = self.manager.restore(latest, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(state), record=ocp.args.JsonRestore()))
     record = restored["record"]
-    if record.get("settings") != self.settings:
-      changed = sorted(k for k in self.settings
-                       if record.get("settings", {}).get(k) != self.settings[k])
-      raise DemoError(
-          f"the checkpoint of {self.name!r} in {self.directory} was trained with other "
-          f"settings ({', '.join(changed)} differ); rerun with those, or pass another "
-          "--checkpoint-dir."
-      )
+    self._check_record(record)
     return restored["state"], latest, record
 
   def due(self, n: int) -> bool:
@@ -188,6 +235,7 @@ class _Checkpoints:
     ocp = self._ocp
     record = {
         "settings": self.settings,
+        "layout": self.layout,
         **curves,
         "metrics": {k: float(metrics[k]) for k in ("loss_scale", "skipped_steps")},
     }
@@ -275,14 +323,22 @@ def run_config(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Trains one configuration; returns its table row and its curves."""
   step = _build_step(cfg, task, s)
-  state = step.init(init_params)
-  t0 = time.perf_counter()
-  compiled = step.lower(state, step.shard_batch(_local_rows(task.train_batch(0), step))).compile()
-  compile_s = time.perf_counter() - t0
-  wire = jmp_train.diagnostics.collective_bytes(compiled, wire=True)["total"] if cfg.devices > 1 else 0
-  state_bytes = _tree_bytes(step.unreplicate((state.params, state.opt_state)))
-  checkpoints = _Checkpoints(cfg.name, s) if s.checkpoint_dir else None
+  checkpoints = None
+  if s.checkpoint_dir:
+    devices = list(step.mesh.devices.flat) if step.mesh is not None else jax.devices()[:1]
+    checkpoints = _Checkpoints(
+        cfg.name, s, processes=len({d.process_index for d in devices}),
+        backend=devices[0].platform)
   try:
+    if checkpoints is not None:
+      checkpoints.check()  # before the compile: a refusal comes at once
+    state = step.init(init_params)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, step.shard_batch(_local_rows(task.train_batch(0), step))).compile()
+    compile_s = time.perf_counter() - t0
+    wire = (jmp_train.diagnostics.collective_bytes(compiled, wire=True)["total"]
+            if cfg.devices > 1 else 0)
+    state_bytes = _tree_bytes(step.unreplicate((state.params, state.opt_state)))
     state, metrics, curves, steps_per_s = _train(
         step, compiled, state, task, s, progress, cfg.name, checkpoints)
   finally:
