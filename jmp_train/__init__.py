@@ -70,7 +70,9 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train._src.train.state import TrainState as TrainState
   from jmp_train._src.train.state import TrainStep as TrainStep
   from jmp_train._src.train.step import make_train_step as make_train_step
+  from jmp_train._src.train.checkpoint import checkpoint_save_args as checkpoint_save_args
   from jmp_train._src.train.checkpoint import restore_checkpoint as restore_checkpoint
+  from jmp_train._src.train.checkpoint import restore_latest_checkpoint as restore_latest_checkpoint
   from jmp_train._src.train.checkpoint import save_checkpoint as save_checkpoint
   from jmp_train import diagnostics as diagnostics
   from jmp_train import examples as examples
@@ -138,7 +140,9 @@ _EXPORTS = {
     "TrainState": "train.state",
     "TrainStep": "train.state",
     "make_train_step": "train.step",
+    "checkpoint_save_args": "train.checkpoint",
     "restore_checkpoint": "train.checkpoint",
+    "restore_latest_checkpoint": "train.checkpoint",
     "save_checkpoint": "train.checkpoint",
 }
 

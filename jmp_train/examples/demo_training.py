@@ -179,8 +179,11 @@ class _Checkpoints:
     if latest is None:
       return
     with deferred():
-      restored = self.manager.restore(
-          latest, args=self._ocp.args.Composite(record=self._ocp.args.JsonRestore()))
+      try:
+        restored = self.manager.restore(
+            latest, args=self._ocp.args.Composite(record=self._ocp.args.JsonRestore()))
+      except (ValueError, OSError, KeyError):
+        return  # a damaged record: restore() passes over its step, with a warning
     self._check_record(restored["record"], warn=True)
 
   def _check_record(self, record: dict, warn: bool = False) -> None:
@@ -216,23 +219,28 @@ class _Checkpoints:
           "in the last bits", RuntimeWarning, stacklevel=3)
 
   def restore(self, state):
-    """``(state, step, record)`` of the latest complete checkpoint, else ``(state, 0, None)``."""
-    latest = self.manager.latest_step()
-    if latest is None:
+    """``(state, step, record)`` of the newest intact checkpoint, else ``(state, 0, None)``.
+
+    A damaged or incomplete step (its arrays or its record differ from the
+    checksums saved with them, a file is missing or truncated) is passed
+    over with a warning naming it (:func:`jmp_train.restore_latest_checkpoint`).
+    """
+    if self.manager.latest_step() is None:
       return state, 0, None
     ocp = self._ocp
     with deferred():
-      restored = self.manager.restore(latest, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(state), record=ocp.args.JsonRestore()))
-    record = restored["record"]
+      latest, state = jmp_train.restore_latest_checkpoint(self.directory, state)
+      for damaged in [n for n in self.manager.all_steps() if n > latest]:
+        self.manager.delete(damaged)  # passed over: the run saves that step again
+      record = self.manager.restore(
+          latest, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
     self._check_record(record)
-    return restored["state"], latest, record
+    return state, latest, record
 
   def due(self, n: int) -> bool:
     return n % self._s.checkpoint_every == 0 or n == self._s.steps
 
   def save(self, n: int, state, curves: dict[str, list[float]], metrics) -> None:
-    ocp = self._ocp
     record = {
         "settings": self.settings,
         "layout": self.layout,
@@ -240,8 +248,8 @@ class _Checkpoints:
         "metrics": {k: float(metrics[k]) for k in ("loss_scale", "skipped_steps")},
     }
     with deferred():  # SIGTERM: after the save has started
-      self.manager.save(n, force=True, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
+      # Items "state" and "record", with their checksums (restore() verifies them).
+      self.manager.save(n, force=True, args=jmp_train.checkpoint_save_args(state, record=record))
 
   def close(self) -> None:
     with deferred():

@@ -8,5 +8,7 @@
 * ``model``: adapters for linen applies, linen modules and NNX modules.
 * ``state``: :class:`~jmp_train.TrainState` and :class:`~jmp_train.TrainStep`.
 * ``checkpoint``: :func:`~jmp_train.save_checkpoint`,
-  :func:`~jmp_train.restore_checkpoint` (orbax).
+  :func:`~jmp_train.restore_checkpoint`,
+  :func:`~jmp_train.restore_latest_checkpoint`,
+  :func:`~jmp_train.checkpoint_save_args` (orbax, with checksums).
 """
