@@ -344,6 +344,16 @@ def _headline_rows(loaded) -> Iterator[dict[str, str]]:
                      f"{r['params']:,}-parameter MLP, 8 replicas",
            "value": f"{r['vs_f32']:.4f} ({1 / r['vs_f32']:.0f}x fewer)",
            "source": _where(loaded, name)}
+  name = "replica_scale-cpu.json"
+  measured = [r for r in _rows_of(loaded, name)
+              if r.get("part") == "measured" and r.get("scheme") == "sign_compression"]
+  if len(measured) >= 2:
+    lo, hi = min(measured, key=lambda r: r["replicas"]), max(measured, key=lambda r: r["replicas"])
+    yield {"figure": f"`sign_compression` step's program (StableHLO lines) and first step, "
+                     f"{lo['replicas']} against {hi['replicas']} replicas",
+           "value": f"{lo['hlo_lines']:,} / {lo['first_step_s']:.1f} s against "
+                    f"{hi['hlo_lines']:,} / {hi['first_step_s']:.1f} s",
+           "source": _where(loaded, name)}
   name = _DEMO_FILES[0]
   one_bit, f32 = _find(loaded, name, config="8dev-1bit"), _find(loaded, name, config="8dev-f32")
   if one_bit and f32 and one_bit.get("wire_bytes_per_step") and f32.get("wire_bytes_per_step"):

@@ -11,50 +11,24 @@ import pytest
 
 from jmp_train import one_bit_adam, one_bit_momentum
 
-from _sign_reference import buffer_residual, ref_flatten
-from _sign_reference import ref_quantize as ref_decode
-from _sign_reference import ref_unflatten as _ref_unflatten
+from _sign_reference import buffer_residual, ref_from_chunks, ref_step
 from _one_bit_util import AXIS, B1, B2, EPS, SHAPES, adam, leaves_of, make_tree, momentum, pmapped
 
 
 # ---------------------------------------------------------------------------
 # NumPy reference: the 1-bit exchange (worker + server error feedback, K
-# owners of contiguous chunks) and 1-bit Adam on top of it, from the papers'
-# description.
+# owners, tests/_sign_reference.py) and 1-bit Adam on top of it, from the
+# papers' description.
 # ---------------------------------------------------------------------------
 
 
-def ref_unflatten(flat, shapes, scale):
-  return _ref_unflatten(flat, [np.zeros(shape, np.float32) for shape in shapes], scale)
-
-
 def ref_exchange(values, r, e, scale):
-  """1-bit average of K replicas' trees. values: K lists of leaves.
+  """1-bit average of K replicas' trees (the reference exchange). values: K lists of leaves.
 
-  Returns (averaged leaves, new worker residuals (K, n_pad), new server
+  Returns (averaged leaves, new worker residuals (K, N), new server
   residuals (K, S)).
   """
-  k = len(values)
-  flats = [ref_flatten(v, scale) for v in values]
-  seg_len, n = flats[0][1], flats[0][0].size
-  n_pad = max(8 * k, -(-n // (8 * k)) * 8 * k)
-  chunk = n_pad // k
-  ids = np.repeat(np.arange(len(seg_len) + 1), seg_len + [n_pad - n])
-  v = np.stack([np.pad(f, (0, n_pad - n)) for f, _ in flats]) + r
-  dec = np.zeros_like(v)
-  for j in range(k):
-    for s in np.unique(ids):
-      dec[j, ids == s] = ref_decode(v[j, ids == s], scale)
-  u = dec.sum(axis=0, dtype=np.float32) / np.float32(k) + e.reshape(-1)
-  out = np.zeros(n_pad, np.float32)
-  for c in range(k):  # owner c re-quantizes its chunk, per segment part
-    sl = np.zeros(n_pad, bool)
-    sl[c * chunk : (c + 1) * chunk] = True
-    for s in np.unique(ids[sl]):
-      mask = sl & (ids == s)
-      out[mask] = ref_decode(u[mask], scale)
-  shapes = [np.shape(x) for x in values[0]]
-  return ref_unflatten(out[:n], shapes, scale), v - dec, (u - out).reshape(k, chunk)
+  return ref_step(values, r, e, scale)[:3]
 
 
 def ref_covered(t, warmup, refresh):
@@ -171,7 +145,7 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, 
         count=int(state.count[0]),
         mu=leaves_of(state.mu, 0),
         nu=leaves_of(state.nu, 0),
-        r=buffer_residual(state.compression.worker_residual, SHAPES, scale, k),
+        r=buffer_residual(state.compression.worker_residual, SHAPES, scale),
         e=np.asarray(state.compression.server_residual),
     )
     if rescale:
@@ -182,7 +156,7 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, 
         clip_step=clip_step, rescale=rescale,
     )
     residuals = (
-        buffer_residual(state.compression.worker_residual, SHAPES, scale, k),
+        buffer_residual(state.compression.worker_residual, SHAPES, scale),
         np.asarray(state.compression.server_residual),
     )
     updates, state = update(grads, state, params)
@@ -196,7 +170,7 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, 
       if rescale:
         np.testing.assert_allclose(leaves_of(state.sq_mean, j), ref["s"], rtol=2e-6)
         np.testing.assert_allclose(leaves_of(state.sq_mean_ref, j), ref["s_ref"], rtol=2e-6)
-    r_new = buffer_residual(state.compression.worker_residual, SHAPES, scale, k)
+    r_new = buffer_residual(state.compression.worker_residual, SHAPES, scale)
     np.testing.assert_allclose(r_new, ref["r"], rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(state.compression.server_residual), ref["e"], rtol=2e-5, atol=1e-6)
     assert int(state.count[0]) == step + 1
@@ -299,17 +273,16 @@ def test_both_residuals_conserve_the_exchanged_momentum_each_step(factory, excha
                 -limit, limit)
         for j in range(k)
     ])
-    r0 = buffer_residual(state.compression.worker_residual, SHAPES, "l2", k)
+    r0 = buffer_residual(state.compression.worker_residual, SHAPES, "l2")
     e0 = np.asarray(state.compression.server_residual).reshape(-1)
     _, state = update(grads, state, params)
     if step < 1:
       continue
-    n = local.shape[1]
-    r1 = buffer_residual(state.compression.worker_residual, SHAPES, "l2", k)
+    r1 = buffer_residual(state.compression.worker_residual, SHAPES, "l2")
     e1 = np.asarray(state.compression.server_residual).reshape(-1)
     new = state.mu if factory is adam else state.trace
     out = flat(leaves_of(new, 0)) / d
-    decoded = np.pad(local, ((0, 0), (0, r0.shape[1] - n))) + r0 - r1  # each worker's message
+    decoded = local + r0 - r1  # each worker's message
     # Per leaf, every worker's decoded message takes the two values +-h.
     off = 0
     for shape in SHAPES.values():
@@ -318,7 +291,9 @@ def test_both_residuals_conserve_the_exchanged_momentum_each_step(factory, excha
         part = np.abs(decoded[j, off : off + size])
         np.testing.assert_allclose(part, part.max(), rtol=1e-5)
       off += size
-    received = decoded.sum(0, dtype=np.float32)[:n] / k + e0[:n] - e1[:n]
+    # The server residuals in leaf order: what each owner kept of its part.
+    e0, e1 = (ref_from_chunks(e, SHAPES, "l2", k) for e in (e0, e1))
+    received = decoded.sum(0, dtype=np.float32) / k + e0 - e1
     np.testing.assert_allclose(out, received, rtol=1e-5, atol=1e-6)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
     SHAPES, WIDE_SHAPES, assert_residual_zero, buffer_residual, make_grads,
-    per_replica_leaves, pmapped, ref_flatten, ref_step, replicated_zeros,
+    per_replica_leaves, pmapped, ref_flatten, ref_step, ref_to_chunks, replicated_zeros,
 )
 
 
@@ -29,7 +29,7 @@ def test_matches_numpy_reference_and_conserves(k, scale):
   state = init(replicated_zeros(k))
   for step in range(3):
     grads = make_grads(k, seed=step)
-    r_old = buffer_residual(state.worker_residual, SHAPES, scale, k)
+    r_old = buffer_residual(state.worker_residual, SHAPES, scale)
     e_old = np.asarray(state.server_residual)
     out, state = update(grads, state)
     ref_out, ref_r, ref_e, v, u, ref_flat = ref_step(
@@ -40,7 +40,7 @@ def test_matches_numpy_reference_and_conserves(k, scale):
       # Identical (bit for bit) on every replica.
       np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))
       np.testing.assert_allclose(got[0], ref_leaf, rtol=2e-5, atol=1e-6, err_msg=name)
-    r_new = buffer_residual(state.worker_residual, SHAPES, scale, k)
+    r_new = buffer_residual(state.worker_residual, SHAPES, scale)
     e_new = np.asarray(state.server_residual)
     np.testing.assert_allclose(r_new, ref_r, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(e_new, ref_e, rtol=2e-5, atol=2e-6)
@@ -52,9 +52,9 @@ def test_matches_numpy_reference_and_conserves(k, scale):
     # Owner side: u = decode(u) + e, for every chunk, with the actual output
     # (to a few roundings: the reference sums the K chunks in another order).
     flat_out = np.asarray(ref_flatten([np.asarray(out[n][0]) for n in SHAPES], scale)[0])
-    flat_out = np.pad(flat_out, (0, u.size - flat_out.size))
-    tol = 8 * np.float32(2.0**-23) * (np.abs(u) + np.abs(flat_out) + np.abs(e_old.reshape(-1)))
-    assert (np.abs(u - (flat_out + e_new.reshape(-1))) <= tol + 1e-30).all()
+    chunk_out = ref_to_chunks(flat_out, SHAPES, scale, k)
+    tol = 8 * np.float32(2.0**-23) * (np.abs(u) + np.abs(chunk_out) + np.abs(e_old))
+    assert (np.abs(u - (chunk_out + e_new)) <= tol + 1e-30).all()
     assert np.asarray(state.count)[0] == step + 1
 
 
@@ -66,7 +66,7 @@ def test_residual_is_exact_difference():
   state = init(replicated_zeros(k))
   grads = make_grads(k, seed=7)
   _, state = update(grads, state)
-  r = buffer_residual(state.worker_residual, SHAPES, "column", k)
+  r = buffer_residual(state.worker_residual, SHAPES, "column")
   for j in range(k):
     v, seg_len = ref_flatten(per_replica_leaves(grads, j), "column")
     decoded = v - r[j, : v.size]
@@ -98,7 +98,7 @@ def test_without_error_feedback_residuals_stay_zero():
     np.testing.assert_array_equal(np.asarray(state.server_residual), 0.0)
     ref_out, *_ = ref_step(
         [per_replica_leaves(grads, j) for j in range(k)],
-        buffer_residual(state.worker_residual, SHAPES, "column", k),
+        buffer_residual(state.worker_residual, SHAPES, "column"),
         np.zeros(state.server_residual.shape, np.float32),
         "column",
         error_feedback=False,
@@ -145,14 +145,14 @@ def test_warmup_is_exact_pmean_then_compressed():
     else:
       ref_out, ref_r, *_ = ref_step(
           [per_replica_leaves(grads, j) for j in range(k)],
-          np.zeros_like(buffer_residual(state.worker_residual, SHAPES, "column", k)),
+          np.zeros_like(buffer_residual(state.worker_residual, SHAPES, "column")),
           np.zeros(state.server_residual.shape, np.float32),
           "column",
       )
       for name, ref_leaf in zip(SHAPES, ref_out):
         np.testing.assert_allclose(np.asarray(out[name][0]), ref_leaf, rtol=2e-5, atol=1e-6)
       np.testing.assert_allclose(
-          buffer_residual(state.worker_residual, SHAPES, "column", k), ref_r, rtol=2e-5, atol=2e-6
+          buffer_residual(state.worker_residual, SHAPES, "column"), ref_r, rtol=2e-5, atol=2e-6
       )
   assert np.asarray(state.count)[0] == 3
 
@@ -170,10 +170,10 @@ def test_non_finite_gradient_keeps_residuals(bad):
   _, state = update(make_grads(k, seed=40), state)
   grads = make_grads(k, seed=41)
   grads["dense"] = grads["dense"].at[1, 2, 0].set(bad)
-  r_old = buffer_residual(state.worker_residual, SHAPES, "column", k)
+  r_old = buffer_residual(state.worker_residual, SHAPES, "column")
   e_old = np.asarray(state.server_residual)
   out, new_state = update(grads, state)
-  r_new = buffer_residual(new_state.worker_residual, SHAPES, "column", k)
+  r_new = buffer_residual(new_state.worker_residual, SHAPES, "column")
   e_new = np.asarray(new_state.server_residual)
   assert np.isfinite(r_new).all() and np.isfinite(e_new).all()
   # Replica 1 saw the bad value: its residual is untouched; others moved on.
@@ -202,7 +202,7 @@ def test_word_packed_leaves_match_numpy_reference(k):
   state = init(replicated_zeros(k, WIDE_SHAPES))
   for step in range(2):
     grads = make_grads(k, seed=80 + step, shapes=WIDE_SHAPES)
-    r_old = buffer_residual(state.worker_residual, WIDE_SHAPES, "column", k)
+    r_old = buffer_residual(state.worker_residual, WIDE_SHAPES, "column")
     e_old = np.asarray(state.server_residual)
     out, state = update(grads, state)
     ref_out, ref_r, ref_e, *_ = ref_step(
@@ -212,6 +212,6 @@ def test_word_packed_leaves_match_numpy_reference(k):
       got = np.asarray(out[name])
       np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))
       np.testing.assert_allclose(got[0], ref_leaf, rtol=2e-5, atol=1e-6, err_msg=name)
-    r_new = buffer_residual(state.worker_residual, WIDE_SHAPES, "column", k)
+    r_new = buffer_residual(state.worker_residual, WIDE_SHAPES, "column")
     np.testing.assert_allclose(r_new, ref_r, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(state.server_residual), ref_e, rtol=2e-5, atol=2e-6)

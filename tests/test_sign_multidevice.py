@@ -34,7 +34,7 @@ def test_mixed_dtypes_under_pmap():
 
 
 def test_shard_map_equals_pmap():
-  k = 4  # the exchange's program grows with the replicas: four, not eight
+  k = 4  # four replicas: what this checks does not depend on their number
   tx = sign_compression(AXIS, scale="column")
   mesh = jax.make_mesh((k,), (AXIS,), devices=jax.devices()[:k])
   params = {n: jnp.zeros(s) for n, s in SHAPES.items()}

@@ -198,7 +198,7 @@ class _Config:
 
 
 def _plan(cfg: _Config, leaves, where: str):
-  k = 1 if cfg.axis_name is None else axis_size(cfg.axis_name, cfg.num_replicas, where, _NAME)
+  k = axis_size(cfg.axis_name, cfg.num_replicas, where, _NAME, leaves)
   sizes = [int(np.prod(x.shape, dtype=np.int64)) for x in leaves]
   return k, _buckets(sizes, k, cfg.bucket_bytes)
 

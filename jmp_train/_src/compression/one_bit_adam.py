@@ -180,8 +180,8 @@ def one_bit_adam(
       context.
     bucket_bytes: ``None``: one 1-bit exchange for the whole tree; an int:
       one per bucket of about this many float32 bytes, last leaves first
-      (:func:`jmp_train.sign_compression`'s ``bucket_bytes``). A state
-      restores only with the same value.
+      (:func:`jmp_train.sign_compression`'s ``bucket_bytes``: the results
+      and the state do not depend on it).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`OneBitAdamState`.
@@ -193,7 +193,7 @@ def one_bit_adam(
       ``learning_rate`` number that is not finite and > 0, ``b1`` or ``b2``
       outside ``[0, 1)``, or a negative ``eps`` or ``weight_decay``; at trace time
       for a non-floating leaf (mask it out with ``optax.masked``) or a state
-      made for another replica count or other buckets.
+      made for another replica count or other parameters.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax

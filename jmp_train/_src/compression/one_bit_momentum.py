@@ -97,8 +97,8 @@ def one_bit_momentum(
       context.
     bucket_bytes: ``None``: one 1-bit exchange for the whole tree; an int:
       one per bucket of about this many float32 bytes, last leaves first
-      (:func:`jmp_train.sign_compression`'s ``bucket_bytes``). A state
-      restores only with the same value.
+      (:func:`jmp_train.sign_compression`'s ``bucket_bytes``: the results
+      and the state do not depend on it).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`OneBitMomentumState`.
@@ -109,7 +109,7 @@ def one_bit_momentum(
       > 0, ``momentum`` outside ``[0, 1)``, a negative ``weight_decay`` or a
       non-bool ``nesterov``; at trace time for a non-floating leaf (mask it
       out with ``optax.masked``) or a state made for another replica count or
-      other buckets.
+      other parameters.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax

@@ -1,29 +1,37 @@
 """The 1-bit codec of :func:`jmp_train.sign_compression`: worker, owner, decode.
 
-Each step works on the static runs of ``sign_layout``: a run is a
-``(count, length)`` view of the flat buffer, so the per-segment sums are row
-reductions and decoding is a broadcast of one ``(hi, lo)`` pair per row. The
-bits' packing and their transposes as words live in ``sign_bits``.
-
-The final decode writes a column-scale leaf in its own ``(rows, columns)``
-order: its bits cross from the buffer's column-by-column order as packed
-32-, 16- or 8-bit words (``sign_bits.unpack_columns``), so no float buffer
-is transposed (a transpose runs several times slower than a copy on
-XLA:CPU).
+Every step works leaf by leaf on the static :class:`~sign_layout.Part` s of
+``sign_layout``: each owner's chunk holds the same part of every leaf (whole
+columns, or rows of every column), so a part is a plain ``(pieces, entries)``
+or ``(rows, columns)`` array, the per-piece sums are reductions along one
+axis and decoding is a broadcast of one ``(hi, lo)`` pair per piece. The
+owners run one program whatever their number ``K``: no branch per owner, no
+loop over chunk boundaries. The bits' packing and their transposes as
+words live in ``sign_bits``.
 
 * :func:`worker_step`: ``v = g + r``; packed bits, pairs, ``r <- v - decode``,
   each leaf in its own order (the residuals are per leaf). The bits and the
-  sums behind the pairs come from one pass over ``v``: a variadic reduction
-  over blocks of 8 entries (:func:`_packed_rows`,
-  :func:`_column_statistics`).
+  sums behind the pairs come from one pass over ``v`` (a variadic reduction
+  over blocks of 8 entries: :func:`_packed_rows`,
+  :func:`_column_statistics`); a leaf split by columns packs its bits
+  column by column as words (no float transpose). The bits and pairs leave
+  as ``(K, S/8)`` and ``(K, M, 2)``: row ``o`` is owner ``o``'s.
 * :func:`owner_step`: decode the ``K`` received chunks, average them, add
-  the server residual, re-quantize (one ``lax.switch`` branch per owner:
-  each owner's pieces are static); the server residual is updated after
-  the switch, in place when donated.
-* :func:`final_decode`: the gathered bits and pairs to the leaves.
+  the server residual, re-quantize each piece, update the server residual
+  (in place when donated). The ``K`` senders are summed in at most 8
+  unrolled terms, each over ``ceil(K / 8)`` senders at once, whose partial
+  sums are then added by a product with a vector of ones
+  (:func:`_sum_senders`): a program of fixed size, and XLA:CPU runs both
+  forms at memory speed where it runs a reduction over a sender axis an
+  order of magnitude slower.
+* :func:`final_decode`: the gathered bits and pairs to the leaves, each
+  part in one broadcast; a leaf split by columns is written in its own
+  ``(rows, columns)`` order from bits transposed as packed words
+  (``sign_bits.unpack_columns``: a float transpose runs several times slower
+  than a copy on XLA:CPU).
 
 Packed bits are decoded from ``(..., bytes, 8)`` views, each entry's shift
-its index along the last axis (:func:`_decode_packed`), and partial sums
+its index along the last axis (``sign_bits.bit_lanes``), and partial sums
 already in memory are finished by products with a vector of ones
 (:func:`_sum_by_product`): the forms XLA:CPU runs at memory speed.
 """
@@ -39,7 +47,7 @@ from jmp_train._src.leaf_checks import all_finite
 from jmp_train._src.compression.sign_bits import (
     SHIFTS, bit_lanes, pack, unpack, unpack_columns, wider_words, words_to_bytes,
 )
-from jmp_train._src.compression.sign_layout import Layout, Run, from_flat_leaf
+from jmp_train._src.compression.sign_layout import Layout, Part
 
 __all__ = ["quantize_rows", "worker_step", "owner_step", "final_decode"]
 
@@ -171,50 +179,34 @@ def quantize_rows(x: jax.Array, scale: str):
   return bits, pairs, decode_rows(bits, pairs)
 
 
-def _norm_pairs(total: jax.Array, n: int, scale: str) -> jax.Array:
-  """``(hi, -hi)`` from the sum of ``|x|`` (``l1``) or of ``x**2`` (``l2``) over ``n`` entries."""
-  hi = total / max(n, 1)
+def _norm_pairs(total: jax.Array, n, scale: str) -> jax.Array:
+  """``(hi, -hi)`` from the sum of ``|x|`` (``l1``) or of ``x**2`` (``l2``) over ``n`` entries.
+
+  ``n`` may be traced (an owner's entries, without appended zeros).
+  """
+  hi = total / (max(n, 1) if isinstance(n, int) else jnp.maximum(n, 1).astype(jnp.float32))
   if scale == "l2":
     hi = jnp.sqrt(hi)
   return jnp.stack([hi, -hi], axis=-1)
 
 
-def _column_pairs(pos_sum, neg_sum, pos_cnt, n: int) -> jax.Array:
+def _column_pairs(pos_sum, neg_sum, pos_cnt, n: int, zeros=0) -> jax.Array:
   """``(hi, lo)``: the means of the non-negative and of the negative entries.
 
-  Counts are float32: exact up to 2**24 entries per column.
+  Counts are float32: exact up to 2**24 entries per column. ``zeros``
+  (traced or not): appended zeros among the ``n`` entries, counted in
+  ``pos_cnt`` but not entries (their sums add nothing).
   """
-  hi = pos_sum / jnp.maximum(pos_cnt, 1.0)
   lo = neg_sum / jnp.maximum(n - pos_cnt, 1.0)
+  if not (isinstance(zeros, int) and zeros == 0):
+    pos_cnt = pos_cnt - jnp.asarray(zeros, pos_cnt.dtype)
+  hi = pos_sum / jnp.maximum(pos_cnt, 1.0)
   return jnp.stack([hi, lo], axis=-1)
 
 
 def decode_rows(bits: jax.Array, pairs: jax.Array) -> jax.Array:
   """``where(bits, hi, lo)`` with one ``(hi, lo)`` row of ``pairs`` per row of bits."""
   return jnp.where(bits, pairs[..., 0:1], pairs[..., 1:2])
-
-
-def _decode_packed(packed: jax.Array, run: Run, pairs: jax.Array) -> jax.Array:
-  """``decode_rows`` of run ``run`` of the packed bits ``packed`` (``(n / 8,)`` uint8).
-
-  A run whose rows start and end on bytes is decoded from a ``(count,
-  length / 8, 8)`` view: the shift of each entry is its index along the last
-  axis, so XLA:CPU vectorizes the decode. Unpacking first and viewing the
-  bits as rows leaves it an index computation and a byte load per entry,
-  several times slower. Any other run unpacks the bytes that hold it.
-  """
-  if run.start % 8 == 0 and run.length % 8 == 0:
-    bits = bit_lanes(packed[run.start // 8 : (run.start + run.size) // 8].reshape(run.count, -1))
-    out = jnp.where(bits, pairs[:, 0, None, None], pairs[:, 1, None, None])
-    return out.reshape(run.count, run.length)
-  first = run.start // 8
-  bits = unpack(packed[first : -(-(run.start + run.size) // 8)])
-  return decode_rows(_view(bits, run, -8 * first), pairs)
-
-
-def _view(flat: jax.Array, run: Run, base: int = 0) -> jax.Array:
-  lo = base + run.start
-  return flat[..., lo : lo + run.size].reshape(flat.shape[:-1] + (run.count, run.length))
 
 
 def _leaf_pairs(v: jax.Array, scale: str) -> jax.Array:
@@ -254,11 +246,20 @@ def _leaf_sum(x: jax.Array, r, shape) -> jax.Array:
   return v if r is None else v + r.reshape(shape)
 
 
-def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
-  """Leaf ``i``: ``(v, bits in buffer order, pairs, decoded)``.
+
+
+def _pad_bits(bits: jax.Array, n: int) -> jax.Array:
+  """Bits (boolean, or ``uint8`` already packed) padded with zeros to ``n`` and packed."""
+  if bits.dtype == jnp.uint8:
+    return jnp.pad(bits, (0, n // 8 - bits.shape[0]))
+  return pack(jnp.pad(bits, (0, n - bits.shape[0])))
+
+
+def _worker_leaf(x: jax.Array, r, part: Part, scale: str):
+  """One leaf: ``(v, packed bits of every owner's part (K·size/8,), pairs (cols, 2), decoded)``.
 
   ``v`` and ``decoded`` are float32, in the leaf's shape, or ``(rows,
-  columns)`` for a column-scale leaf: a residual update
+  columns)`` for a leaf with a segment per column: a residual update
   ``v - decoded`` that broadcasts each column's pair along the rows then
   runs at memory speed (XLA:CPU indexes a broadcast along the minor axis of
   a flattened output element by element).
@@ -271,52 +272,43 @@ def _worker_leaf(x: jax.Array, r, layout: Layout, i: int, scale: str):
   stored: the statistics and the residual update each read ``x`` and ``r``,
   and the residual update writes in place over a donated ``r``.
   """
-  shape = (layout.rows(i), layout.shapes[i][-1]) if layout.transpose[i] else x.shape
+  rows, cols = part.rows, part.cols
+  shape = (rows, cols) if cols > 1 else x.shape
   v = _leaf_sum(x, r, shape)
   vs = _leaf_sum(*lax.optimization_barrier((x, r)), shape)  # the same values
-  if not layout.transpose[i]:
+  if cols == 1:  # one segment, split by entries
     flat = vs.reshape(-1)
-    if flat.shape[0] % 8 == 0 and layout.offsets[i] % 8 == 0:  # whole bytes
+    if flat.shape[0] % 8 == 0:  # whole bytes: bits and sums in one pass
       bits, pairs = _packed_rows(flat[None], scale)
     else:
       bits, pairs = flat >= 0, _leaf_pairs(flat, scale)
     return v, bits, pairs, jnp.where(v >= 0, pairs[0, 0], pairs[0, 1])
-  # Column scales: the sums are reductions over the rows; the residual
-  # update and, where the rows allow packed words, the bits stay in the
-  # leaf's own order.
-  rows = shape[0]
-  if layout.word_bits(i):  # bits, sums and counts in one pass over the floats
-    bits, pos, neg, count = _column_statistics(vs)
-  else:
+  if part.split == "columns":  # bits column by column
+    if rows % 8 == 0:  # bits, sums and counts in one pass over the floats
+      bits, pos, neg, count = _column_statistics(vs)
+    else:
+      nonneg = vs >= 0
+      bits = nonneg.T.reshape(-1)
+      count = jnp.sum(nonneg, axis=0, dtype=jnp.float32)
+      pos, neg = _signed_sums_over_rows(vs)
+  else:  # bits in the leaf's own order
     nonneg = vs >= 0
-    bits = nonneg.T.reshape(-1)
+    flat = nonneg.reshape(-1)
+    bits = pack(flat) if flat.shape[0] % 8 == 0 else flat
     count = jnp.sum(nonneg, axis=0, dtype=jnp.float32)
     pos, neg = _signed_sums_over_rows(vs)
   pairs = _column_pairs(pos, neg, count, rows)
   return v, bits, pairs, jnp.where(v >= 0, pairs[:, 0], pairs[:, 1])
 
 
-def _pack_pieces(pieces, n_pad: int) -> jax.Array:
-  """Packs pieces that cover ``[0, n_pad)`` in order into ``(n_pad / 8,)`` uint8.
-
-  A piece is boolean bits, or ``uint8`` bits already packed (starting on a
-  byte). A boolean piece that starts and ends on a byte is packed on its
-  own; neighbours that share a byte are concatenated first (small leaves,
-  in practice).
-  """
-  packed, group, start, size = [], [], 0, 0
-  for bits in pieces:
-    if bits.dtype == jnp.uint8:
-      assert not group, "packed pieces start on a byte"
-      packed.append((start // 8, bits))
-      start += 8 * bits.shape[0]
-      continue
-    group.append(bits)
-    size += bits.shape[0]
-    if size % 8 == 0:
-      packed.append((start // 8, pack(group[0] if len(group) == 1 else jnp.concatenate(group))))
-      start, group, size = start + size, [], 0
-  return assemble(packed, jnp.zeros((n_pad // 8,), jnp.uint8))
+def _sent_pairs(pairs: jax.Array, part: Part, k: int) -> jax.Array:
+  """A leaf's ``(cols, 2)`` pairs as every owner's ``(K, pairs, 2)``."""
+  if part.split == "columns":  # owner o: the pairs of its (sub-)columns (zeros for appended ones)
+    if part.sub > 1:  # a sub-column takes its column's pair
+      pairs = jnp.repeat(pairs, part.sub, axis=0)
+    pieces = part.cols * part.sub
+    return jnp.pad(pairs, ((0, k * part.width - pieces), (0, 0))).reshape(k, part.width, 2)
+  return jnp.broadcast_to(pairs, (k,) + pairs.shape)  # every owner: all columns
 
 
 def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
@@ -325,7 +317,7 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
   Each leaf is quantized in its own order: ``v = g + r`` and ``r <- v -
   decode(v)`` are elementwise on the leaf, so a donated residual is
   updated in place; only the bits (and, for column scales, the column
-  sums) are taken in buffer order.
+  sums) are taken in the order of the owners' parts.
 
   Args:
     leaves: the gradient leaves (any floating dtype).
@@ -337,25 +329,23 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
     decode: also return the decoded leaves (float32, leaf shapes).
 
   Returns:
-    ``(packed, pairs, new_residual, decoded)``: the bits in buffer order
-    packed to ``(n_pad / 8,)`` uint8, pairs ``(segments, 2)`` float32 in
-    buffer order, the new residuals (``None`` without error feedback; the
+    ``(bits, pairs, new_residual, decoded)``: the packed bits of every
+    owner's chunk, ``(K, S/8)`` uint8, the pairs of its pieces, ``(K, M,
+    2)`` float32, the new residuals (``None`` without error feedback; the
     old ones where ``v`` is not finite) and the decoded leaves (``None``
     unless ``decode``).
   """
+  k = layout.k
   bits, pairs, done = [], [], {}
-  for run in layout.worker_runs:
-    if run.leaf < 0:  # the padding: zeros, which quantize to zero
-      b, p, _ = quantize_rows(jnp.zeros((1, run.length), jnp.float32), scale)
-      bits.append(b.reshape(-1))
-      pairs.append(p)
-      continue
-    i = run.leaf
-    v, b, p, d = _worker_leaf(leaves[i], None if residual is None else residual[i], layout, i, scale)
-    bits.append(b)
-    pairs.append(p)
+  for part in layout.parts:
+    i = part.leaf
+    v, b, p, d = _worker_leaf(leaves[i], None if residual is None else residual[i], part, scale)
+    b = _pad_bits(b, k * part.size).reshape(k, part.size // 8)
+    bits.append(((0, part.offset // 8), b))
+    pairs.append(((0, part.pair_offset, 0), _sent_pairs(p, part, k)))
     done[i] = (v, d)
-  pairs = jnp.concatenate(pairs)
+  bits = assemble(bits, jnp.zeros((k, layout.chunk // 8), jnp.uint8))
+  pairs = assemble(pairs, jnp.zeros((k, layout.max_local, 2), jnp.float32))
   if residual is not None:
     # Non-finite v makes its segment's pairs non-finite: keep the residual.
     finite = all_finite(pairs)
@@ -370,44 +360,124 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
         done[i][1].reshape(shape) if i in done else jnp.zeros(shape, jnp.float32)
         for i, shape in enumerate(layout.shapes)
     ]
-  return _pack_pieces(bits, layout.n_pad), pairs, residual, dec
+  return bits, pairs, residual, dec
 
 
-def _owner_chunk(runs, recv_bits, recv_pairs, e, k: int, m: int, scale: str):
-  """One owner's step on its static pieces ``runs``; ``e`` may be ``None``.
+# Senders summed in unrolled terms, each over ceil(K / _TERMS) of them at once.
+_TERMS = 8
 
-  Returns the packed bits, the pairs, and ``None`` or the chunk's new
-  server residual ``u - decode(u)`` (applied, or not, by the caller).
+
+def _sum_senders(decode, recv_bits, recv_pairs, part: Part, k: int) -> jax.Array:
+  """``sum_j decode(bits_j, pairs_j)`` over the ``K`` senders of ``part``, in a program of fixed size.
+
+  The senders are cut into ``g = min(K, 8)`` groups of ``t = ceil(K / g)``
+  (the last group padded with zero senders, which decode to zeros):
+  ``decode`` runs on a whole group at once, the groups are added in
+  unrolled terms, and the ``t`` partial sums by a product with a vector of
+  ones. For ``K <= 8`` that is the plain sum in sender order. Each group's
+  bits are sliced from the received message itself, so the slice fuses
+  into the decode.
   """
-  out_bits, out_pairs, ud = [], [], []
-  row = 0
-  for run in runs:
-    pairs_in = recv_pairs[:, row : row + run.count]  # (K, count, 2)
-    row += run.count
-    # Unrolled over the K senders: XLA:CPU runs a reduction over the leading
-    # axis of a fused decode an order of magnitude slower than K adds.
-    u = _decode_packed(recv_bits[0], run, pairs_in[0])
-    for j in range(1, k):
-      u = u + _decode_packed(recv_bits[j], run, pairs_in[j])
-    u = u / k
-    if e is not None:
-      u = u + _view(e, run)
-    if run.start % 8 == 0 and run.length % 8 == 0:  # whole bytes
-      b, p = _packed_rows(u, scale)
+  lo, hi = part.offset // 8, (part.offset + part.size) // 8
+  g = min(k, _TERMS)
+  t = -(-k // g)
+  acc = None
+  for j in range(0, k, t):
+    bits = recv_bits[j : j + t, lo:hi]
+    pairs = recv_pairs[j : j + t, part.pair_offset : part.pair_offset + part.pairs]
+    if bits.shape[0] < t:
+      bits = jnp.pad(bits, ((0, t - bits.shape[0]), (0, 0)))
+      pairs = jnp.pad(pairs, ((0, t - pairs.shape[0]), (0, 0), (0, 0)))
+    d = decode(bits, pairs)
+    acc = d if acc is None else acc + d
+  if t == 1:
+    return acc[0]
+  return _sum_by_product(acc.reshape(t, -1), 0).reshape(acc.shape[1:])
+
+
+def _decode_rows_of(bits: jax.Array, pairs: jax.Array, pieces: int, length: int) -> jax.Array:
+  """``(..., pieces·length/8)`` packed bits as ``(..., pieces, length)``, piece ``i`` with ``pairs[..., i, :]``.
+
+  Whole-byte pieces decode from a ``(..., pieces, length / 8, 8)`` view (each
+  entry's shift its index along the last axis: XLA:CPU vectorizes it);
+  others unpack the bits first.
+  """
+  lead = bits.shape[:-1]
+  if length % 8 == 0:
+    lanes = bit_lanes(bits.reshape(lead + (pieces, length // 8)))
+    out = jnp.where(lanes, pairs[..., 0, None, None], pairs[..., 1, None, None])
+    return out.reshape(lead + (pieces, length))
+  b = unpack(bits).reshape(lead + (pieces, length))
+  return jnp.where(b, pairs[..., 0:1], pairs[..., 1:2])
+
+
+def _decode_columns_of(bits: jax.Array, pairs: jax.Array, rows: int, cols: int) -> jax.Array:
+  """``(..., rows·cols/8)`` packed row-by-row bits as ``(..., rows, cols)``, column ``c`` with ``pairs[..., c, :]``."""
+  lead = bits.shape[:-1]
+  if cols % 8 == 0:
+    lanes = bit_lanes(bits.reshape(lead + (rows, cols // 8)))
+    hi = pairs[..., 0].reshape(lead + (1, cols // 8, 8))
+    lo = pairs[..., 1].reshape(lead + (1, cols // 8, 8))
+    return jnp.where(lanes, hi, lo).reshape(lead + (rows, cols))
+  b = unpack(bits).reshape(lead + (rows, cols))
+  return jnp.where(b, pairs[..., None, :, 0], pairs[..., None, :, 1])
+
+
+def _decode_part(bits: jax.Array, pairs: jax.Array, part: Part) -> jax.Array:
+  """Leading axes kept: one owner's part of leaf ``part.leaf`` decoded.
+
+  ``(..., width, rows)`` for a part split by columns, ``(..., 1, width)`` for
+  a one-segment leaf (one piece), ``(..., width, cols)`` otherwise.
+  """
+  if part.split == "columns":
+    return _decode_rows_of(bits, pairs, part.width, part.piece_rows)
+  if part.cols == 1:
+    return _decode_rows_of(bits, pairs, 1, part.width)
+  return _decode_columns_of(bits, pairs, part.width, part.cols)
+
+
+def _requantize(u: jax.Array, part: Part, scale: str, zeros):
+  """An owner's pieces of ``u`` re-quantized: ``(packed bits, pairs, decoded)``.
+
+  ``zeros``: appended zeros at the end of each piece (``None`` for a part
+  split by columns, whose appended columns are whole zero pieces).
+  """
+  if part.split == "columns" or part.cols == 1:  # one piece per row of u
+    pieces, length = u.shape
+    if length % 8 == 0:  # whole bytes: bits and sums in one pass
+      packed, *sums = _bits_and_sums(u.reshape(pieces, length // 8, 8), 2, scale)
+      sums = [_sum_by_product(s, 1) for s in sums]
+      packed = packed.reshape(-1)
+      if scale == "column":
+        count = jnp.sum(lax.population_count(packed.reshape(pieces, -1)), axis=-1,
+                        dtype=jnp.int32).astype(jnp.float32)
+        pairs = _column_pairs(sums[0], sums[1] * 0.5, count, length, 0 if zeros is None else zeros)
+      else:
+        pairs = _norm_pairs(sums[0], length if zeros is None else length - zeros, scale)
     else:
-      b, p, _ = quantize_rows(u, scale)
-      b = b.reshape(-1)
-    out_bits.append(b)
-    out_pairs.append(p)
-    ud.append((run, u, decode_rows(u >= 0, p)))
-  pairs = jnp.concatenate(out_pairs + [jnp.zeros((m - row, 2), jnp.float32)])
-  if e is not None:  # the runs cover the chunk in order
-    e = assemble([(run.start, (u - d).reshape(-1)) for run, u, d in ud], jnp.zeros_like(e))
-  return _pack_pieces(out_bits, 8 * recv_bits.shape[1]), pairs, e
+      bits = u >= 0
+      packed = pack(bits.reshape(-1))
+      if scale == "column":
+        pairs = _column_pairs(*_column_sums(u), length, 0 if zeros is None else zeros)
+      else:
+        total = _lane_sum(jnp.abs(u) if scale == "l1" else jnp.square(u))
+        pairs = _norm_pairs(total, length if zeros is None else length - zeros, scale)
+    return packed, pairs, decode_rows(u >= 0, pairs)
+  # A piece per column of u (rows of every column): reductions over the rows.
+  rows = u.shape[0]
+  nonneg = u >= 0
+  count = jnp.sum(nonneg, axis=0, dtype=jnp.float32)
+  pos, neg = _signed_sums_over_rows(u)
+  pairs = _column_pairs(pos, neg, count, rows, zeros)
+  return pack(nonneg.reshape(-1)), pairs, jnp.where(nonneg, pairs[:, 0], pairs[:, 1])
 
 
 def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
   """The owner ``owner`` (traced) averages and re-quantizes its chunk.
+
+  The same program for every owner: the owner's index only says how many
+  rows of a part split by rows hold entries (the last owners' parts may end
+  in appended zeros, which are left out of the pairs and of the residual).
 
   Args:
     recv_bits: ``(K, S/8)`` uint8, every worker's packed chunk.
@@ -420,93 +490,79 @@ def owner_step(recv_bits, recv_pairs, e, owner, layout: Layout, scale: str):
   Returns:
     ``(packed (S/8,) uint8, pairs (M, 2) float32, new e or None)``.
   """
-  k, m = layout.k, layout.max_local
-  branches = [
-      (lambda b, p, e, runs=runs: _owner_chunk(runs, b, p, e, k, m, scale))
-      for runs in layout.owner_runs
-  ]
-  if len(set(layout.owner_runs)) == 1:
-    bits, pairs, r = branches[0](recv_bits, recv_pairs, e)
-  else:
-    bits, pairs, r = lax.switch(owner, branches, recv_bits, recv_pairs, e)
-  # Outside the branches, where a donated ``e`` is updated in place: a
-  # branch that updates its operand copies it first, and its result is
-  # copied again into the output.
-  return bits, pairs, None if e is None else jnp.where(all_finite(pairs), r, e)
-
-
-def _decode_columns(flat_bytes, all_pairs, layout: Layout, i: int) -> jax.Array:
-  """Leaf ``i`` (with :meth:`Layout.word_bits`) decoded in its own ``(rows, columns)`` order.
-
-  Each column takes the pair of its piece that starts at row 0; the pieces
-  that start lower (a chunk boundary cuts the column) are written over it.
-  """
-  rows, cols, off = layout.rows(i), layout.shapes[i][-1], layout.offsets[i]
-  packed = flat_bytes[off // 8 : (off + rows * cols) // 8]
-  bits = unpack_columns(packed, rows, cols, layout.word_bits(i))
-  base, cuts = [], []
-  for j, row, run in layout.leaf_runs(i):
-    if run.length == rows:  # whole columns
-      base.append(all_pairs[j, row : row + run.count])
-      continue
-    for t in range(run.count):
-      start = run.start + t * run.length
-      if start % rows == 0:
-        base.append(all_pairs[j, row + t : row + t + 1])
+  k = layout.k
+  out_bits, out_pairs, out_e = [], [], []
+  for part in layout.parts:
+    decode = lambda b, p, part=part: _decode_part(b, p, part)
+    u = _sum_senders(decode, recv_bits, recv_pairs, part, k) / k
+    if e is not None:
+      u = u + e[part.offset : part.offset + part.size].reshape(u.shape)
+    zeros = valid = None
+    if part.split == "rows":  # the owner's rows past the leaf's end hold no entries
+      n = part.valid(owner)
+      zeros = part.width - n
+      if part.cols == 1:
+        valid = lax.broadcasted_iota(jnp.int32, u.shape, 1) < n
       else:
-        cuts.append((all_pairs[j, row + t], start % rows, start // rows, run.length))
-  base = jnp.concatenate(base)  # (cols, 2)
-  out = jnp.where(bits, base[:, 0], base[:, 1])
-  for pair, a, c, length in cuts:
-    piece = jnp.where(bits[a : a + length, c : c + 1], pair[0], pair[1])
-    out = lax.dynamic_update_slice(out, piece, (a, c))
-  return out
-
-
-def _decode_pieces(flat_bytes, all_pairs, layout: Layout, i: int) -> jax.Array:
-  """Leaf ``i`` (one segment per piece, on whole bytes) decoded in buffer order in one pass.
-
-  Each byte takes the pair of the last piece that starts at or before it
-  (a chain of selects on the byte index): XLA:CPU concatenates separately
-  decoded pieces at about half the speed of this single fused decode.
-  """
-  off, size = layout.offsets[i], layout.sizes[i]
-  bits = bit_lanes(flat_bytes[off // 8 : (off + size) // 8])  # (size / 8, 8)
-  (j, row, _), *later = layout.leaf_runs(i)
-  hi, lo = all_pairs[j, row, 0], all_pairs[j, row, 1]
-  index = lax.broadcasted_iota(jnp.int32, (size // 8, 1), 0)
-  for j, row, run in later:
-    after = index >= run.start // 8
-    hi = jnp.where(after, all_pairs[j, row, 0], hi)
-    lo = jnp.where(after, all_pairs[j, row, 1], lo)
-  return jnp.where(bits, hi, lo).reshape(-1)
+        valid = lax.broadcasted_iota(jnp.int32, u.shape, 0) < n
+      u = jnp.where(valid, u, 0.0)
+    b, p, d = _requantize(u, part, scale, zeros)
+    out_bits.append((part.offset // 8, b))
+    out_pairs.append(p)
+    if e is not None:
+      r = u - d
+      out_e.append((part, r if valid is None else jnp.where(valid, r, 0.0)))
+  bits = assemble(out_bits, jnp.zeros((layout.chunk // 8,), jnp.uint8))
+  pairs = jnp.concatenate(out_pairs)
+  if e is None:
+    return bits, pairs, None
+  # Each part written over its own slice of e, or that slice kept where a
+  # pair is not finite: read from and written to the buffer being updated,
+  # so a donated e is updated in place, with no copy. A part of several rows
+  # is computed in its own 2-D shape first: fused into the update of the
+  # flat buffer, XLA:CPU indexes every element of its broadcasts from a flat
+  # index, several times slower.
+  finite = all_finite(pairs)
+  new_e = e
+  for part, r in out_e:
+    r = jnp.where(finite, r, new_e[part.offset : part.offset + part.size].reshape(r.shape))
+    if r.shape[0] > 1:
+      r = lax.optimization_barrier(r)
+    new_e = lax.dynamic_update_slice(new_e, r.reshape(-1), (part.offset,))
+  return bits, pairs, new_e
 
 
 def final_decode(all_bits, all_pairs, layout: Layout, dtypes) -> list[jax.Array]:
   """The leaves from the owners' gathered ``(K, S/8)`` bits and ``(K, M, 2)`` pairs."""
-  words = [layout.word_bits(i) for i in range(len(layout.shapes))]
+  k = layout.k
   out = []
   for i, dtype in enumerate(dtypes):
-    if not layout.sizes[i]:  # an empty leaf: nothing crossed the wire
-      out.append(jnp.zeros(layout.shapes[i], dtype))
+    shape = layout.shapes[i]
+    part = layout.part(i)
+    if part is None:  # an empty leaf: nothing crossed the wire
+      out.append(jnp.zeros(shape, dtype))
       continue
-    if words[i]:
-      x = _decode_columns(all_bits.reshape(-1), all_pairs, layout, i)
-      out.append(x.reshape(layout.shapes[i]).astype(dtype))
-      continue
-    runs = layout.leaf_runs(i)
-    if layout.offsets[i] % 8 == 0 and layout.sizes[i] % 8 == 0 and all(
-        run.count == 1 for _, _, run in runs):
-      x = _decode_pieces(all_bits.reshape(-1), all_pairs, layout, i)
-      out.append(from_flat_leaf(x, layout, i, dtype))
-      continue
-    parts = []
-    for j, row, run in runs:
-      chunk_run = run._replace(start=run.start + layout.offsets[i] - j * layout.chunk)
-      pairs = all_pairs[j, row : row + run.count]
-      parts.append(_decode_packed(all_bits[j], chunk_run, pairs).reshape(-1))
-    # Several segments per piece (a column-scale leaf without whole-byte
-    # rows): the pieces decoded apart and concatenated (dynamic-update-slices
-    # run slower).
-    out.append(from_flat_leaf(jnp.concatenate(parts), layout, i, dtype))
+    bits = all_bits[:, part.offset // 8 : (part.offset + part.size) // 8]
+    pairs = all_pairs[:, part.pair_offset : part.pair_offset + part.pairs]
+    rows, cols = part.rows, part.cols
+    if part.split == "columns":  # column by column; the first pieces hold the leaf
+      sub = part.sub  # (sub, cols) pairs: sub-column j of column c is rows j·rows/sub on
+      pairs = pairs.reshape(k * part.width, 2)[: cols * sub].reshape(cols, sub, 2)
+      pairs = jnp.moveaxis(pairs, 0, 1)
+      word = layout.word_bits(i)
+      if word:  # bits transposed as packed words, the floats written in place
+        b = unpack_columns(bits.reshape(-1)[: rows * cols // 8], rows, cols, word)
+        if sub == 1:
+          x = jnp.where(b, pairs[0, :, 0], pairs[0, :, 1])
+        else:
+          b = b.reshape(sub, rows // sub, cols)
+          x = jnp.where(b, pairs[:, None, :, 0], pairs[:, None, :, 1]).reshape(rows, cols)
+      else:
+        b = unpack(bits.reshape(-1))[: rows * cols].reshape(cols, sub, rows // sub)
+        x = jnp.where(b, pairs[..., 0].T[:, :, None], pairs[..., 1].T[:, :, None])
+        x = x.reshape(cols, rows).T
+    else:  # owner o's rows, the leaf's own order: the first rows rows hold the leaf
+      x = _decode_part(bits, pairs, part)
+      x = x.reshape(-1)[:rows] if cols == 1 else x.reshape(k * part.width, cols)[:rows]
+    out.append(x.reshape(shape).astype(dtype))
   return out

@@ -7,18 +7,21 @@ average the quantized gradients with two collectives that move packed bits:
 
 1. **worker** (every replica): ``v = g + r``; bit ``b = [v >= 0]``;
    reconstruction values ``(hi, lo)`` per segment; ``r <- v - decode(b)``.
-   The bits of the tree form one flat buffer of ``N`` elements, padded to a
-   multiple of ``8·K`` for ``K`` replicas, packed eight to a ``uint8`` and
-   cut into ``K`` chunks: chunk ``k`` is *owned* by replica ``k``.
+   Each leaf is split among the ``K`` replicas, by whole columns or by
+   rows (whichever sends fewer bytes, padded with zeros to whole bytes):
+   chunk ``k``, *owned* by replica ``k``, holds part ``k`` of every leaf,
+   its bits packed eight to a ``uint8``. Every chunk has the same shape, so
+   every owner runs the same program, whose size does not grow with ``K``.
 2. **all-to-all**: every replica sends chunk ``k`` to replica ``k``, with
-   the ``(hi, lo)`` pairs of the segments it overlaps (one ``uint8`` message).
+   the ``(hi, lo)`` pairs of the segments it holds (one ``uint8`` message).
 3. **owner** (replica ``k``): ``u = mean_j decode_j + e`` with the server
-   residual ``e``; ``u`` is re-quantized and ``e <- u - decode(u)``.
+   residual ``e``; each *piece* of ``u`` (a whole column, or the owner's
+   rows of a column) is re-quantized and ``e <- u - decode(u)``.
 4. **all-gather** of the owners' packed chunks and pairs: every replica
    decodes the same bytes, so the output is identical on every replica.
 
-Bytes each replica sends per step: ``2·(K-1)/K·N/8`` plus the pairs, against
-``2·(K-1)/K·4N`` for a float32 ring all-reduce: 32 times fewer.
+Bytes each replica sends per step: ``2·(K-1)/K·N/8`` plus the pairs and
+padding, against ``2·(K-1)/K·4N`` for a float32 ring all-reduce.
 
 Scales: a *segment* shares one ``(hi, lo)``; ``x`` decodes to ``hi`` when
 ``x >= 0`` and to ``lo`` otherwise. ``"column"`` (Seide et al.): each index
@@ -26,7 +29,8 @@ of a leaf's last axis (the output feature of a ``Dense`` kernel), ``hi`` and
 ``lo`` the means of its non-negative and of its negative entries; ``"l1"``
 (Karimireddy et al., 2019): one segment per leaf, ``hi = -lo = ‖v‖₁/d``;
 ``"l2"`` (Tang et al., 2021): one per leaf, ``hi = -lo = ‖v‖₂/√d``. An owner
-applies the same kind of scale to the part of each segment in its chunk.
+applies the same kind of scale to each piece of its chunk, leaving the
+padding out.
 
 Residuals: the worker residual is float32 in each leaf's shape; the server
 residual is float32, the replica's own chunk, so it depends on ``K``
@@ -44,10 +48,8 @@ gradient summed over the axis (a float ``psum``); mark them varying first::
   local_params = jax.lax.pcast(params, "data", to="varying")
   grads = jax.grad(loss_fn)(local_params, batch)  # this replica's gradient
 
-:func:`jmp_train.diagnostics.collective_bytes` of the compiled step then
-shows no ``"all-reduce"``. Only named-axis collectives are used, so the same
-code runs on one device, several devices and several processes. The static
-layout lives in ``sign_layout``, the worker, owner and decode in ``sign_codec``.
+Only named-axis collectives are used: the same code runs on one device,
+several devices and several processes.
 
 References:
   Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
@@ -99,10 +101,10 @@ class SignCompressionState(NamedTuple):
       ``jax.tree.leaves`` order) and in the leaf's shape (``(1,)`` for a
       scalar leaf), each the leaf's quantization error on this replica
       (zeros without error feedback).
-    server_residual: float32 ``(N_pad // K,)``, the error of re-quantizing
-      the chunk this replica owns (with ``bucket_bytes``, its chunk of every
-      bucket, end to end; zeros without server error feedback; ``(0,)`` when
-      ``axis_name`` is ``None``).
+    server_residual: float32 ``(S,)``, the error of re-quantizing the chunk
+      this replica owns: its part of every leaf, in leaf order, with or
+      without ``bucket_bytes`` (zeros without server error feedback;
+      ``(0,)`` when ``axis_name`` is ``None``).
   """
 
   count: jax.Array
@@ -148,7 +150,7 @@ _Bucket = tuple[tuple[int, ...], Layout]
 
 def _buckets(cfg: _Config, leaves, where: str) -> tuple[_Bucket, ...]:
   """The leaves' buckets, last leaves first: each is exchanged on its own."""
-  k = 1 if cfg.axis_name is None else axis_size(cfg.axis_name, cfg.num_replicas, where)
+  k = axis_size(cfg.axis_name, cfg.num_replicas, where, leaves=leaves)
   if cfg.bucket_bytes is None:
     groups = [range(len(leaves))]
   else:
@@ -178,10 +180,14 @@ def _check_state(state: SignCompressionState, leaves, buckets, cfg: _Config) -> 
     raise ValueError(
         f"SignCompressionState residual shapes {got} do not match the gradients "
         f"and {buckets[0][1].k if buckets else 1} replica(s), which need {expected}: "
-        "the state was made (or checkpointed) for another replica count, other "
-        "parameters or other buckets (bucket_bytes); init a new state (1-bit "
-        "residuals cannot be moved between replica counts)."
+        "the state was made (or checkpointed) for another replica count or other "
+        "parameters, or by a jmp_train whose 1-bit chunks differ; init a new state "
+        "(1-bit residuals cannot be moved between replica counts)."
     )
+
+
+def _zero_leaves(layout: Layout) -> list[jax.Array]:
+  return [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
 
 
 def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
@@ -193,12 +199,13 @@ def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
   r = r if new_r is None else new_r
   if local:
     return decoded, r, e
-  axis, k, s = cfg.axis_name, layout.k, layout.chunk
+  axis, s = cfg.axis_name, layout.chunk
+  if not s:  # only empty leaves: nothing to exchange
+    return _zero_leaves(layout), r, e
   # Phase 1: packed chunks, each with its pieces' pairs, to their owners.
-  sent_pairs = pairs[layout.send_index]
-  recv = lax.all_to_all(append_floats(bits.reshape(k, s // 8), sent_pairs), axis, 0, 0)
+  recv = lax.all_to_all(append_floats(bits, pairs), axis, 0, 0)
   o_bits, o_pairs, new_e = sign_codec.owner_step(
-      *split_floats(recv, s // 8, sent_pairs.shape[1:]), e if cfg.server_error_feedback else None,
+      *split_floats(recv, s // 8, pairs.shape[1:]), e if cfg.server_error_feedback else None,
       lax.axis_index(axis), layout, cfg.scale,
   )
   e = e if new_e is None else new_e
@@ -209,11 +216,27 @@ def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
   return out, r, e
 
 
+def _chunk_starts(buckets, cfg: _Config) -> list[int]:
+  """Where each bucket's chunk starts in the server residual: the buckets in leaf order.
+
+  A leaf's part of the chunk depends on the leaf alone, so the server
+  residual is every leaf's part in leaf order whatever the buckets: a state
+  serves any ``bucket_bytes``.
+  """
+  sizes = [0 if cfg.axis_name is None else layout.chunk for _, layout in buckets]
+  order = sorted(range(len(buckets)), key=lambda b: min(buckets[b][0], default=0))
+  starts, start = [0] * len(buckets), 0
+  for b in order:
+    starts[b] = start
+    start += sizes[b]
+  return starts
+
+
 def _compress(leaves, state: SignCompressionState, buckets, cfg: _Config):
   """Every bucket compressed and exchanged, last leaves first: ``(leaves, r, e)``."""
   out, r = list(leaves), list(state.worker_residual)
-  e_parts, start = [], 0
-  for idx, layout in buckets:
+  e_parts = []
+  for (idx, layout), start in zip(buckets, _chunk_starts(buckets, cfg)):
     size = 0 if cfg.axis_name is None else layout.chunk
     o, r_b, e_b = _compress_bucket(
         [leaves[i] for i in idx], tuple(r[i] for i in idx),
@@ -221,11 +244,10 @@ def _compress(leaves, state: SignCompressionState, buckets, cfg: _Config):
     )
     for j, i in enumerate(idx):
       out[i], r[i] = o[j], r_b[j]
-    e_parts.append(e_b)
-    start += size
-  if not e_parts:  # no leaves
-    return out, tuple(r), state.server_residual
-  return out, tuple(r), e_parts[0] if len(e_parts) == 1 else jnp.concatenate(e_parts)
+    e_parts.append((start, e_b))
+  if len(e_parts) <= 1:  # no leaves, or one exchange
+    return out, tuple(r), e_parts[0][1] if e_parts else state.server_residual
+  return out, tuple(r), jnp.concatenate([e for _, e in sorted(e_parts, key=lambda p: p[0])])
 
 
 def _exact(leaves, state: SignCompressionState, cfg: _Config):
@@ -325,10 +347,11 @@ def sign_compression(
       so the exchange of the last layers' gradients depends on those
       gradients only and may start while the backward pass still computes
       earlier layers' (PyTorch DDP's buckets; Seide et al.'s double
-      buffering). Each bucket is a flat buffer of its own (its own padding
-      and chunks); the server residual is the buckets' chunks end to end,
-      so ``init`` and ``update`` (and a restored state) need the same
-      ``bucket_bytes``.
+      buffering). A leaf's part of each chunk does not depend on the
+      buckets, so the results are the same bit for bit with any
+      ``bucket_bytes`` (for finite gradients; a non-finite one keeps the
+      worker residuals of its bucket only), and so is the state: a state
+      made with one ``bucket_bytes`` serves another.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a

@@ -6,6 +6,9 @@
   exchange, update, skip).
 * ``modes``: the compiled forms for one device, ``pmap`` and ``shard_map``.
 * ``model``: adapters for linen applies, linen modules and NNX modules.
+* ``model_policy``: how the policy reaches every product of the model
+  (``apply_policy``, NNX layer fields, ``autocast``) and the audit of the
+  products it leaves wide.
 * ``state``: :class:`~jmp_train.TrainState` and :class:`~jmp_train.TrainStep`.
 * ``checkpoint``: :func:`~jmp_train.save_checkpoint`,
   :func:`~jmp_train.restore_checkpoint`,
