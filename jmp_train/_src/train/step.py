@@ -221,7 +221,7 @@ def make_train_step(
       random keys the step does not give it (a linen model without
       ``step.init(..., rng=...)`` or its collection in ``rng_collections``;
       an ``nnx.Dropout`` without an ``nnx.Rngs`` stream); at every step
-      (:meth:`TrainStep.__call__`, :meth:`TrainStep.evaluate`), for a state
+      (``step(state, batch)``, :meth:`TrainStep.evaluate`), for a state
       donated to an earlier step or a batch not laid out by
       ``step.shard_batch(batch)`` for ``pmap``/``shard_map``.
 
