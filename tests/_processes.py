@@ -39,3 +39,19 @@ def run_workers(script: str, argv_per_process: list[list[str]], timeout: float) 
               for argv in argv_per_process]
   for code, log in run_processes(commands, worker_env(), timeout=timeout):
     assert code == 0, log[-4000:]
+
+
+def worker_pids(marker: str) -> dict[int, int]:
+  """``{process index: pid}`` of the demo's workers whose command line holds ``marker``."""
+  pids = {}
+  for entry in pathlib.Path("/proc").iterdir():
+    if not entry.name.isdigit():
+      continue
+    try:
+      argv = (entry / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+      continue
+    if b"--_process" in argv and marker.encode() in argv:
+      index = int(argv[argv.index(b"--_process") + 1].split(b",")[0])
+      pids[index] = int(entry.name)
+  return pids

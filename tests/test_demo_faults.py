@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+
 import _processes
 from jmp_train.examples import checkpoint_lock
 from jmp_train.examples import cli
@@ -177,22 +178,6 @@ def _jmp_train(tmp: pathlib.Path, *flags: str) -> subprocess.Popen:
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _worker_pids(marker: str) -> dict[int, int]:
-  """``{process index: pid}`` of the demo's workers whose command line holds ``marker``."""
-  pids = {}
-  for entry in pathlib.Path("/proc").iterdir():
-    if not entry.name.isdigit():
-      continue
-    try:
-      argv = (entry / "cmdline").read_bytes().split(b"\0")
-    except OSError:
-      continue
-    if b"--_process" in argv and marker.encode() in argv:
-      index = int(argv[argv.index(b"--_process") + 1].split(b",")[0])
-      pids[index] = int(entry.name)
-  return pids
-
-
 def _alive(pid: int) -> bool:
   """Whether ``pid`` runs: a zombie whose threads have all ended does not."""
   try:
@@ -210,7 +195,7 @@ def _wait_for_training(launcher: subprocess.Popen, ckpt: pathlib.Path) -> dict[i
     assert launcher.poll() is None, launcher.communicate()
     assert time.monotonic() < deadline, "no checkpoint written"
     time.sleep(0.2)
-  workers = _worker_pids(str(ckpt))
+  workers = _processes.worker_pids(str(ckpt))
   assert len(workers) == 2, workers
   return workers
 
@@ -267,7 +252,7 @@ def faults(tmp_path_factory):
     yield runs, seen
   finally:
     for tmp, launcher in runs.values():
-      for pid in [launcher.pid, *_worker_pids(str(tmp / "ckpt")).values()]:
+      for pid in [launcher.pid, *_processes.worker_pids(str(tmp / "ckpt")).values()]:
         try:
           os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

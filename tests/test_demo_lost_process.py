@@ -38,22 +38,6 @@ def test_a_worker_that_failed_on_its_own_is_reported_with_its_error(monkeypatch)
         demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
 
 
-def _worker_pids(marker: str) -> dict[int, int]:
-  """``{process index: pid}`` of the demo's workers whose command line holds ``marker``."""
-  pids = {}
-  for entry in pathlib.Path("/proc").iterdir():
-    if not entry.name.isdigit():
-      continue
-    try:
-      argv = (entry / "cmdline").read_bytes().split(b"\0")
-    except OSError:
-      continue
-    if b"--_process" in argv and marker.encode() in argv:
-      index = int(argv[argv.index(b"--_process") + 1].split(b",")[0])
-      pids[index] = int(entry.name)
-  return pids
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers in /proc")
 def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
@@ -73,7 +57,7 @@ def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
       assert launcher.poll() is None, launcher.communicate()
       assert time.monotonic() < deadline, "no checkpoint written"
       time.sleep(0.5)
-    workers = _worker_pids(str(ckpt))
+    workers = _processes.worker_pids(str(ckpt))
     assert len(workers) == 2, workers
     victim = workers[1]
     os.kill(victim, signal.SIGKILL)
