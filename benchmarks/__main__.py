@@ -375,6 +375,39 @@ def _headline_rows(loaded) -> Iterator[dict[str, str]]:
                      "Transformer, 8 replicas, 200 steps: validation loss against Adam",
            "value": f"{_percent(2)(r['rel_to_float32'])}, at {r['wire_ratio']:.3f} of the bytes",
            "source": _where(loaded, name)}
+  name = "gpt-nvidia-h200.json"
+  lib, floor = _find(loaded, name, variant="library"), _find(loaded, name, variant="floor")
+  if lib and floor:
+    yield {"figure": f"{lib['model']} ({lib['params'] / 1e9:.2f}B parameters, "
+                     f"{lib['batch']}x{lib['seq']} tokens) under `make_train_step(..., "
+                     "\"mixed_bfloat16\")`: share of the bfloat16 peak; time over a "
+                     "hand-written bfloat16 step",
+           "value": f"{lib['fraction_of_peak']:.1%} ({lib['tflops']:.0f} TFLOP/s); "
+                    f"{lib['vs_floor']:.3f}",
+           "source": _where(loaded, name)}
+  name = "user_models-nvidia-h200.json"
+  for model in ("transformer", "resnet50"):
+    auto = _find(loaded, name, model=model, variant="mixed_bfloat16")
+    if auto:
+      yield {"figure": f"Flax-style {model} declaring float32 dtypes, `make_train_step("
+                       "policy=\"mixed_bfloat16\")` defaults: speed-up over float32 (TF32); "
+                       "time over the model wrapped by hand in `apply_policy`",
+             "value": f"{auto['speedup_vs_float32']:.2f}x; {auto['vs_by_hand']:.3f}",
+             "source": _where(loaded, name)}
+  name = "fp8-nvidia-h200.json"
+  for r in _rows_of(loaded, name):
+    if r.get("kind") == "step" and r.get("policy") == "mixed_float8":
+      yield {"figure": f"FP8 train step (`mixed_float8`) of `{r['task']}` over "
+                       "`mixed_bfloat16`; first call",
+             "value": f"{r['speedup_vs_bf16']:.2f}x; {r['first_call_s']:.1f} s",
+             "source": _where(loaded, name)}
+  name = "fp8_first_call-nvidia-h200.json"
+  for r in _rows_of(loaded, name):
+    if r.get("xla_flags") == "--xla_gpu_enable_triton_gemm=false" and "error" not in r:
+      yield {"figure": f"FP8 train step of `{r['task']}`, first call and step time with "
+                       "`xla_gpu_enable_triton_gemm=false` (`make_train_step`'s FP8 default)",
+             "value": f"{r['first_call_s']:.1f} s; {r['ms_per_step']:.1f} ms",
+             "source": _where(loaded, name)}
   name = "gpu-nvidia-h100-80gb-hbm3.json"
   bf16 = _find(loaded, name, kind="step", model="Transformer d1024", policy="mixed_bfloat16")
   tf32 = _find(loaded, name, kind="step", model="Transformer d1024",
@@ -393,9 +426,13 @@ def _headline_rows(loaded) -> Iterator[dict[str, str]]:
     yield {"figure": f"Bytes kept for the backward pass, {r['model']}, `apply_policy` "
                      "under `mixed_bfloat16`, over float32",
            "value": f"{r['residual_ratio']:.3f}", "source": _where(loaded, name)}
-  name = "loss_scaling-nvidia-h100-80gb-hbm3.json"
+  name = "loss_scaling-nvidia-h200.json"
   steps = [r for r in _rows_of(loaded, name) if r.get("part") == "step"
            and r.get("variant") == "jmp_train" and "run" not in r]
+  if not steps:
+    name = "loss_scaling-nvidia-h100-80gb-hbm3.json"
+    steps = [r for r in _rows_of(loaded, name) if r.get("part") == "step"
+             and r.get("variant") == "jmp_train" and "run" not in r]
   if steps:
     r = max(steps, key=lambda r: (r["params"], r["batch"]))
     yield {"figure": f"`loss_scaled(adamw)` step time over `adamw`, {r['params']:,} "
@@ -513,8 +550,8 @@ def main(argv: list[str] | None = None) -> int:
                            "(sets XLA_FLAGS before JAX starts; default 8; a count "
                            "already in XLA_FLAGS wins)")
   parser.add_argument("--gpu-probe", action="store_true",
-                      help="run the GPU measurements in one process (gpt, gpu, fp8 speed, "
-                           "loss_scaling, autocast, compression; bench_gpt.gpu_probe), "
+                      help="run the GPU measurements in one process (gpt, user_models, fp8 speed, "
+                           "loss_scaling, compression, fp8_first_call, gpu; bench_gpt.gpu_probe), "
                            "write their results and print one summary table; refuses "
                            "without a GPU")
   args = parser.parse_args(argv)

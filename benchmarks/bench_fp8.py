@@ -15,9 +15,14 @@ The FP8 state (amax histories, scales) is updated every step from the
 gradient with respect to it (``jmp_train.update_fp8_meta``). XLA:CPU runs
 FP8 types by converting, so the CPU step times say nothing about speed.
 
-Speed (GPU only, recorded with the device name): a train step of the 4x4096
-MLP (batch 4096) and of a d1024 Transformer under both policies, and the
-FP8 matmul's TFLOP/s against bfloat16's on one large product.
+Speed (GPU only, recorded with the device name): a train step of an MLP of
+four 8,192-wide layers (batch 8,192) and of a two-layer d4096 Transformer
+(sequence 2,048, batch 4) under both policies: the median step time, the
+compilation and first call's seconds, and the compiled step's GEMM custom
+calls with FP8 operands (:func:`jmp_train.diagnostics.fp8_products`); the
+FP8 matmul's TFLOP/s against bfloat16's on one large product. FP8 steps
+are compiled as ``make_train_step`` compiles them on GPUs, without Triton
+GEMMs (:data:`FP8_GPU_OPTIONS`). ``bench_fp8_first_call`` times the FP8 step's first call under XLA flags.
 """
 
 from __future__ import annotations
@@ -151,35 +156,87 @@ def _matmul_tflops(policy: str, n: int) -> float:
   return 2 * n**3 / seconds / 1e12
 
 
-def _step_ms(model: Any, example: np.ndarray, batch: tuple, policy: str) -> float:
+# What ``make_train_step`` compiles FP8 steps with on GPUs (its
+# ``compiler_options`` default): cuBLAS GEMMs only, no Triton candidates.
+FP8_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def _step_record(model: Any, example: np.ndarray, batch: tuple, policy: str,
+                 compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
+  """One step's compile time, first call, steady time and products (GPU).
+
+  ``compiler_options``: ``None`` compiles an FP8 step on a GPU with
+  :data:`FP8_GPU_OPTIONS`, as ``make_train_step`` does; ``{}`` with XLA's
+  defaults (and ``XLA_FLAGS``).
+  """
+  import time
+
+  if compiler_options is None:
+    on_gpu = jax.default_backend() == "gpu"
+    compiler_options = FP8_GPU_OPTIONS if on_gpu and policy == "mixed_float8" else {}
+
   model = jmp_train.flax.apply_policy(model, policy)
-  params, meta = _split(model.init(jax.random.key(0), example))
+  params, meta = _split(jax.jit(model.init)(jax.random.key(0), example))
   tx = optax.adam(1e-4)
   step, _ = make_step(model, tx)
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)
+  batch = tuple(jax.device_put(b) for b in batch)
+  jax.block_until_ready((params, meta, opt_state, batch))
+  t0 = time.perf_counter()
+  compiled = step.lower(params, meta, opt_state, *batch).compile(
+      compiler_options=compiler_options or None)
+  compile_s = time.perf_counter() - t0
+  jax.block_until_ready(compiled(params, meta, opt_state, *batch))
+  first_call_s = time.perf_counter() - t0
+  report = jmp_train.diagnostics.fp8_products(compiled)
+  gemms = [p for p in report.products if p.op.startswith("__cublas") or p.op.startswith("__cudnn")]
 
   def run(params, meta, opt_state):
-    return step(params, meta, opt_state, *batch)
+    return compiled(params, meta, opt_state, *batch)
 
-  return 1e3 * _harness.median_seconds(run, params, meta, opt_state, warmup=3, repeats=10)
+  ms = 1e3 * _harness.median_seconds(run, params, meta, opt_state, warmup=3, repeats=10)
+  return {"compiler_options": compiler_options, "ms_per_step": ms, "compile_s": compile_s, "first_call_s": first_call_s,
+          "products": len(report.products), "fp8_products": len(report.fp8),
+          "gemm_calls": len(gemms),
+          "fp8_gemm_calls": sum(1 for p in gemms if "f8" in p.op)}
+
+
+# Sizes of the speed records: FP8 pays off on products with K and N above
+# about 4,096 (torchao's and Transformer Engine's GEMM profiling).
+SPEED_MODELS = ("mlp_8x8192", "transformer_d4096")
+
+
+def _speed_model(name: str, rng: np.random.Generator):
+  if name == "mlp_8x8192":
+    width, batch = 8192, 8192
+    return (models.MLP(features=(width,) * 4, num_classes=width),
+            np.zeros((1, width), np.float32),
+            (rng.normal(size=(batch, width)).astype(np.float32),
+             rng.integers(0, width, batch)))
+  if name == "transformer_d4096":
+    seq, batch, vocab = 2048, 4, 32768
+    return (models.TransformerBlock(vocab_size=vocab, d_model=4096, num_heads=32,
+                                    mlp_dim=16384, num_layers=2, max_len=seq),
+            np.zeros((1, seq), np.int32),
+            (rng.integers(0, vocab, (batch, seq)).astype(np.int32),
+             rng.integers(0, vocab, (batch, seq)).astype(np.int32)))
+  raise ValueError(f"unknown speed model {name!r}; expected one of {SPEED_MODELS}")
 
 
 def speed_records() -> list[dict[str, Any]]:
-  """FP8 vs bfloat16 step time and matmul TFLOP/s (GPU only)."""
+  """FP8 vs bfloat16 train step (time, compile, FP8 GEMMs) and matmul TFLOP/s (GPU only)."""
   rng = np.random.default_rng(0)
-  mlp = (models.MLP(features=(4096,) * 4, num_classes=4096), np.zeros((1, 4096), np.float32),
-         (rng.normal(size=(4096, 4096)).astype(np.float32), rng.integers(0, 4096, 4096)))
-  seq = 1024
-  tfm = (models.TransformerBlock(vocab_size=32768, d_model=1024, num_heads=16, mlp_dim=4096,
-                                 num_layers=4, max_len=seq), np.zeros((1, seq), np.int32),
-         (rng.integers(0, 32768, (16, seq)).astype(np.int32),
-          rng.integers(0, 32768, (16, seq)).astype(np.int32)))
   records = []
-  for name, (model, example, batch) in {"mlp_4x4096": mlp, "transformer_d1024": tfm}.items():
-    ms = {p: _step_ms(model, example, batch, p) for p in POLICIES}
+  for name in SPEED_MODELS:
+    model, example, batch = _speed_model(name, rng)
+    rows = {p: _step_record(model, example, batch, p) for p in POLICIES}
     for p in POLICIES:
-      records.append({"kind": "step", "task": name, "policy": p, "ms_per_step": ms[p],
-                      "speedup_vs_bf16": ms["mixed_bfloat16"] / ms[p]})
+      records.append({"kind": "step", "task": name, "policy": p, **rows[p],
+                      "speedup_vs_bf16": rows["mixed_bfloat16"]["ms_per_step"]
+                      / rows[p]["ms_per_step"]})
+    print(_harness.format_table(records[-2:], ("task", "policy", "ms_per_step",
+                                               "speedup_vs_bf16", "compile_s", "first_call_s",
+                                               "fp8_gemm_calls", "gemm_calls")), flush=True)
   for p in POLICIES:
     records.append({"kind": "matmul", "task": "16384^3", "policy": p,
                     "tflops": _matmul_tflops(p, 16384)})

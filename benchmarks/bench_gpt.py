@@ -193,15 +193,17 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
 # --- python -m benchmarks --gpu-probe -------------------------------------
 
-# The GPU measurements of one probe, in the order they run: (results name,
-# benchmark module, what to call). Each is saved as soon as it ends.
+# The GPU measurements of one probe, in the order they run (most wanted
+# first, since the budget may stop the rest): (results name, benchmark
+# module, what to call). Each is saved as soon as it ends.
 PROBE = (
     ("gpt", "bench_gpt", "run"),
-    ("gpu", "bench_gpu", "run"),
+    ("user_models", "bench_user_models", "run"),
     ("fp8", "bench_fp8", "speed_records"),
     ("loss_scaling", "bench_loss_scaling", "run"),
-    ("autocast", "bench_autocast", "run"),
     ("compression", "bench_compression", "run"),
+    ("fp8_first_call", "bench_fp8_first_call", "run"),
+    ("gpu", "bench_gpu", "run"),
 )
 PROBE_BUDGET_VARIABLE = "BENCH_PROBE_BUDGET_S"
 
@@ -267,7 +269,7 @@ def gpu_probe(out_dir=None, budget_s: float | None = None) -> int:
     try:
       module = importlib.import_module(f"benchmarks.{module_name}")
       records = getattr(module, function)(**({"quick": False} if function == "run" else {}))
-      path = _harness.save_results(module.NAME, records, out_dir)
+      path = _harness.save_results(name, records, out_dir)
       print(_harness.format_table(records, getattr(module, "COLUMNS", None)), flush=True)
       row.update(status="ok", file=str(path), headline=_probe_headline(name, records))
     except Exception as e:  # pylint: disable=broad-except  # Report, run the rest.

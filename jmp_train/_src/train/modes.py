@@ -11,10 +11,14 @@ the mapped axis may differ between replicas.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "FP8_GPU_COMPILER_OPTIONS", "check_compiler_options", "default_compiler_options",
     "compile_single", "compile_pmap", "compile_shard_map", "expand", "first",
     "waits_for_each_step", "waiting",
 ]
@@ -28,9 +32,37 @@ def expand(tree):
   return jax.tree.map(lambda x: x[None], tree)
 
 
-def compile_single(train, evaluate, init, donate):
+# XLA options an FP8 step is compiled with on GPUs. XLA autotunes each FP8
+# GEMM over cuBLAS and generated Triton kernels; without Triton's candidates
+# the first call of an FP8 train step takes seconds instead of minutes, and
+# the steps run on cuBLAS's FP8 GEMMs (benchmarks/bench_fp8_first_call.py).
+FP8_GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def default_compiler_options(policy, platform: str) -> dict[str, Any]:
+  """The XLA options a step of ``policy`` is compiled with on ``platform``."""
+  if policy.fp8 is not None and platform == "gpu":
+    return dict(FP8_GPU_COMPILER_OPTIONS)
+  return {}
+
+
+def check_compiler_options(options: Any) -> dict[str, Any] | None:
+  """``options`` as a dict (``None`` stays ``None``: the default)."""
+  if options is None:
+    return None
+  if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+    raise TypeError(
+        "compiler_options must be None (the default options) or a mapping from XLA option "
+        "names to values, e.g. {'xla_gpu_enable_triton_gemm': False}, got "
+        f"{type(options).__name__}: {options!r}.")
+  return dict(options)
+
+
+def compile_single(train, evaluate, init, donate, compiler_options=None):
   donate_argnums = (0,) if donate else ()
-  return jax.jit(train, donate_argnums=donate_argnums), jax.jit(evaluate), jax.jit(init)
+  options = compiler_options or None
+  return (jax.jit(train, donate_argnums=donate_argnums, compiler_options=options),
+          jax.jit(evaluate, compiler_options=options), jax.jit(init))
 
 
 def compile_pmap(train, evaluate, init, donate, axis_name):
@@ -48,7 +80,7 @@ def compile_pmap(train, evaluate, init, donate, axis_name):
   return step_fn, eval_fn, jax.pmap(init, axis_name=axis_name)
 
 
-def compile_shard_map(train, evaluate, init, donate, axis_name, mesh):
+def compile_shard_map(train, evaluate, init, donate, axis_name, mesh, compiler_options=None):
   # Every state leaf carries a leading replica axis (size 1 inside the map).
   def sharded_train(state, batch):
     new_state, metrics = train(first(state), batch)
@@ -58,10 +90,12 @@ def compile_shard_map(train, evaluate, init, donate, axis_name, mesh):
   step_fn = jax.jit(
       jax.shard_map(sharded_train, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, P())),
       donate_argnums=(0,) if donate else (),
+      compiler_options=compiler_options or None,
   )
   eval_fn = jax.jit(
       jax.shard_map(lambda s, b: evaluate(first(s), b), mesh=mesh, in_specs=(spec, spec),
-                    out_specs=P())
+                    out_specs=P()),
+      compiler_options=compiler_options or None,
   )
   init_fn = jax.jit(
       jax.shard_map(lambda p: expand(init(first(p))), mesh=mesh, in_specs=spec,

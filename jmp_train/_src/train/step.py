@@ -10,6 +10,7 @@ steps) and compiles it for one device, ``pmap`` or ``shard_map``
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import jax
@@ -56,6 +57,7 @@ def make_train_step(
     remat_policy: Callable[..., bool] | None = None,
     bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES,
     grad_reduce_dtype: Any = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
@@ -184,6 +186,16 @@ def make_train_step(
       in. XLA may move a convert across an all-reduce (XLA:CPU runs a
       bfloat16 all-reduce in float32): check the bytes of ``step.lower(...)
       .compile()`` with :func:`jmp_train.diagnostics.collective_bytes`.
+    compiler_options: XLA options the step and ``evaluate`` are compiled
+      with (``jax.jit``'s ``compiler_options``; they take precedence over
+      ``XLA_FLAGS``). ``None`` (the default): for an FP8 policy on GPUs,
+      ``{"xla_gpu_enable_triton_gemm": False}``, so that XLA picks each FP8
+      GEMM among cuBLAS's kernels only, without compiling and timing
+      generated Triton kernels for it (a first call of seconds instead of
+      minutes, and cuBLAS's FP8 GEMMs in the step); nothing otherwise. ``{}``
+      compiles with XLA's defaults. ``mode="pmap"`` takes no options
+      (``jax.pmap`` has none): set ``XLA_FLAGS`` before JAX starts, e.g.
+      ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false``.
 
   Returns:
     A :class:`TrainStep`; ``step(state, batch)`` returns ``(state, metrics)``
@@ -206,8 +218,10 @@ def make_train_step(
       floating (its path named), ``loss_fn`` does not take ``(outputs,
       targets)`` (a Flax-tutorial ``loss_fn(model, batch)``), or it returns a
       tuple without ``has_aux`` (or no ``(loss, aux dict)`` with it).
+    TypeError: if ``compiler_options`` is not a mapping from option names.
     ValueError: for an unknown ``mode``, ``model_policy`` or
-      ``grad_reduce_dtype``, a
+      ``grad_reduce_dtype``, non-empty ``compiler_options`` with
+      ``mode="pmap"``, a
       non-positive ``bucket_bytes``, a non-string ``axis_name``, a non-bool
       ``has_aux``, ``cast_params`` or ``donate``, ``rng_collections`` that
       are not a sequence of names, a ``compression`` without a
@@ -280,14 +294,23 @@ def make_train_step(
   )
   train = functools.partial(train_step, cfg)
   evaluate = functools.partial(eval_step, cfg)
+  devices = list(mesh.devices.flat if mode == "shard_map" else jax.local_devices())
+  options = train_modes.check_compiler_options(compiler_options)
+  if mode == "pmap" and options:
+    raise ValueError(
+        f"compiler_options={options!r} cannot apply to mode='pmap' (jax.pmap compiles "
+        "without per-function options): use mode='shard_map', or set XLA_FLAGS before JAX "
+        "starts, e.g. XLA_FLAGS=--xla_gpu_enable_triton_gemm=false.")
+  if options is None:
+    options = train_modes.default_compiler_options(policy, devices[0].platform)
   if mode == "single":
-    compiled = train_modes.compile_single(train, evaluate, tx.init, donate)
+    compiled = train_modes.compile_single(train, evaluate, tx.init, donate, options)
   elif mode == "pmap":
     compiled = train_modes.compile_pmap(train, evaluate, tx.init, donate, axis_name)
   else:
-    compiled = train_modes.compile_shard_map(train, evaluate, tx.init, donate, axis_name, mesh)
+    compiled = train_modes.compile_shard_map(train, evaluate, tx.init, donate, axis_name, mesh,
+                                             options)
   step_fn, eval_fn, init_fn = compiled
-  devices = mesh.devices.flat if mode == "shard_map" else jax.local_devices()
   if train_modes.waits_for_each_step(mode, devices):
     step_fn = train_modes.waiting(step_fn)
   return TrainStep(
