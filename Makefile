@@ -47,9 +47,18 @@ wheel-check: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
-# Every GPU figure in one process (refuses without a GPU).
-gpu-probe: $(STAMP)
-	XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $(PY) -m benchmarks --gpu-probe
+# Every GPU figure in one process (refuses without a GPU). On a machine
+# whose Python already has JAX for CUDA, Flax and optax (no network needed),
+# `make gpu-probe PROBE_PY=python3 OUT=folder`; results go to OUT (default
+# benchmarks/results). A quarter of the GPU's memory stays free for the
+# first-call measurements' own processes.
+PROBE_PY ?= $(PY)
+PROBE_BUDGET_S ?= 420
+gpu-probe:
+	test "$(PROBE_PY)" != "$(PY)" || $(MAKE) $(STAMP)
+	XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 BENCH_PROBE_BUDGET_S=$(PROBE_BUDGET_S) \
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+	$(PROBE_PY) -m benchmarks --gpu-probe $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache docs/_build

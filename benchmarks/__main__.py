@@ -550,8 +550,9 @@ def main(argv: list[str] | None = None) -> int:
                            "(sets XLA_FLAGS before JAX starts; default 8; a count "
                            "already in XLA_FLAGS wins)")
   parser.add_argument("--gpu-probe", action="store_true",
-                      help="run the GPU measurements in one process (gpt, user_models, fp8 speed, "
-                           "loss_scaling, compression, fp8_first_call, gpu; bench_gpt.gpu_probe), "
+                      help="run the GPU measurements in one process (fp8 speed, "
+                           "user_models, compression, gpt, fp8_first_call, loss_scaling, "
+                           "gpu; bench_gpt.gpu_probe), "
                            "write their results and print one summary table; refuses "
                            "without a GPU")
   args = parser.parse_args(argv)

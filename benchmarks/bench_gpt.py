@@ -197,12 +197,12 @@ def run(quick: bool) -> list[dict[str, Any]]:
 # first, since the budget may stop the rest): (results name, benchmark
 # module, what to call). Each is saved as soon as it ends.
 PROBE = (
-    ("gpt", "bench_gpt", "run"),
-    ("user_models", "bench_user_models", "run"),
     ("fp8", "bench_fp8", "speed_records"),
-    ("loss_scaling", "bench_loss_scaling", "run"),
+    ("user_models", "bench_user_models", "run"),
     ("compression", "bench_compression", "run"),
+    ("gpt", "bench_gpt", "run"),
     ("fp8_first_call", "bench_fp8_first_call", "run"),
+    ("loss_scaling", "bench_loss_scaling", "run"),
     ("gpu", "bench_gpu", "run"),
 )
 PROBE_BUDGET_VARIABLE = "BENCH_PROBE_BUDGET_S"

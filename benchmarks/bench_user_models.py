@@ -12,8 +12,8 @@ examples write them:
   sequence 1,024, batch 16, vocabulary 32,768.
 
 Each is trained by ``jmp_train.make_train_step(model.apply, loss,
-optax.adam(1e-4), policy=...)`` three ways, from the same parameters on the
-same batch:
+optax.adam(1e-4), policy=...)`` in these ways, from the same parameters on
+the same batch:
 
 * ``float32``: ``policy="float32"`` (on NVIDIA GPUs JAX's default precision
   runs float32 matmuls as TF32);
@@ -21,9 +21,17 @@ same batch:
   step applies the policy inside the model (``model_policy="auto"``);
 * ``by_hand``: the model wrapped by hand in
   ``jmp_train.flax.apply_policy(model, "mixed_bfloat16")``, the step told
-  only to cast its inputs (``model_policy="inputs"``).
+  only to cast its inputs (``model_policy="inputs"``);
+* ``by_hand_half_norms``: the same with ``float32_modules=()``: the
+  normalization layers run in bfloat16 too (Flax computes their statistics
+  in float32 whatever their ``dtype``), as Flax's ImageNet example runs
+  them under ``half_precision``;
+* ``by_hand_no_recompute``: the same with ``recompute=None``: the backward
+  pass keeps what JAX keeps by default instead of recomputing the float32
+  regions and the half copies of the weights.
 
-Columns: ``ms_per_step`` (median of timed steps after warm-up),
+The last two say what the defaults cost. The steps are timed round-robin.
+``ms_per_step`` (median of the timed steps after warm-up),
 ``speedup_vs_float32`` (float32's time over the variant's, same run),
 ``vs_by_hand`` (the variant's time over ``by_hand``'s: 1.0 means the
 default step is as fast as wrapping by hand), ``compile_s``, and the
@@ -53,7 +61,8 @@ from benchmarks import _harness
 NAME = "user_models"
 COLUMNS = ("model", "variant", "ms_per_step", "speedup_vs_float32", "vs_by_hand",
            "compile_s", "bf16_products", "products")
-VARIANTS = ("float32", "mixed_bfloat16", "by_hand")
+VARIANTS = ("float32", "mixed_bfloat16", "by_hand", "by_hand_half_norms",
+            "by_hand_no_recompute")
 
 
 class Bottleneck(nn.Module):
@@ -164,9 +173,17 @@ def _case(name: str, rng: np.random.Generator):
   raise ValueError(f"unknown model {name!r}; expected 'resnet50' or 'transformer'")
 
 
+# apply_policy's options of each "by_hand" variant.
+_BY_HAND = {
+    "by_hand": {},
+    "by_hand_half_norms": {"float32_modules": ()},
+    "by_hand_no_recompute": {"recompute": None},
+}
+
+
 def _step(model, variant: str):
-  if variant == "by_hand":
-    wrapped = jmp_train.flax.apply_policy(model, "mixed_bfloat16")
+  if variant in _BY_HAND:
+    wrapped = jmp_train.flax.apply_policy(model, "mixed_bfloat16", **_BY_HAND[variant])
     return jmp_train.make_train_step(
         functools.partial(wrapped.apply, train=True), _loss, optax.adam(1e-4),
         policy="mixed_bfloat16", model_policy="inputs")
@@ -174,15 +191,33 @@ def _step(model, variant: str):
                                    optax.adam(1e-4), policy=variant)
 
 
-def measure(name: str, *, warmup: int = 3, repeats: int = 10) -> list[dict[str, Any]]:
-  """The three variants' records of one model (see the module docstring)."""
+class _Stepper:
+  """Calls a donating step on its own state, keeping each call's new state."""
+
+  def __init__(self, step, state, batch):
+    self.step, self.state, self.batch = step, state, batch
+    self.metrics = None
+
+  def __call__(self):
+    self.state, self.metrics = self.step(self.state, self.batch)
+    return self.state, self.metrics
+
+
+def measure(name: str, *, variants: tuple[str, ...] = VARIANTS, warmup: int = 3,
+            repeats: int = 10) -> list[dict[str, Any]]:
+  """The records of one model's ``variants`` (see the module docstring).
+
+  Every variant is compiled first; then the steps are timed round-robin
+  (:func:`benchmarks._harness.interleaved_median_seconds`), each on its own
+  training state, so that their ratios come from the same minutes.
+  """
   model, inputs, targets = _case(name, np.random.default_rng(0))
   variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0),
                                                                    inputs[:2])
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
-  rows = {}
-  for variant in VARIANTS:
+  steppers, rows = {}, {}
+  for variant in variants:
     step = _step(model, variant)
     state = step.init(params, model_state=model_state)
     batch = step.shard_batch((inputs, targets))
@@ -190,28 +225,20 @@ def measure(name: str, *, warmup: int = 3, repeats: int = 10) -> list[dict[str, 
     lowered = step.lower(state, batch)
     report = jmp_train.diagnostics.fp8_products(lowered)
     lowered.compile()
-    compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-      state, metrics = step(state, batch)
-    jax.block_until_ready((state, metrics))
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      state, metrics = step(state, batch)
-      jax.block_until_ready((state, metrics))
-      times.append(time.perf_counter() - t0)
     rows[variant] = {
-        "model": name, "variant": variant, "ms_per_step": 1e3 * float(np.median(times)),
-        "compile_s": compile_s, "products": len(report.products),
+        "model": name, "variant": variant, "compile_s": time.perf_counter() - t0,
+        "products": len(report.products),
         "bf16_products": sum(1 for p in report.products
                              if np.dtype(p.lhs_dtype) == jnp.bfloat16
                              and np.dtype(p.rhs_dtype) == jnp.bfloat16),
-        "final_loss": float(metrics["loss"]),
     }
-    del state
-  for row in rows.values():
-    row["speedup_vs_float32"] = rows["float32"]["ms_per_step"] / row["ms_per_step"]
-    row["vs_by_hand"] = row["ms_per_step"] / rows["by_hand"]["ms_per_step"]
+    steppers[variant] = _Stepper(step, state, batch)
+  seconds = _harness.interleaved_median_seconds(steppers, warmup=warmup, repeats=repeats)
+  for variant, row in rows.items():
+    row["ms_per_step"] = 1e3 * seconds[variant]
+    row["final_loss"] = float(steppers[variant].metrics["loss"])
+    row["speedup_vs_float32"] = seconds["float32"] / seconds[variant]
+    row["vs_by_hand"] = seconds[variant] / seconds["by_hand"]
   return list(rows.values())
 
 
