@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test install demo bench docs lint wheel-check gpu-probe clean
 
-$(STAMP): pyproject.toml
+# The library with its test extra, and the examples beside it (examples/:
+# the jmp-train demo, its data and models), both editable.
+$(STAMP): pyproject.toml examples/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' -e './examples[full]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,6 +35,7 @@ docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
 
 # What a user installs: the sdist and the wheel built from it, the wheel
+# holding the library alone (.ci/wheel_contents.py), the wheel
 # (not editable) in a new virtual environment, and README.md's quick start
 # run there from a folder outside the repository, so that it imports the
 # installed package. Dependencies come from the package index.
@@ -41,6 +44,7 @@ wheel-check: $(STAMP)
 	$(PY) -m build -q --outdir "$$tmp/dist" . && \
 	ls "$$tmp/dist" && \
 	$(PYTHON) -m venv "$$tmp/venv" && \
+	$(PY) .ci/wheel_contents.py "$$tmp"/dist/jmp_train-*.whl && \
 	"$$tmp/venv/bin/python" -m pip install -q "$$tmp"/dist/jmp_train-*.whl && \
 	cd "$$tmp" && "$$tmp/venv/bin/python" -I "$(CURDIR)/.ci/quickstart_check.py" "$(CURDIR)/README.md"
 

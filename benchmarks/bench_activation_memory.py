@@ -1,7 +1,7 @@
 """Activation memory per dtype policy: residuals of ``jax.vjp`` and XLA's plan.
 
 For each model (an MLP, a small ResNet, a one-layer Transformer language
-model: ``jmp_train.examples.models``) under each policy (``float32``;
+model: ``jmp_train_examples.models``) under each policy (``float32``;
 ``mixed_float16`` and ``mixed_bfloat16``: float32 parameters, half-precision
 compute, float32 output), applied with :func:`jmp_train.flax.apply_policy`
 (so normalization layers and the attention softmax stay in float32), two
@@ -68,10 +68,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _harness
-from jmp_train.examples import models
-from jmp_train._src.policy.policy import Policy, get_policy
-from jmp_train._src.policy.remat import half_precision_saveable
-from jmp_train._src.diagnostics.residuals import saved_residuals
+from jmp_train_examples import models
+from jmp_train import Policy, get_policy, half_precision_saveable
+from jmp_train.diagnostics import saved_residuals
 from jmp_train.flax import apply_policy
 
 NAME = "activation_memory"
@@ -93,7 +92,7 @@ REMATS = {
 
 @dataclasses.dataclass(frozen=True)
 class _Case:
-  """A model (from ``jmp_train.examples.models``) and its batch's shapes."""
+  """A model (from ``jmp_train_examples.models``) and its batch's shapes."""
 
   name: str
   module: nn.Module

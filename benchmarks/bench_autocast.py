@@ -1,6 +1,6 @@
 """autocast against apply_policy: step time, compiled HLO, tracing and compiling.
 
-For each example model (``jmp_train.examples.models``: an MLP, a small
+For each example model (``jmp_train_examples.models``: an MLP, a small
 ResNet with batch norm, a one-layer Transformer language model), one
 training step (cross-entropy, ``value_and_grad``, SGD) under the backend's
 mixed policy, built two ways from the same float32 model:
@@ -39,8 +39,8 @@ import optax
 from benchmarks import _harness
 from jmp_train import half_dtype
 from jmp_train._src.policy import remat
-from jmp_train._src.autocast.transform import autocast
-from jmp_train.examples import models
+from jmp_train import autocast
+from jmp_train_examples import models
 from jmp_train.flax import apply_policy
 
 NAME = "autocast"

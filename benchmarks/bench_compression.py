@@ -86,7 +86,7 @@ def _throughput_shapes(mlp) -> dict[str, list[tuple[int, ...]]]:
 def _bytes_records(shapes, ks, all_devices) -> list[dict]:
   from jmp_train import sign_compression
   from jmp_train.diagnostics import collective_bytes
-  from jmp_train._src.compression.compressed_mean import compressed_mean
+  from jmp_train import compressed_mean
 
   n = sum(int(np.prod(s)) for s in shapes.values())
   records = []
@@ -137,7 +137,7 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
   from jmp_train._src.compression import sign_bits
   from jmp_train._src.compression import sign_codec
   from jmp_train._src.compression import sign_layout
-  from jmp_train._src.compression.compressed_mean import compressed_mean
+  from jmp_train import compressed_mean
 
   keys = jax.random.split(jax.random.key(0), len(shapes))
   grads = [jax.random.normal(key, s, jnp.float32) for key, s in zip(keys, shapes)]

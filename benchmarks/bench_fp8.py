@@ -38,8 +38,8 @@ import optax
 import jmp_train
 import jmp_train.flax
 from benchmarks import _harness
-from jmp_train.examples import data as data_lib
-from jmp_train.examples import models
+from jmp_train_examples import data as data_lib
+from jmp_train_examples import models
 
 NAME = "fp8"
 COLUMNS = ("kind", "task", "policy", "seeds", "final_loss", "worst_seed_loss",

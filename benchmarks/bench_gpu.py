@@ -8,7 +8,7 @@ Two kinds of rows (``kind``):
 
 * ``step``: a jitted train step (loss, ``value_and_grad``, SGD update) of an
   MLP and of a one-layer Transformer language model (models from
-  ``jmp_train.examples.models`` under :func:`jmp_train.flax.apply_policy`),
+  ``jmp_train_examples.models`` under :func:`jmp_train.flax.apply_policy`),
   every matmul dimension a multiple of 64 so Tensor Cores apply, under
   ``float32`` traced inside ``jax.default_matmul_precision("highest")``
   (true float32 matmuls, no TF32), ``float32`` with XLA's default matmul
@@ -152,7 +152,7 @@ def _step_fn(module, policy: str) -> Callable[..., Any]:
 
 def _step_rows(sizes: dict[str, Any], models: tuple[str, ...],
                setups: tuple[str, ...]) -> list[dict[str, Any]]:
-  from jmp_train.examples import models as zoo
+  from jmp_train_examples import models as zoo
 
   key_x, key_y = jax.random.split(jax.random.key(1))
   b, w = sizes["mlp_batch"], sizes["mlp_width"]

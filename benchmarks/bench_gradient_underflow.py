@@ -40,8 +40,8 @@ import optax
 
 import jmp_train
 import jmp_train.flax
-from jmp_train.examples import demo_configs
-from jmp_train.examples import demo_tasks
+from jmp_train_examples import demo_configs
+from jmp_train_examples import demo_tasks
 
 NAME = "gradient_underflow"
 COLUMNS = (

@@ -1,6 +1,6 @@
 """Half-precision weights on real tasks: final held-out loss and accuracy (digits, text).
 
-A 64-64-10 MLP on scikit-learn's 8x8 digits (``jmp_train.examples.data.
+A 64-64-10 MLP on scikit-learn's 8x8 digits (``jmp_train_examples.data.
 load_digits``: 1,437 training and 360 test images), trained with minibatches
 of 64 for 2,000 steps (quick mode: 100 steps, one seed, two bfloat16 SGD
 rows only), forward and backward pass in the half dtype in every setup; same
@@ -48,7 +48,7 @@ master row of the same optimizer (``sgd``, ``momentum sgd``, ``adam``);
 ``within_1pct`` says whether both are at most 1%. The half-weight Adam rows
 keep Adam's moments in float32 except the row marked ``bfloat16 moments``
 (there Adam's second moment, an EMA with weight 0.001 per step, itself stops
-moving). See ``jmp_train.examples.half_weights`` for the code.
+moving). See ``jmp_train_examples.half_weights`` for the code.
 
 The ``8-bit moments`` and ``sgd_8bit`` rows keep no float32 state at all:
 :func:`jmp_train.adam_8bit` / :func:`jmp_train.sgd_8bit` (blockwise 8-bit
@@ -62,7 +62,7 @@ rounds the 8-bit codes to nearest instead of stochastically: Adam's second
 moment then stops following its EMA and the gap is 30%.
 
 The ``task == "text"`` rows train the demo's character-level Transformer
-(:data:`jmp_train.examples.demo_tasks.TASKS` ``["text"]`` with the demo's
+(:data:`jmp_train_examples.demo_tasks.TASKS` ``["text"]`` with the demo's
 defaults: 1 layer, width 64, sequences of 64 bytes, batches of 32, 200
 steps, its initialization and batches) with Adam under the demo's schedule
 (warm-up over 10% of the steps, cosine decay to 1%) at a peak learning rate
@@ -91,10 +91,10 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train.examples import data as data_lib
-from jmp_train.examples.demo_configs import DemoSettings
-from jmp_train.examples.demo_configs import learning_rate_schedule
-from jmp_train.examples import half_weights as experiment
+from jmp_train_examples import data as data_lib
+from jmp_train_examples.demo_configs import DemoSettings
+from jmp_train_examples.demo_configs import learning_rate_schedule
+from jmp_train_examples import half_weights as experiment
 
 NAME = "half_weights_training"
 COLUMNS = (

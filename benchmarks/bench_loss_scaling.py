@@ -29,7 +29,7 @@ One model, five ways to write the same jitted AdamW train step:
   (the updates are written out of it and read back by ``apply_updates``).
 
 The model is a float32 MLP 64-1024-1024-10 (1.1M parameters) on batches of
-128, 512 and 1,024 real images from :func:`jmp_train.examples.data.load_digits`
+128, 512 and 1,024 real images from :func:`jmp_train_examples.data.load_digits`
 (on a GPU also 64-4096-4096-4096-10, 33.9M parameters, on batches of 1,024
 and 8,192, the digits repeated)
 (float32 on every backend, so the figures compare loss-scaling overhead
@@ -92,7 +92,7 @@ import optax
 
 import jmp_train
 from benchmarks import _harness
-from jmp_train.examples.data import load_digits
+from jmp_train_examples.data import load_digits
 
 NAME = "loss_scaling"
 COLUMNS = (

@@ -86,7 +86,7 @@ import sys
 import tempfile
 import time
 
-from jmp_train.examples.processes import free_port, run_processes
+from jmp_train_examples.processes import free_port, run_processes
 
 NAME = "multiprocess"
 COLUMNS = (
@@ -285,8 +285,7 @@ def _transform(scheme: str, axis_name):
   import optax
 
   from jmp_train._src import buckets
-  from jmp_train._src.compression.compressed_mean import compressed_mean
-  from jmp_train._src.compression.sign_compression import sign_compression
+  from jmp_train import compressed_mean, sign_compression
 
   if scheme.startswith("float32"):
     if axis_name is None:
@@ -317,7 +316,7 @@ def _programs(scheme, mesh, params, batch, grads_local, donate: bool):
   from jax.sharding import PartitionSpec as P
 
   from jmp_train.diagnostics import collective_bytes
-  from jmp_train._src.compression.sign_compression import sign_compression_specs
+  from jmp_train import sign_compression_specs
 
   tx = optax.chain(_transform(scheme, AXIS), optax.sgd(0.01))
   shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)

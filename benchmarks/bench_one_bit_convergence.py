@@ -147,7 +147,7 @@ def train_digits(
   record described in :func:`run_digits` (without ``mode``).
   """
   from jmp_train import sign_compression_specs
-  from jmp_train.examples.data import load_digits
+  from jmp_train_examples.data import load_digits
 
   if jax.device_count() < replicas:
     raise ValueError(

@@ -1,9 +1,9 @@
 """1-bit Adam and 1-bit momentum SGD on the demo's text Transformer.
 
 The demo's character-level language model
-(:class:`jmp_train.examples.models.TransformerBlock`: 1 layer, width 64, 4
+(:class:`jmp_train_examples.models.TransformerBlock`: 1 layer, width 64, 4
 heads, sequences of 64 bytes of the Python standard library's source,
-:func:`jmp_train.examples.data.load_text_corpus`, the last 10% held out),
+:func:`jmp_train_examples.data.load_text_corpus`, the last 10% held out),
 8 data-parallel replicas, a global batch of 32 sequences (4 per replica), the
 same initialisation, batches and learning-rate *schedule* for every row of a
 seed: linear warm-up over 10% of the steps, then cosine decay to 1% (the
@@ -71,8 +71,8 @@ def schedule(peak: float, steps: int) -> optax.Schedule:
 
 
 def _task(seed: int, steps: int, d_model: int, seq_len: int, batch: int, eval_batches: int):
-  from jmp_train.examples import data as data_lib
-  from jmp_train.examples.models import TransformerBlock
+  from jmp_train_examples import data as data_lib
+  from jmp_train_examples.models import TransformerBlock
 
   corpus = data_lib.load_text_corpus(1_000_000)
   split = int(len(corpus) * 0.9)

@@ -1,6 +1,6 @@
 """Bytes of parameters + optimizer state per parameter, per weight-update setup.
 
-For a small Transformer language model (``jmp_train.examples.models.
+For a small Transformer language model (``jmp_train_examples.models.
 TransformerBlock``, d_model 256, 2 layers; 64/1 in quick mode) each setup's
 parameter tree and optimizer state are built for real (``opt.init`` on the
 actual parameters; ``tests/test_low_precision_modes.py`` checks that updates keep
@@ -39,14 +39,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_train.examples import models
-from jmp_train.examples.half_weights import with_float32_state
-from jmp_train._src.low_precision.kahan_compensation import kahan_compensation
-from jmp_train._src.low_precision.modified_momentum import modified_momentum_sgd
-from jmp_train._src.low_precision.stochastic_rounding import stochastic_rounding
-from jmp_train._src.low_precision.optimizers_8bit import adam_8bit
-from jmp_train._src.low_precision.optimizers_8bit import scale_by_narrow_adam
-from jmp_train._src.low_precision.optimizers_8bit import sgd_8bit
+from jmp_train_examples import models
+from jmp_train_examples.half_weights import with_float32_state
+from jmp_train import adam_8bit, kahan_compensation, modified_momentum_sgd
+from jmp_train import scale_by_narrow_adam, sgd_8bit, stochastic_rounding
 
 NAME = "weight_memory"
 COLUMNS = (

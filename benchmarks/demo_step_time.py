@@ -29,9 +29,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jmp_train.examples import demo_training
-from jmp_train.examples.demo_configs import CONFIGS, DemoSettings
-from jmp_train.examples.demo_tasks import TASKS
+from jmp_train_examples import demo_training
+from jmp_train_examples.demo_configs import CONFIGS, DemoSettings
+from jmp_train_examples.demo_tasks import TASKS
 
 
 def settings(small: bool = False, steps: int = 200) -> DemoSettings:

@@ -2,15 +2,17 @@
 
 The public surface, re-exported from ``jmp_train._src``. Every name loads on
 first use (PEP 562), so ``import jmp_train`` imports neither JAX nor Flax
-until something is used (the ``jmp-train --help`` command stays fast); the
+until something is used; the
 ``TYPE_CHECKING`` block names each one's module for type checkers and IDEs
-(a test keeps it in step with ``__all__``). Three submodules too:
+(a test keeps it in step with ``__all__``). Two submodules too:
 
 * ``jmp_train.flax``: policies on linen and NNX modules;
 * ``jmp_train.diagnostics``: histograms, Tensor Core shapes, precision
-  audits, saved residuals;
-* ``jmp_train.examples``: the ``jmp-train`` demo, its data and example models
-  (not part of the library).
+  audits, saved residuals.
+
+The ``jmp-train`` demo, its data and example models are not part of the
+library: they live beside it, in the repository's ``examples/``
+(``jmp_train_examples``).
 """
 
 import importlib as _importlib
@@ -75,7 +77,6 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train._src.train.checkpoint import restore_latest_checkpoint as restore_latest_checkpoint
   from jmp_train._src.train.checkpoint import save_checkpoint as save_checkpoint
   from jmp_train import diagnostics as diagnostics
-  from jmp_train import examples as examples
   from jmp_train import flax as flax
 
 # Public name -> the module of jmp_train._src that defines it.
@@ -146,7 +147,7 @@ _EXPORTS = {
     "save_checkpoint": "train.checkpoint",
 }
 
-_SUBMODULES = ("diagnostics", "examples", "flax")
+_SUBMODULES = ("diagnostics", "flax")
 
 __all__ = tuple(_EXPORTS)
 

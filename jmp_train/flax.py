@@ -2,7 +2,7 @@
 
 Reached as ``jmp_train.flax`` after ``import jmp_train`` (loaded on first
 use, so ``import jmp_train`` alone does not import Flax). Example models to
-try it on live in ``jmp_train.examples.models``.
+try it on live in ``jmp_train_examples.models``.
 
 * :func:`apply_policy` runs a linen or NNX module under a
   :class:`jmp_train.Policy`: half-precision matmuls and convolutions,

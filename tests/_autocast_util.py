@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train.examples import models
+from jmp_train_examples import models
 
 from _flax_policy_util import fill
 

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.extend import core as jex_core
 
 import jmp_train.flax as jflax
-from jmp_train.examples import models
+from jmp_train_examples import models
 
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)

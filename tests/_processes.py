@@ -7,7 +7,7 @@ import pathlib
 import re
 import sys
 
-from jmp_train.examples.processes import free_port, run_processes
+from jmp_train_examples.processes import free_port, run_processes
 
 HERE = pathlib.Path(__file__).parent
 

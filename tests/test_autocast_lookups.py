@@ -13,7 +13,7 @@ import jmp_train.diagnostics as diag
 import jmp_train.flax as jflax
 from jmp_train._src.autocast.transform import autocast
 from jmp_train._src.autocast.lists import DEFAULT_LOOKUP_OPS
-from jmp_train.examples import models
+from jmp_train_examples import models
 
 from _flax_policy_util import fill
 

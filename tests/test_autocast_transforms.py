@@ -18,7 +18,7 @@ import jmp_train.flax as jflax
 from jmp_train._src.autocast.transform import autocast
 from jmp_train._src.autocast.lists import DEFAULT_FLOAT32_OPS
 from jmp_train._src.autocast.lists import DEFAULT_HALF_OPS
-from jmp_train.examples import models
+from jmp_train_examples import models
 
 from _autocast_util import (
     BF16, F16, F32, TOKENS, X_IMG, _dtypes_of, _eqns, _flax_variables, _rel_err, _xent,
@@ -364,7 +364,7 @@ def test_errors(call, error, words):
 
 @pytest.mark.slow
 def test_digits_training_parity():
-  data = pytest.importorskip("jmp_train.examples.data")
+  data = pytest.importorskip("jmp_train_examples.data")
   try:
     ds = data.load_digits()
   except ImportError as e:

@@ -353,8 +353,8 @@ def test_a_failed_save_lets_the_interpreter_exit_at_once(tmp_path):
 
 @pytest.mark.parametrize("kind", ["one_bit", "truncated_record"])
 def test_the_demo_resumes_from_its_newest_intact_step(saved, tmp_path, kind):
-  from jmp_train.examples import demo_training  # pylint: disable=g-import-not-at-top
-  from jmp_train.examples.demo_configs import DemoSettings  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import demo_training  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.demo_configs import DemoSettings  # pylint: disable=g-import-not-at-top
 
   s = DemoSettings(checkpoint_dir=str(tmp_path))
   checkpoints = demo_training._Checkpoints("f32", s)  # pylint: disable=protected-access

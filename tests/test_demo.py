@@ -1,4 +1,4 @@
-"""Tests for the ``jmp-train`` demo (jmp_train/examples/cli.py, jmp_train/examples/demo.py)."""
+"""Tests for the ``jmp-train`` demo (examples/jmp_train_examples/cli.py, examples/jmp_train_examples/demo.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import _processes
-from jmp_train.examples import cli
-from jmp_train.examples import demo
+from jmp_train_examples import cli
+from jmp_train_examples import demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def quick_run(tmp_path_factory):
   """
   out = tmp_path_factory.mktemp("demo")
   done = subprocess.run(
-      [sys.executable, "-m", "jmp_train", "--quick", "--task", "digits", "--no-progress",
+      [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-progress",
        "--out", str(out)],
       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
   return out, done
@@ -136,7 +136,7 @@ def test_missing_sklearn_one_line_and_exit_1(capsys, monkeypatch):
   monkeypatch.setitem(sys.modules, "sklearn", None)  # makes `import sklearn` fail
   assert cli.main(["--task", "digits", "--no-plot"]) == 1
   err = capsys.readouterr().err
-  assert err.count("\n") == 1 and "pip install 'jmp_train[examples]'" in err, err
+  assert err.count("\n") == 1 and "pip install 'jmp_train_examples[full]'" in err, err
 
 
 def test_digits_batch_larger_than_the_held_out_images_one_line_and_exit_1(capsys):
@@ -175,7 +175,7 @@ def test_help_is_plain_text_and_needs_no_jax():
   """The CLI module answers --help without importing JAX, in plain text."""
   code = (
       "import importlib.util, sys\n"
-      f"spec = importlib.util.spec_from_file_location('cli', {str(ROOT / 'jmp_train/examples/cli.py')!r})\n"
+      f"spec = importlib.util.spec_from_file_location('cli', {str(ROOT / 'examples/jmp_train_examples/cli.py')!r})\n"
       "cli = importlib.util.module_from_spec(spec); spec.loader.exec_module(cli)\n"
       "try:\n  cli.main(['--help'])\nexcept SystemExit as e:\n  assert e.code == 0\n"
       "print('JAX IMPORTED' if 'jax' in sys.modules else 'NO JAX')\n"
@@ -193,7 +193,7 @@ def test_demo_uses_the_public_api():
   """The example modules import jmp_train's public names, not jmp_train._src."""
   import ast  # pylint: disable=g-import-not-at-top
 
-  for path in sorted((ROOT / "jmp_train" / "examples").glob("*.py")):
+  for path in sorted((ROOT / "examples" / "jmp_train_examples").glob("*.py")):
     name = path.name
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
@@ -205,7 +205,7 @@ def test_demo_uses_the_public_api():
 
 
 def test_schedule_warms_up_and_decays_to_the_final_rate():
-  from jmp_train.examples import demo  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import demo  # pylint: disable=g-import-not-at-top
 
   s = demo.DemoSettings(steps=100, learning_rate=0.2, warmup_fraction=0.1,
                         final_lr_fraction=0.01)
@@ -217,7 +217,7 @@ def test_schedule_warms_up_and_decays_to_the_final_rate():
 
 def test_gpt2_init_draws_small_weights_and_scales_residual_projections():
   import jax  # pylint: disable=g-import-not-at-top
-  from jmp_train.examples import demo, models  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import demo, models  # pylint: disable=g-import-not-at-top
 
   model = models.TransformerBlock(d_model=64, num_layers=4)
   params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
@@ -234,7 +234,7 @@ def test_gpt2_init_draws_small_weights_and_scales_residual_projections():
 
 
 def test_bad_init_names_the_valid_ones():
-  from jmp_train.examples import demo_tasks  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import demo_tasks  # pylint: disable=g-import-not-at-top
 
   s = demo_tasks.DemoSettings(task="text", init="xavier", steps=1)
   task = demo_tasks.TASKS["text"](s)
@@ -253,7 +253,7 @@ def test_one_bit_scale_and_init_flags_reach_the_settings():
 
 def test_console_script_is_declared():
   text = (ROOT / "pyproject.toml").read_text()
-  assert 'jmp-train = "jmp_train.examples.cli:main"' in text
+  assert 'jmp-train = "jmp_train_examples.cli:main"' in text
 
 
 def test_two_processes_run_the_data_parallel_configs(tmp_path, capsys):

@@ -28,10 +28,10 @@ import pytest
 
 
 import _processes
-from jmp_train.examples import checkpoint_lock
-from jmp_train.examples import cli
-from jmp_train.examples import demo
-from jmp_train.examples.processes import Finished, run_processes
+from jmp_train_examples import checkpoint_lock
+from jmp_train_examples import cli
+from jmp_train_examples import demo
+from jmp_train_examples.processes import Finished, run_processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -173,7 +173,7 @@ def _jmp_train(tmp: pathlib.Path, *flags: str) -> subprocess.Popen:
   env["TMPDIR"] = str(tmp / "tmp")  # the launcher's folder for its workers goes there
   (tmp / "tmp").mkdir(exist_ok=True)
   return subprocess.Popen(
-      [sys.executable, "-m", "jmp_train", "--quick", "--task", "digits", "--no-progress",
+      [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-progress",
        "--no-plot", "--configs", "8dev-f32", "--num-processes", "2", *flags],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

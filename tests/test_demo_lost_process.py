@@ -12,7 +12,7 @@ import time
 import pytest
 
 import _processes
-from jmp_train.examples import demo
+from jmp_train_examples import demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
   env = _processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   launcher = subprocess.Popen(
-      [sys.executable, "-m", "jmp_train", "--quick", "--task", "digits", "--no-progress",
+      [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-progress",
        "--no-plot", "--configs", "8dev-f32", "--num-processes", "2", "--steps", "100000",
        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--out", str(tmp_path / "out")],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

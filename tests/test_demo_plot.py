@@ -1,12 +1,12 @@
-"""Tests for the ``jmp-train`` figure (jmp_train/examples/demo_plot.py), on synthetic curves."""
+"""Tests for the ``jmp-train`` figure (examples/jmp_train_examples/demo_plot.py), on synthetic curves."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jmp_train.examples import demo_configs
-from jmp_train.examples import demo_plot
+from jmp_train_examples import demo_configs
+from jmp_train_examples import demo_plot
 
 pytest.importorskip("matplotlib")
 

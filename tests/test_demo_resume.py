@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from jmp_train.examples import cli
-from jmp_train.examples import demo_training
-from jmp_train.examples.demo_configs import DemoError
-from jmp_train.examples.demo_configs import DemoSettings
-from jmp_train.examples.demo_tasks import TASKS
+from jmp_train_examples import cli
+from jmp_train_examples import demo_training
+from jmp_train_examples.demo_configs import DemoError
+from jmp_train_examples.demo_configs import DemoSettings
+from jmp_train_examples.demo_tasks import TASKS
 
 import _processes
 
@@ -88,7 +88,7 @@ def test_jmp_train_stopped_by_sigterm_then_sigkill_resumes_to_the_uninterrupted_
   s = _settings(*flags)
   want = demo_training.run_configs(dataclasses.replace(s, checkpoint_dir=None), [name],
                                    task=TASKS[s.task](s))
-  command = [sys.executable, "-m", "jmp_train", "--quick", "--task", "digits", "--no-plot",
+  command = [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-plot",
              "--no-progress", *flags, "--out", str(tmp_path / "out")]
   directory = tmp_path / "ckpt" / name
 

@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from jmp_train.examples import demo
-from jmp_train.examples import stopping
+from jmp_train_examples import demo
+from jmp_train_examples import stopping
 
 
 def _sigterm_self():

@@ -6,10 +6,10 @@ import optax
 import pytest
 
 import jmp_train
-from jmp_train.examples import cli
-from jmp_train.examples import demo_training
-from jmp_train.examples.demo_configs import DemoError
-from jmp_train.examples.demo_configs import DemoSettings
+from jmp_train_examples import cli
+from jmp_train_examples import demo_training
+from jmp_train_examples.demo_configs import DemoError
+from jmp_train_examples.demo_configs import DemoSettings
 
 
 def _nan_model(variables, x):

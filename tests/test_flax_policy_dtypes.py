@@ -17,7 +17,7 @@ from flax import nnx
 
 import jmp_train
 import jmp_train.flax as jflax
-from jmp_train.examples import models
+from jmp_train_examples import models
 
 from _flax_policy_util import F16
 from _flax_policy_util import BF16

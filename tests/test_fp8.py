@@ -338,8 +338,8 @@ def test_meta_survives_orbax_bit_for_bit(tmp_path):
 
 
 def _train_digits(policy, steps=60, seed=0):
-  from jmp_train.examples import data as data_lib
-  from jmp_train.examples import models
+  from jmp_train_examples import data as data_lib
+  from jmp_train_examples import models
 
   ds = data_lib.load_digits(seed=0)
   model = jmp_train.flax.apply_policy(models.MLP(features=(64, 64)), policy)
@@ -385,7 +385,7 @@ def test_digits_with_fp8_matches_bfloat16():
 
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_apply_policy_fp8_on_resnet_and_float32_modules(kind):
-  from jmp_train.examples import models
+  from jmp_train_examples import models
 
   x = jnp.ones((2, 8, 8, 1))
   if kind == "linen":
@@ -416,7 +416,7 @@ def test_fp8_policy_changes_nothing_without_fp8():
 @pytest.mark.parametrize("mode", ["single", "shard_map"])
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_make_train_step_updates_and_agrees_on_fp8_state(kind, mode):
-  from jmp_train.examples import models
+  from jmp_train_examples import models
 
   if kind == "linen":
     model = jmp_train.flax.apply_policy(models.MLP(features=(32,), num_classes=16), "mixed_float8")

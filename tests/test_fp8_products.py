@@ -10,7 +10,7 @@ from flax import nnx
 import jmp_train
 import jmp_train.diagnostics as diag
 import jmp_train.flax
-from jmp_train.examples import models
+from jmp_train_examples import models
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 DN = (((1,), (0,)), ((), ()))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jmp_train.examples import data as data_lib
-from jmp_train.examples import half_weights as experiment
+from jmp_train_examples import data as data_lib
+from jmp_train_examples import half_weights as experiment
 from _low_precision_util import BF16
 from _low_precision_util import F16
 

@@ -1,4 +1,4 @@
-"""Tests for jmp_train.examples.models (linen example models and NNX twins)."""
+"""Tests for jmp_train_examples.models (linen example models and NNX twins)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmp_train.examples import models
+from jmp_train_examples import models
 
 F32 = np.dtype(jnp.float32)
 

@@ -393,26 +393,31 @@ def test_make_train_step_with_one_bit_optimizer_as_the_whole_optimizer(make, sta
 
 # 1-bit Adam over two processes (one device each, under make_train_step and
 # loss scaling, killed and restarted) equals one process in
-# tests/test_killed_process.py.
+# tests/test_killed_process.py, and sign_compression over two processes in
+# tests/test_sign_compression_multiprocess.py. Here 1-bit momentum SGD with
+# 8 replicas as 4 processes of 2 devices, equal bit for bit to the same
+# replicas as the 8 devices of this one process.
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, per_process", [("momentum", 2)])
-def test_two_processes_equal_one_process(tmp_path, optimizer, per_process):
+@pytest.mark.parametrize("optimizer, processes, per_process", [("momentum", 4, 2)])
+def test_processes_equal_one_process(tmp_path, optimizer, processes, per_process):
   import _one_bit_multiprocess_worker as worker
 
-  outs = [tmp_path / f"out_{i}.npz" for i in range(2)]
+  outs = [tmp_path / f"out_{i}.npz" for i in range(processes)]
   _processes.run_workers(
       "_one_bit_multiprocess_worker.py",
-      [[str(i), "2", "{port}", str(out), optimizer, str(per_process)] for i, out in enumerate(outs)],
+      [[str(i), str(processes), "{port}", str(out), optimizer, str(per_process)]
+       for i, out in enumerate(outs)],
       timeout=300)
-  k = 2 * per_process
+  k = processes * per_process
   devices = jax.devices()[:k]
+  assert len(devices) == k
   expected = worker.train(devices, optimizer)
   got = {}
   for out in outs:
     with np.load(out) as f:
       got.update({name: f[name] for name in f.files})
   # Parameters on every process; residuals of process 0's devices, then
-  # process 1's, matched to the one-process run's devices in order.
+  # process 1's, and so on, matched to the one-process run's devices in order.
   for name in worker.initial_params():
     np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     assert not np.array_equal(worker.initial_params()[name], expected[name])

@@ -14,7 +14,7 @@ import jmp_train
 import jmp_train.flax as jflax
 from jmp_train.diagnostics import SavedResidual
 from jmp_train.diagnostics import saved_residuals
-from jmp_train.examples import models
+from jmp_train_examples import models
 
 from _flax_policy_util import fill
 

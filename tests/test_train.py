@@ -17,7 +17,7 @@ import pytest
 
 import jmp_train
 from jmp_train._src.compression.sign_compression import sign_compression
-from jmp_train.examples.processes import run_processes
+from jmp_train_examples.processes import run_processes
 
 import _processes
 from _flax_policy_util import fill

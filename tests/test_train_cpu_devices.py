@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 _LOOP = textwrap.dedent("""
     import jax
-    from jmp_train.examples import demo_configs, demo_tasks, demo_training
+    from jmp_train_examples import demo_configs, demo_tasks, demo_training
     settings = demo_configs.DemoSettings(task="text", steps={steps})
     task = demo_tasks.TASKS["text"](settings)
     step = demo_training._build_step(demo_configs.CONFIGS["8dev-f32"], task, settings)

@@ -36,7 +36,7 @@ def test_py_typed_ships_as_package_data():
 
 def test_console_script_and_extras_are_coherent():
   config = _pyproject()
-  assert config["project"]["scripts"] == {"jmp-train": "jmp_train.examples.cli:main"}
+  assert config["project"]["scripts"] == {"jmp-train": "jmp_train_examples.cli:main"}
   base = {re.split(r"[<>=]", d)[0] for d in config["project"]["dependencies"]}
   # The optional parts of the demo are extras, not dependencies.
   assert not base & {"matplotlib", "scikit-learn", "orbax-checkpoint"}
@@ -51,7 +51,7 @@ _NO_EXTRAS = textwrap.dedent("""
     for name in ("matplotlib", "sklearn", "orbax", "orbax.checkpoint", "jmp"):
       sys.modules[name] = None  # as if not installed
     import jmp_train
-    from jmp_train.examples import cli
+    from jmp_train_examples import cli
     try:
       cli.main(["--help"])
     except SystemExit as e:

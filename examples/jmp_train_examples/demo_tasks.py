@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train.examples import data as data_lib
-from jmp_train.examples.demo_configs import NUM_DEVICES
-from jmp_train.examples.demo_configs import DemoError
-from jmp_train.examples.demo_configs import DemoSettings
+from jmp_train_examples import data as data_lib
+from jmp_train_examples.demo_configs import NUM_DEVICES
+from jmp_train_examples.demo_configs import DemoError
+from jmp_train_examples.demo_configs import DemoSettings
 
 __all__ = ["TASKS", "Task", "gpt2_init", "init_params", "loss_fn"]
 
@@ -38,7 +38,7 @@ def loss_fn(logits, targets):
 
 
 def _text_task(s: DemoSettings) -> Task:
-  from jmp_train.examples.models import TransformerBlock  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.models import TransformerBlock  # pylint: disable=g-import-not-at-top
 
   corpus = data_lib.load_text_corpus(1_000_000)
   split = int(len(corpus) * 0.9)
@@ -75,7 +75,7 @@ def _text_task(s: DemoSettings) -> Task:
 
 
 def _digits_task(s: DemoSettings) -> Task:
-  from jmp_train.examples.models import MLP  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.models import MLP  # pylint: disable=g-import-not-at-top
 
   try:
     ds = data_lib.load_digits(seed=s.seed)
@@ -110,7 +110,7 @@ TASKS = {"text": _text_task, "digits": _digits_task}
 
 
 def gpt2_init(params: Any, key: jax.Array, num_layers: int, std: float = 0.02) -> Any:
-  """GPT-2's initialization of a :class:`~jmp_train.examples.models.TransformerBlock`.
+  """GPT-2's initialization of a :class:`~jmp_train_examples.models.TransformerBlock`.
 
   Every ``kernel`` and ``embedding`` drawn from ``N(0, std²)``, the projections
   back into the residual stream (``attn/out``, ``mlp_out``) from

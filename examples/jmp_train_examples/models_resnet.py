@@ -3,7 +3,7 @@
 :class:`ResNetBlock` / :class:`NNXResNetBlock`: a residual block of two 3x3
 convolutions with batch norm; :class:`ResNet` / :class:`NNXResNet`: a small
 ResNet-style classifier (``stem`` convolution, blocks, global average pool,
-``head``); see :mod:`jmp_train.examples.models`.
+``head``); see :mod:`jmp_train_examples.models`.
 
 References:
   He et al., "Deep Residual Learning for Image Recognition", CVPR 2016.

@@ -1,7 +1,7 @@
 """The optimizer setups the half-precision weights experiment compares.
 
 Each ``make_*setups`` returns an ordered dict name -> (parameter dtype,
-optimizer) for :func:`jmp_train.examples.half_weights.run_all`: a float32
+optimizer) for :func:`jmp_train_examples.half_weights.run_all`: a float32
 master copy, half weights with a plain optimizer, with
 :func:`jmp_train.kahan_compensation`, :func:`jmp_train.stochastic_rounding`
 or :func:`jmp_train.modified_momentum_sgd`, and with 8-bit optimizer state.

@@ -23,19 +23,19 @@ second, skipped steps, final loss scale, the share of gradients that would
 underflow float16 without loss scaling, bytes of parameters + optimizer
 state, and wire bytes per step read from the compiled HLO) and writes
 ``results.json`` and, with matplotlib, ``results.png``
-(:mod:`jmp_train.examples.demo_plot`).
+(:mod:`jmp_train_examples.demo_plot`).
 
-The rows and settings are in :mod:`jmp_train.examples.demo_configs`, the
-tasks in :mod:`jmp_train.examples.demo_tasks`, training one row in
-:mod:`jmp_train.examples.demo_training`; this module runs them all (in
+The rows and settings are in :mod:`jmp_train_examples.demo_configs`, the
+tasks in :mod:`jmp_train_examples.demo_tasks`, training one row in
+:mod:`jmp_train_examples.demo_training`; this module runs them all (in
 worker processes where asked) and writes the results.
 
 The task is a character-level Transformer language model on the Python
-standard library's own source (:func:`jmp_train.examples.data.load_text_corpus`),
+standard library's own source (:func:`jmp_train_examples.data.load_text_corpus`),
 or an MLP on scikit-learn's 8x8 digits (``--task digits``). Single-device
 rows run on JAX's default device (a GPU when there is one); the 8-device rows
 need 8 devices of one kind, which on a one-GPU machine are 8 simulated CPU
-devices (:func:`jmp_train.examples.cli.main` creates them).
+devices (:func:`jmp_train_examples.cli.main` creates them).
 """
 
 
@@ -56,23 +56,23 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jmp_train.examples import checkpoint_lock
-from jmp_train.examples.demo_configs import COLUMNS
-from jmp_train.examples.demo_configs import COMPARISONS
-from jmp_train.examples.demo_configs import CONFIGS
-from jmp_train.examples.demo_configs import NUM_DEVICES
-from jmp_train.examples.demo_configs import DemoError
-from jmp_train.examples.demo_configs import DemoSettings
-from jmp_train.examples.demo_configs import RunConfig
-from jmp_train.examples.demo_configs import data_parallel_optimizer
-from jmp_train.examples.demo_configs import learning_rate_schedule
-from jmp_train.examples.demo_tasks import TASKS
-from jmp_train.examples.demo_tasks import gpt2_init
-from jmp_train.examples.demo_training import data_parallel_devices
-from jmp_train.examples.demo_training import run_configs
-from jmp_train.examples.processes import WORKER_FOLDER_PREFIX
-from jmp_train.examples.processes import free_port, run_processes
-from jmp_train.examples.stopping import Terminated
+from jmp_train_examples import checkpoint_lock
+from jmp_train_examples.demo_configs import COLUMNS
+from jmp_train_examples.demo_configs import COMPARISONS
+from jmp_train_examples.demo_configs import CONFIGS
+from jmp_train_examples.demo_configs import NUM_DEVICES
+from jmp_train_examples.demo_configs import DemoError
+from jmp_train_examples.demo_configs import DemoSettings
+from jmp_train_examples.demo_configs import RunConfig
+from jmp_train_examples.demo_configs import data_parallel_optimizer
+from jmp_train_examples.demo_configs import learning_rate_schedule
+from jmp_train_examples.demo_tasks import TASKS
+from jmp_train_examples.demo_tasks import gpt2_init
+from jmp_train_examples.demo_training import data_parallel_devices
+from jmp_train_examples.demo_training import run_configs
+from jmp_train_examples.processes import WORKER_FOLDER_PREFIX
+from jmp_train_examples.processes import free_port, run_processes
+from jmp_train_examples.stopping import Terminated
 
 __all__ = [
     "CONFIGS", "COLUMNS", "DemoError", "DemoSettings", "RunConfig", "format_table", "run_demo",
@@ -228,7 +228,7 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
 
   The workers share a temporary folder with this process (removed when it
   ends; by the workers when it was killed) and inherit the lock of the
-  checkpoint folder (:mod:`~jmp_train.examples.checkpoint_lock`), which
+  checkpoint folder (:mod:`~jmp_train_examples.checkpoint_lock`), which
   thus lasts as long as any of them.
   """
   port = free_port()
@@ -237,7 +237,7 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
   lock = checkpoint_lock.held_fd(s.checkpoint_dir)
   with tempfile.TemporaryDirectory(prefix=f"{WORKER_FOLDER_PREFIX}{os.getpid()}_") as tmp:
     commands = [
-        [sys.executable, "-m", "jmp_train", *argv_base,
+        [sys.executable, "-m", "jmp_train_examples", *argv_base,
          "--configs", ",".join(names), "--out", tmp, "--no-plot", "--no-progress",
          "--num-processes", "1",
          "--_process", f"{pid},{s.num_processes},{port},{os.getpid()}"]
@@ -345,7 +345,7 @@ def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = F
   }
   write_atomic(out / "results.json", json.dumps(payload, indent=2, default=_jsonable) + "\n")
   if s.plot:
-    from jmp_train.examples import demo_plot  # pylint: disable=g-import-not-at-top
+    from jmp_train_examples import demo_plot  # pylint: disable=g-import-not-at-top
 
     demo_plot.plot(out / "results.png", rows, curves, s, learning_rate_schedule(s))
   return rows

@@ -11,9 +11,9 @@ batch and updated; linen needs ``mutable=["batch_stats"]`` and a
 Sizes default to multiples of 8 (Tensor Cores need multiples of 8 in every
 GEMM/convolution dimension for float16) except where the data fixes them
 (one input channel, ten classes). Each family is a module of its own
-(:mod:`~jmp_train.examples.models_mlp`,
-:mod:`~jmp_train.examples.models_resnet`,
-:mod:`~jmp_train.examples.models_transformer`), gathered here.
+(:mod:`~jmp_train_examples.models_mlp`,
+:mod:`~jmp_train_examples.models_resnet`,
+:mod:`~jmp_train_examples.models_transformer`), gathered here.
 
 * :class:`MLP` / :class:`NNXMLP`: ``Dense`` + ReLU + ``Dropout`` layers and a
   classifier head, for flat inputs (the 8x8 digits as 64 features).
@@ -25,7 +25,7 @@ GEMM/convolution dimension for float16) except where the data fixes them
   language model (token and position ``Embed``, pre-norm decoder layers of
   ``LayerNorm`` + multi-head attention + ``Dropout`` + ``Dense`` MLP, a final
   ``RMSNorm`` and a ``head``); tokens in, logits out.
-* :class:`GPT` (linen only; :mod:`~jmp_train.examples.models_gpt`): a
+* :class:`GPT` (linen only; :mod:`~jmp_train_examples.models_gpt`): a
   GPT-style decoder from ~125M to ~1.5B parameters (:class:`GPTConfig`
   presets), fused attention on GPUs, a chunked float32 loss.
 
@@ -44,19 +44,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmp_train.examples.models_gpt import GPT
-from jmp_train.examples.models_gpt import GPTBlock
-from jmp_train.examples.models_gpt import GPTConfig
-from jmp_train.examples.models_mlp import MLP
-from jmp_train.examples.models_mlp import NNXMLP
-from jmp_train.examples.models_resnet import NNXResNet
-from jmp_train.examples.models_resnet import NNXResNetBlock
-from jmp_train.examples.models_resnet import ResNet
-from jmp_train.examples.models_resnet import ResNetBlock
-from jmp_train.examples.models_transformer import NNXTransformerBlock
-from jmp_train.examples.models_transformer import NNXTransformerLayer
-from jmp_train.examples.models_transformer import TransformerBlock
-from jmp_train.examples.models_transformer import TransformerLayer
+from jmp_train_examples.models_gpt import GPT
+from jmp_train_examples.models_gpt import GPTBlock
+from jmp_train_examples.models_gpt import GPTConfig
+from jmp_train_examples.models_mlp import MLP
+from jmp_train_examples.models_mlp import NNXMLP
+from jmp_train_examples.models_resnet import NNXResNet
+from jmp_train_examples.models_resnet import NNXResNetBlock
+from jmp_train_examples.models_resnet import ResNet
+from jmp_train_examples.models_resnet import ResNetBlock
+from jmp_train_examples.models_transformer import NNXTransformerBlock
+from jmp_train_examples.models_transformer import NNXTransformerLayer
+from jmp_train_examples.models_transformer import TransformerBlock
+from jmp_train_examples.models_transformer import TransformerLayer
 
 __all__ = [
     "MLP",

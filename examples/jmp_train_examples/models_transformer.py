@@ -4,7 +4,7 @@
 ``Embed``, pre-norm decoder layers (:class:`TransformerLayer` /
 :class:`NNXTransformerLayer`: ``LayerNorm`` + multi-head attention +
 ``Dropout`` + ``Dense`` MLP), a final ``RMSNorm`` and a ``head``; tokens
-in, logits out. See :mod:`jmp_train.examples.models`.
+in, logits out. See :mod:`jmp_train_examples.models`.
 
 References:
   Vaswani et al., "Attention Is All You Need", NeurIPS 2017.

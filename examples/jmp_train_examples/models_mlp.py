@@ -1,7 +1,7 @@
 """Multilayer perceptrons in Flax linen (:class:`MLP`) and NNX (:class:`NNXMLP`), twins.
 
 ``Dense`` + ReLU + ``Dropout`` layers and a classifier head, for flat inputs
-(the 8x8 digits as 64 features); see :mod:`jmp_train.examples.models`.
+(the 8x8 digits as 64 features); see :mod:`jmp_train_examples.models`.
 """
 
 from __future__ import annotations

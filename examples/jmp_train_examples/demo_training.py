@@ -14,20 +14,20 @@ import numpy as np
 from jax.sharding import Mesh
 
 import jmp_train
-from jmp_train.examples.demo_configs import CONFIGS
-from jmp_train.examples.demo_configs import NUM_DEVICES
-from jmp_train.examples.demo_configs import DemoError
-from jmp_train.examples.demo_configs import DemoSettings
-from jmp_train.examples.demo_configs import RunConfig
-from jmp_train.examples.demo_configs import data_parallel_optimizer
-from jmp_train.examples.demo_configs import single_device_optimizer
-from jmp_train.examples.demo_tasks import TASKS
-from jmp_train.examples.demo_tasks import Task
-from jmp_train.examples.demo_tasks import init_params as init_task_params
-from jmp_train.examples.demo_tasks import loss_fn
-from jmp_train.examples.stopping import Terminated
-from jmp_train.examples.stopping import deferred
-from jmp_train.examples.stopping import preempted
+from jmp_train_examples.demo_configs import CONFIGS
+from jmp_train_examples.demo_configs import NUM_DEVICES
+from jmp_train_examples.demo_configs import DemoError
+from jmp_train_examples.demo_configs import DemoSettings
+from jmp_train_examples.demo_configs import RunConfig
+from jmp_train_examples.demo_configs import data_parallel_optimizer
+from jmp_train_examples.demo_configs import single_device_optimizer
+from jmp_train_examples.demo_tasks import TASKS
+from jmp_train_examples.demo_tasks import Task
+from jmp_train_examples.demo_tasks import init_params as init_task_params
+from jmp_train_examples.demo_tasks import loss_fn
+from jmp_train_examples.stopping import Terminated
+from jmp_train_examples.stopping import deferred
+from jmp_train_examples.stopping import preempted
 
 __all__ = ["data_parallel_devices", "run_config", "run_configs"]
 

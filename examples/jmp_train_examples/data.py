@@ -153,7 +153,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     from sklearn import datasets  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError(
-        "load_digits needs scikit-learn: pip install 'jmp_train[examples]'"
+        "load_digits needs scikit-learn: pip install 'jmp_train_examples[full]'"
     ) from e
   if not 0.0 < test_fraction < 1.0:
     raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")

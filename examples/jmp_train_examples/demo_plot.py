@@ -287,7 +287,7 @@ def build_figure(rows: Sequence[dict], curves: dict, s: Any, schedule: Any = Non
   import matplotlib  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
-  from jmp_train.examples.demo import COMPARISONS  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.demo import COMPARISONS  # pylint: disable=g-import-not-at-top
 
   by_name = {r["config"]: r for r in rows}
   window = max(1, s.steps // 20)

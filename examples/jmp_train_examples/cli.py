@@ -1,4 +1,4 @@
-"""``jmp-train`` / ``python -m jmp_train``: the demo in one command.
+"""``jmp-train`` / ``python -m jmp_train_examples``: the demo in one command.
 
 This module imports nothing heavy at import time: ``jmp-train --help`` and
 flag errors answer without starting JAX.
@@ -208,7 +208,7 @@ def _check_optional_dependencies(settings: dict) -> str | None:
       import sklearn  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
     except ImportError:
       raise _DependencyError(
-          "--task digits needs scikit-learn: pip install 'jmp_train[examples]' "
+          "--task digits needs scikit-learn: pip install 'jmp_train_examples[full]' "
           "(or use --task text)"
       ) from None
   if settings["checkpoint_dir"] is not None:
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
       if watcher.orphaned():
         watcher.remove_folder()
-  from jmp_train.examples import checkpoint_lock  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import checkpoint_lock  # pylint: disable=g-import-not-at-top
 
   with contextlib.ExitStack() as stack:
     if settings["checkpoint_dir"] is not None:
@@ -308,13 +308,13 @@ def _run(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 1
   try:
-    from jmp_train.examples import stopping  # pylint: disable=g-import-not-at-top
+    from jmp_train_examples import stopping  # pylint: disable=g-import-not-at-top
 
     # A worker process leaves SIGTERM to jax.distributed's preemption
     # service: the workers agree on a step, save it and stop together.
     with stopping.sigterm_unwinds(args._process is None):  # pylint: disable=protected-access
       _setup_jax(args._process)  # pylint: disable=protected-access
-      from jmp_train.examples import demo  # pylint: disable=g-import-not-at-top
+      from jmp_train_examples import demo  # pylint: disable=g-import-not-at-top
 
       s = demo.DemoSettings(**settings)
       # The flags worker processes inherit (the launcher sets the others).
@@ -395,7 +395,7 @@ class _LauncherWatch:
     return self._gone or os.getppid() != self._parent
 
   def remove_folder(self) -> None:
-    from jmp_train.examples.processes import WORKER_FOLDER_PREFIX  # pylint: disable=g-import-not-at-top
+    from jmp_train_examples.processes import WORKER_FOLDER_PREFIX  # pylint: disable=g-import-not-at-top
 
     if os.path.basename(os.path.normpath(self._out)).startswith(WORKER_FOLDER_PREFIX):
       shutil.rmtree(self._out, ignore_errors=True)
@@ -427,13 +427,13 @@ def _alive(pid: int) -> bool:
 
 
 def _terminated():
-  from jmp_train.examples.stopping import Terminated  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.stopping import Terminated  # pylint: disable=g-import-not-at-top
 
   return Terminated
 
 
 def _known():
-  from jmp_train.examples.demo import DemoError  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.demo import DemoError  # pylint: disable=g-import-not-at-top
 
   return (DemoError, ImportError, ValueError)
 

@@ -3,7 +3,7 @@
 Shared by ``tests/test_low_precision_digits.py``, ``benchmarks/bench_half_weights_training.py``
 and ``notebooks/03_half_precision_weights.ipynb`` so the three report the same
 experiment. A two-layer MLP is trained on scikit-learn's 8x8 digits
-(:func:`jmp_train.examples.data.load_digits`) with the forward and backward pass
+(:func:`jmp_train_examples.data.load_digits`) with the forward and backward pass
 in a half dtype in every setup; what differs is only how the weights are
 stored and updated:
 
@@ -21,10 +21,10 @@ stored and updated:
 
 Every setup starts from the same initial values (drawn in float32 and rounded
 to the half dtype) and sees the same minibatches. The setups are built in
-:mod:`jmp_train.examples.half_weights_setups`; this module trains them.
+:mod:`jmp_train_examples.half_weights_setups`; this module trains them.
 
 :func:`train_text` runs the same comparison on the demo's text task
-(:data:`jmp_train.examples.demo_tasks.TASKS` ``["text"]``: a character-level
+(:data:`jmp_train_examples.demo_tasks.TASKS` ``["text"]``: a character-level
 Transformer on the standard library's source, the last 10% held out),
 with its data, model and initialization unchanged.
 """
@@ -40,15 +40,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train.examples import data as data_lib
-from jmp_train.examples import demo_tasks
-from jmp_train.examples.demo_configs import DemoSettings
-from jmp_train.examples.half_weights_setups import make_8bit_setups
-from jmp_train.examples.half_weights_setups import make_momentum_setups
-from jmp_train.examples.half_weights_setups import make_setups
-from jmp_train.examples.half_weights_setups import make_text_setups
-from jmp_train.examples.half_weights_setups import plain_momentum_sgd
-from jmp_train.examples.half_weights_setups import with_float32_state
+from jmp_train_examples import data as data_lib
+from jmp_train_examples import demo_tasks
+from jmp_train_examples.demo_configs import DemoSettings
+from jmp_train_examples.half_weights_setups import make_8bit_setups
+from jmp_train_examples.half_weights_setups import make_momentum_setups
+from jmp_train_examples.half_weights_setups import make_setups
+from jmp_train_examples.half_weights_setups import make_text_setups
+from jmp_train_examples.half_weights_setups import plain_momentum_sgd
+from jmp_train_examples.half_weights_setups import with_float32_state
 
 __all__ = [
     "DigitsResult",
@@ -216,8 +216,8 @@ def train_text(
 ) -> list[DigitsResult]:
   """Trains the demo's text Transformer once per seed; returns the final metrics.
 
-  The task is the demo's (:func:`jmp_train.examples.demo_tasks.TASKS`
-  ``["text"]`` and :func:`~jmp_train.examples.demo_tasks.init_params` with
+  The task is the demo's (:func:`jmp_train_examples.demo_tasks.TASKS`
+  ``["text"]`` and :func:`~jmp_train_examples.demo_tasks.init_params` with
   ``settings``, its seed replaced by each of ``seeds``: the seed sets the
   initial weights and the batches). The parameters are stored in
   ``param_dtype`` (the float32 initial values rounded to ``compute_dtype``
