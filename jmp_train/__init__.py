@@ -69,6 +69,8 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train._src.compression.one_bit_momentum import OneBitMomentumState as OneBitMomentumState
   from jmp_train._src.compression.one_bit_adam import one_bit_adam as one_bit_adam
   from jmp_train._src.compression.one_bit_momentum import one_bit_momentum as one_bit_momentum
+  from jmp_train._src.compression.diloco import DiLoCoState as DiLoCoState
+  from jmp_train._src.compression.diloco import diloco as diloco
   from jmp_train._src.train.state import TrainState as TrainState
   from jmp_train._src.train.state import TrainStep as TrainStep
   from jmp_train._src.train.step import make_train_step as make_train_step
@@ -137,6 +139,9 @@ _EXPORTS = {
     "OneBitMomentumState": "compression.one_bit_momentum",
     "one_bit_adam": "compression.one_bit_adam",
     "one_bit_momentum": "compression.one_bit_momentum",
+    # local steps with periodic (compressed) outer updates
+    "DiLoCoState": "compression.diloco",
+    "diloco": "compression.diloco",
     # train-step builder
     "TrainState": "train.state",
     "TrainStep": "train.state",

@@ -17,6 +17,10 @@ Optimizers on local gradients (Tang et al., 2021):
 * ``one_bit_adam``: :func:`~jmp_train.one_bit_adam`.
 * ``one_bit_momentum``: :func:`~jmp_train.one_bit_momentum`.
 * ``one_bit_common``: what the two share.
+
+Local steps with periodic outer updates (Douillard et al., 2023):
+
+* ``diloco``: :func:`~jmp_train.diloco`, exact or through a compressor.
 * ``replica_averaging``: the transformation types that tell
   :func:`~jmp_train.make_train_step` these average replicas themselves.
 """

@@ -1,0 +1,167 @@
+"""DiLoCo with exact and 1-bit outer updates against synchronous Adam and 1-bit Adam.
+
+The text task of ``bench_one_bit_text`` (the demo's character-level
+Transformer, 8 replicas, 4 sequences of 64 bytes per replica and step, the
+demo's warm-up + cosine schedule, 3 seeds), every row trained for the same
+``steps`` (equal tokens), each replica with its own copy of the parameters:
+
+* ``adam_float32``: ``optax.adam`` on the exact ``pmean`` of the gradients
+  (synchronous data parallelism, every step);
+* ``one_bit_adam``: :func:`jmp_train.one_bit_adam` with its defaults
+  (``clip_step``, ``rescale_variance``), exact for the first 20% of the
+  steps;
+* ``diloco_h{H}``: :func:`jmp_train.diloco` with ``optax.adamw`` inner steps
+  (weight decay 0) on each replica's own gradients and DiLoCo's outer
+  Nesterov SGD (0.7, momentum 0.9) every ``H`` steps on the exact mean of
+  the pseudo-gradients;
+* ``diloco_h{H}_1bit``: the same with the pseudo-gradients averaged by
+  :func:`jmp_train.sign_compression` (1 bit per element, column scales,
+  error feedback).
+
+Columns: validation loss (16 fixed held-out batches) of replica 0's
+parameters after the last step (a synchronisation for the DiLoCo rows:
+``steps`` is a multiple of every ``H``), mean, min and max over seeds;
+``rel_to_adam``: the mean over seeds of each seed's loss over
+``adam_float32``'s of the same seed, minus 1; ``rel_to_adam_max`` the worst
+seed's; ``wire_ratio``: bytes each device sends per step, averaged over the
+steps, over a float32 ring all-reduce of the gradients every step. For
+``one_bit_adam`` it is read from its compiled step after warm-up
+(``bench_one_bit_optimizers.wire_ratio``, the warm-up excluded); for the
+DiLoCo rows it is the exchange's bytes once every ``H`` steps: ``1 / H``
+exact, and ``sign_compression``'s compiled ratio over ``H`` with 1 bit.
+
+Environment: ``BENCH_DILOCO_STEPS`` (default 192), ``BENCH_DILOCO_MODES``
+(comma-separated rows). ``--quick``: a tiny model, 8 steps, one seed, the
+1-bit DiLoCo row at ``H = 4`` only (a smoke test).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import _harness
+from benchmarks.bench_one_bit_text import AXIS, LR_ADAM, REPLICAS, _task, schedule
+
+NAME = "diloco"
+COLUMNS = ("mode", "sync_every", "steps", "seeds", "val_loss", "val_loss_min", "val_loss_max",
+           "rel_to_adam", "rel_to_adam_max", "wire_ratio")
+SYNC_EVERY = (16, 32, 64)
+OUTER = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
+
+
+def train_local(tx: optax.GradientTransformation, *, steps: int, seed: int, d_model: int = 64,
+                seq_len: int = 64, batch: int = 32, eval_batches: int = 16) -> dict:
+  """Trains the text Transformer with ``tx`` on local gradients, one parameter copy per replica."""
+  if jax.device_count() < REPLICAS:
+    raise ValueError(
+        f"needs {REPLICAS} devices, found {jax.device_count()}: set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={REPLICAS} before JAX starts.")
+  model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, batch, eval_batches)
+  mesh = jax.make_mesh((REPLICAS,), (AXIS,), devices=jax.devices()[:REPLICAS])
+  spec, data = P(AXIS), P(None, AXIS)
+  xs = jax.device_put(xs, NamedSharding(mesh, data))
+  ys = jax.device_put(ys, NamedSharding(mesh, data))
+  stacked = jax.device_put(
+      jax.tree.map(lambda p: np.broadcast_to(p, (REPLICAS,) + p.shape).copy(), params),
+      NamedSharding(mesh, spec))
+  first = lambda t: jax.tree.map(lambda x: x[0], t)
+  expand = lambda t: jax.tree.map(lambda x: x[None], t)
+
+  def loss_fn(p, x, y):
+    logits = model.apply({"params": p}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  init = jax.jit(jax.shard_map(lambda p: expand(tx.init(first(p))), mesh=mesh, in_specs=spec,
+                               out_specs=spec))
+
+  def train(p, s, xs, ys):
+    def body(carry, b):
+      p, s = carry
+      updates, s = tx.update(jax.grad(loss_fn)(p, *b), s, p)
+      return (optax.apply_updates(p, updates), s), None
+
+    (p, s), _ = jax.lax.scan(body, (first(p), first(s)), (xs, ys))
+    return expand(p), expand(s)
+
+  run = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(spec, spec, data, data),
+                              out_specs=(spec, spec)))
+  stacked, _ = jax.block_until_ready(run(stacked, init(stacked), xs, ys))
+  final = first(jax.device_get(stacked))
+  evaluate = jax.jit(loss_fn)
+  losses = {}
+  for split, (x, y) in evals.items():
+    parts = [evaluate(final, x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+    losses[split] = float(np.mean(jax.device_get(parts)))
+  return {"val_loss": losses["val"], "train_loss": losses["train"]}
+
+
+def _rows(steps: int, quick: bool):
+  from jmp_train import diloco, one_bit_adam, sign_compression
+
+  from benchmarks.bench_one_bit_convergence import _exact_mean
+
+  lr = schedule(LR_ADAM, steps)
+  rows = [
+      ("adam_float32", 1, lambda: optax.chain(_exact_mean(AXIS), optax.adam(lr))),
+      ("one_bit_adam", 1,
+       lambda: one_bit_adam(lr, axis_name=AXIS, warmup_steps=max(1, steps // 5))),
+  ]
+  for h in ((4,) if quick else SYNC_EVERY):
+    outer = optax.sgd(**OUTER)
+    rows.append((f"diloco_h{h}", h, lambda h=h, outer=outer: diloco(
+        optax.adamw(lr, weight_decay=0.0), outer, h, axis_name=AXIS)))
+    rows.append((f"diloco_h{h}_1bit", h, lambda h=h, outer=outer: diloco(
+        optax.adamw(lr, weight_decay=0.0), outer, h, axis_name=AXIS,
+        compression=sign_compression(AXIS))))
+  return rows[-1:] if quick else rows
+
+
+def _wire_ratio(mode: str, h: int, make, params) -> float | None:
+  from jmp_train import sign_compression
+
+  from benchmarks.bench_one_bit_optimizers import wire_ratio
+
+  if mode == "adam_float32":
+    return 1.0
+  if mode == "one_bit_adam":
+    return wire_ratio(make(), params, REPLICAS)
+  if mode.endswith("_1bit"):
+    return wire_ratio(optax.chain(sign_compression(AXIS), optax.sgd(0.1)), params, REPLICAS) / h
+  return 1.0 / h
+
+
+def run(quick: bool) -> list[dict]:
+  steps = 8 if quick else _harness.env_int("BENCH_DILOCO_STEPS", 192)
+  seeds = (0,) if quick else (0, 1, 2)
+  size = dict(d_model=16, seq_len=16, eval_batches=2) if quick else {}
+  rows = _rows(steps, quick)
+  if not quick:
+    rows = [row[1:] for row in _harness.selected_rows([("adam", *row) for row in rows],
+                                                      "BENCH_DILOCO_MODES")]
+  for mode, h, _ in rows:
+    if steps % h:
+      raise ValueError(f"BENCH_DILOCO_STEPS={steps} is not a multiple of {mode}'s sync_every {h}.")
+  params = None if quick else _task(0, 1, 64, 64, 32, 1)[1]
+  records = []
+  for mode, h, make in rows:
+    runs = [train_local(make(), steps=steps, seed=s, **size) for s in seeds]
+    val = np.asarray([r["val_loss"] for r in runs])
+    records.append({
+        "mode": mode, "sync_every": h, "steps": steps, "seeds": len(seeds),
+        "val_loss": float(val.mean()), "val_loss_min": float(val.min()),
+        "val_loss_max": float(val.max()), "val_losses": [float(v) for v in val],
+        "train_loss": float(np.mean([r["train_loss"] for r in runs])),
+        "wire_ratio": None if quick else _wire_ratio(mode, h, make, params),
+    })
+    print(f"{mode}: val {val.round(4).tolist()}", flush=True)
+  base = next((r for r in records if r["mode"] == "adam_float32"), None)
+  for r in records:
+    r["rel_to_adam"] = r["rel_to_adam_max"] = None  # no adam_float32 row (--quick)
+    if base is not None:
+      rel = np.asarray(r["val_losses"]) / np.asarray(base["val_losses"]) - 1.0
+      r["rel_to_adam"], r["rel_to_adam_max"] = float(rel.mean()), float(rel.max())
+  return records
