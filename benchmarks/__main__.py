@@ -375,6 +375,15 @@ def _headline_rows(loaded) -> Iterator[dict[str, str]]:
                      "Transformer, 8 replicas, 200 steps: validation loss against Adam",
            "value": f"{_percent(2)(r['rel_to_float32'])}, at {r['wire_ratio']:.3f} of the bytes",
            "source": _where(loaded, name)}
+  name = "diloco-cpu.json"
+  for mode in ("diloco_h16", "diloco_h16_1bit"):
+    r = _find(loaded, name, mode=mode)
+    if r and r.get("rel_to_adam") is not None:
+      yield {"figure": f"`diloco` ({'1-bit' if mode.endswith('1bit') else 'exact'} outer "
+                       f"updates every {r['sync_every']} steps) on the demo's text Transformer, 8 "
+                       f"replicas, {r['steps']} steps: validation loss against synchronous Adam",
+             "value": f"{_percent(1)(r['rel_to_adam'])}, at {r['wire_ratio']:.4f} of the bytes",
+             "source": _where(loaded, name)}
   name = "gpt-nvidia-h200.json"
   lib, floor = _find(loaded, name, variant="library"), _find(loaded, name, variant="floor")
   if lib and floor:
