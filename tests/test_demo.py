@@ -251,9 +251,10 @@ def test_one_bit_scale_and_init_flags_reach_the_settings():
   assert default["one_bit_scale"] == "l1" and default["init"] == "flax"
 
 
-def test_console_script_is_declared():
-  text = (ROOT / "pyproject.toml").read_text()
-  assert 'jmp-train = "jmp_train_examples.cli:main"' in text
+def test_console_script_is_declared_by_the_examples_not_the_library():
+  assert 'jmp-train = "jmp_train_examples.cli:main"' in (ROOT / "examples" / "pyproject.toml").read_text()
+  assert "jmp-train" not in (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[0]
+  assert "[project.scripts]" not in (ROOT / "pyproject.toml").read_text()
 
 
 def test_two_processes_run_the_data_parallel_configs(tmp_path, capsys):

@@ -36,10 +36,16 @@ def test_py_typed_ships_as_package_data():
 
 def test_console_script_and_extras_are_coherent():
   config = _pyproject()
-  assert config["project"]["scripts"] == {"jmp-train": "jmp_train_examples.cli:main"}
+  # The library declares no console script: jmp-train belongs to the examples.
+  assert "scripts" not in config["project"]
   base = {re.split(r"[<>=]", d)[0] for d in config["project"]["dependencies"]}
-  # The optional parts of the demo are extras, not dependencies.
-  assert not base & {"matplotlib", "scikit-learn", "orbax-checkpoint"}
+  # The optional parts are extras, not dependencies; the demo's tqdm is the examples'.
+  assert not base & {"matplotlib", "scikit-learn", "orbax-checkpoint", "tqdm"}
+  examples = tomllib.loads((ROOT / "examples" / "pyproject.toml").read_text())["project"]
+  assert examples["scripts"] == {"jmp-train": "jmp_train_examples.cli:main"}
+  assert any(d.startswith("tqdm") for d in examples["dependencies"])
+  assert {re.split(r"[<>=]", d)[0] for d in examples["optional-dependencies"]["full"]} == {
+      "matplotlib", "scikit-learn"}
   extras = config["project"]["optional-dependencies"]
   assert any(d.startswith("matplotlib") for d in extras["plot"])
   assert any(d.startswith("orbax-checkpoint") for d in extras["checkpoint"])
