@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator
 
-from jmp_train._src import tables
+from jmp_train.diagnostics import format_table
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _ROOT = _HERE.parent
@@ -96,7 +96,7 @@ def summary(results_dir: pathlib.Path | None = None) -> str:
     parts.append(
         f"#### {name}\n\n{m['device_kind']} x{m['device_count']} ({m['backend']}, "
         f"{m.get('cpu_count')} CPU cores), jax {m['versions']['jax']}, {m['date']}\n\n"
-        + tables.format_table(payload["records"], columns)
+        + format_table(payload["records"], columns)
     )
   return "\n\n".join(parts) if parts else f"(no results in {results_dir})"
 
@@ -218,7 +218,7 @@ def _record_tables(records: list[dict[str, Any]], columns: tuple[str, ...] | Non
           shown.append(k)
       if notes:
         yield " ".join(notes)
-      yield tables.format_table(rows, shown)
+      yield format_table(rows, shown)
 
 
 def _benchmark_section(path: pathlib.Path, payload: dict[str, Any],
@@ -247,7 +247,7 @@ def _folder_file_section(path: pathlib.Path, payload: dict[str, Any],
     columns += [c for c in ("devices", "backend") if c not in columns
                 and any(c in r for r in payload["rows"])]
     rows = [{k: _plain(v) for k, v in r.items()} for r in payload["rows"]]
-    blocks.append(tables.format_table(rows, columns, formats={"val_loss_gap": _percent(1)}))
+    blocks.append(format_table(rows, columns, formats={"val_loss_gap": _percent(1)}))
     blocks.append("`val_loss_gap`: the validation loss relative to the row's `reference` "
                   "(`f32`, or `8dev-f32` for the 8-device rows).")
   else:
@@ -330,7 +330,7 @@ def _demo_headline(loaded) -> list[str]:
       "as its baseline; the validation loss relative to the baseline's (`-` where the run "
       "did not include the configuration). Single-device rows on the GPU, 8-device rows on "
       "8 simulated CPU devices. From " + ", ".join(_where(loaded, n) for n in names) + ".",
-      tables.format_table(rows, columns, formats=formats),
+      format_table(rows, columns, formats=formats),
       "Runs: " + "; ".join(settings) + ".",
   ]
 
@@ -486,7 +486,7 @@ def report(results_dir: pathlib.Path | None = None) -> str:
   headlines = _demo_headline(loaded)
   others = list(_headline_rows(loaded))
   if others:
-    headlines += ["### Other figures", tables.format_table(others, ["figure", "value", "source"])]
+    headlines += ["### Other figures", format_table(others, ["figure", "value", "source"])]
   if headlines:
     blocks += ["## Headlines", *headlines]
 

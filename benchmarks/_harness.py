@@ -18,9 +18,9 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
-from jmp_train._src.train import state as train_state
-from jmp_train._src.tables import format_table as format_table  # re-exported for benchmarks
+from jmp_train.diagnostics import format_table as format_table  # re-exported for benchmarks
 
 RESULTS_DIR = pathlib.Path(__file__).parent / "results"
 
@@ -178,7 +178,11 @@ def selected_rows(rows: Sequence[tuple], variable: str) -> list[tuple]:
   return kept
 
 
-tree_bytes = train_state.tree_bytes  # the library's one copy
+def tree_bytes(tree: Any) -> int:
+  """Bytes of the array leaves of ``tree`` (``size * itemsize`` summed)."""
+  sizes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize
+           for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
+  return int(sum(sizes))
 
 
 def compiled_memory(compiled: Any) -> dict[str, int | None]:
@@ -234,7 +238,6 @@ def machine_info() -> dict[str, Any]:
     chex, numpy, jmp if installed, jmp_train).
   """
   import flax
-  import numpy as np
   import optax
 
   import jmp_train

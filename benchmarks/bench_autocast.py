@@ -37,8 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks import _harness
-from jmp_train import half_dtype
-from jmp_train._src.policy import remat
+from jmp_train import half_dtype, half_precision_saveable
 from jmp_train import autocast
 from jmp_train_examples import models
 from jmp_train.flax import apply_policy
@@ -117,7 +116,7 @@ def _applies(model, policy: str, quick: bool) -> dict[str, Any]:
   if not quick:
     applies["apply_policy_recompute"] = apply_policy(model, policy).apply
     applies["autocast_recompute"] = jax.checkpoint(
-        autocast(model.apply, policy), policy=remat.policy_saveable)
+        autocast(model.apply, policy), policy=half_precision_saveable)
   return applies
 
 

@@ -15,7 +15,7 @@ replicas under ``pmap`` (on a one-GPU machine, over simulated CPU devices):
 
 ``operand_bytes`` is what each device hands to the collectives;
 ``wire_bytes`` what it sends with bandwidth-optimal algorithms (ring
-all-reduce ``2(K-1)/K·n``; see :mod:`jmp_train._src.diagnostics.hlo`); ``vs_f32`` is
+all-reduce ``2(K-1)/K·n``; see :func:`jmp_train.diagnostics.collective_bytes`); ``vs_f32`` is
 ``wire_bytes`` over the float32 all-reduce's.
 
 The programs of part 1 are only inspected, never run: they are compiled

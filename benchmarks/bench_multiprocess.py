@@ -284,16 +284,15 @@ def _transform(scheme: str, axis_name):
   import jax
   import optax
 
-  from jmp_train._src import buckets
-  from jmp_train import compressed_mean, sign_compression
+  from jmp_train import bucketed_mean, compressed_mean, sign_compression
 
   if scheme.startswith("float32"):
     if axis_name is None:
       return optax.identity()
     if scheme == "float32_buckets":
-      mean = lambda u: buckets.bucketed_mean(u, axis_name, buckets.DEFAULT_BUCKET_BYTES)
+      mean = lambda u: bucketed_mean(u, axis_name)
     elif scheme == "float32_b4MB":
-      mean = lambda u: buckets.bucketed_mean(u, axis_name, 4 * 2**20)
+      mean = lambda u: bucketed_mean(u, axis_name, 4 * 2**20)
     else:
       mean = lambda u: jax.lax.pmean(u, axis_name)
     return optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (mean(u), s))

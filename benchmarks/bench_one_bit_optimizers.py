@@ -173,8 +173,7 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
 
 def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float:
   """Bytes sent per device per step after warm-up over a float32 all-reduce's."""
-  from jmp_train.diagnostics import collective_ops
-  from jmp_train._src.diagnostics.hlo import conditional_branches
+  from jmp_train.diagnostics import collective_ops, conditional_branches
 
   devices = jax.devices()[:replicas]
   stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), params)

@@ -2,9 +2,9 @@
 
 The public surface, re-exported from ``jmp_train._src``. Every name loads on
 first use (PEP 562), so ``import jmp_train`` imports neither JAX nor Flax
-until something is used; the
-``TYPE_CHECKING`` block names each one's module for type checkers and IDEs
-(a test keeps it in step with ``__all__``). Two submodules too:
+until something is used. The ``TYPE_CHECKING`` block below is the one list
+of public names: type checkers and IDEs read it, and at run time each name
+loads from the module it names. Two submodules too:
 
 * ``jmp_train.flax``: policies on linen and NNX modules;
 * ``jmp_train.diagnostics``: histograms, Tensor Core shapes, precision
@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train._src.compression.sign_compression import sign_compression_specs as sign_compression_specs
   from jmp_train._src.compression.compressed_mean import CompressedMeanState as CompressedMeanState
   from jmp_train._src.compression.compressed_mean import compressed_mean as compressed_mean
+  from jmp_train._src.buckets import bucketed_mean as bucketed_mean
   from jmp_train._src.low_precision.quantized_state import QuantizedArray as QuantizedArray
   from jmp_train._src.low_precision.optimizers_8bit import QuantizedTraceState as QuantizedTraceState
   from jmp_train._src.low_precision.optimizers_8bit import adam_8bit as adam_8bit
@@ -81,85 +82,33 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train import diagnostics as diagnostics
   from jmp_train import flax as flax
 
-# Public name -> the module of jmp_train._src that defines it.
-_EXPORTS = {
-    # dtype policies
-    "Policy": "policy.policy",
-    "cast_floating": "policy.policy",
-    "get_policy": "policy.policy",
-    "half_dtype": "dtypes",
-    "half_precision_saveable": "policy.remat",
-    # autocast: a policy as a function transformation
-    "autocast": "autocast.transform",
-    "DEFAULT_FLOAT32_OPS": "autocast.lists",
-    "DEFAULT_HALF_OPS": "autocast.lists",
-    "DEFAULT_LOOKUP_OPS": "autocast.lists",
-    # FP8 products
-    "Fp8DotMeta": "fp8.scaling",
-    "Fp8Recipe": "fp8.scaling",
-    "Fp8TensorMeta": "fp8.scaling",
-    "fp8_conv_general_dilated": "fp8.products",
-    "fp8_dequantize": "fp8.scaling",
-    "fp8_dot_general": "fp8.products",
-    "fp8_quantize": "fp8.scaling",
-    "fp8_scale": "fp8.scaling",
-    "init_fp8_meta": "fp8.scaling",
-    "update_fp8_meta": "fp8.scaling",
-    # loss scaling
-    "DynamicLossScale": "loss_scaling.scales",
-    "NoOpLossScale": "loss_scaling.scales",
-    "StaticLossScale": "loss_scaling.scales",
-    "all_finite": "leaf_checks",
-    "LossScaledState": "loss_scaling.wrapper",
-    "get_loss_scale": "loss_scaling.lookup",
-    "loss_scale_metrics": "loss_scaling.lookup",
-    "loss_scaled": "loss_scaling.wrapper",
-    "scaled_value_and_grad": "loss_scaling.scaled_grad",
-    # half-precision weight updates
-    "KahanCompensationState": "low_precision.kahan_compensation",
-    "ModifiedMomentumState": "low_precision.modified_momentum",
-    "StochasticRoundingState": "low_precision.stochastic_rounding",
-    "kahan_compensation": "low_precision.kahan_compensation",
-    "modified_momentum_sgd": "low_precision.modified_momentum",
-    "stochastic_rounding": "low_precision.stochastic_rounding",
-    # 1-bit SGD with error feedback
-    "SignCompressionState": "compression.sign_compression",
-    "sign_compression": "compression.sign_compression",
-    "sign_compression_specs": "compression.sign_compression",
-    "CompressedMeanState": "compression.compressed_mean",
-    "compressed_mean": "compression.compressed_mean",
-    # 8-bit optimizer state
-    "QuantizedArray": "low_precision.quantized_state",
-    "QuantizedTraceState": "low_precision.optimizers_8bit",
-    "adam_8bit": "low_precision.optimizers_8bit",
-    "scale_by_narrow_adam": "low_precision.optimizers_8bit",
-    "sgd_8bit": "low_precision.optimizers_8bit",
-    # 1-bit Adam and 1-bit momentum SGD
-    "OneBitAdamState": "compression.one_bit_adam",
-    "OneBitMomentumState": "compression.one_bit_momentum",
-    "one_bit_adam": "compression.one_bit_adam",
-    "one_bit_momentum": "compression.one_bit_momentum",
-    # local steps with periodic (compressed) outer updates
-    "DiLoCoState": "compression.diloco",
-    "diloco": "compression.diloco",
-    # train-step builder
-    "TrainState": "train.state",
-    "TrainStep": "train.state",
-    "make_train_step": "train.step",
-    "checkpoint_save_args": "train.checkpoint",
-    "restore_checkpoint": "train.checkpoint",
-    "restore_latest_checkpoint": "train.checkpoint",
-    "save_checkpoint": "train.checkpoint",
-}
 
-_SUBMODULES = ("diagnostics", "flax")
+
+def _public_names() -> dict[str, str]:
+  """Public name -> the module that defines it, read from the block above.
+
+  The ``TYPE_CHECKING`` imports are the one list of public names: type
+  checkers and IDEs read them, and at run time each name loads from the
+  module they name on first use.
+  """
+  import ast
+  import pathlib
+
+  tree = ast.parse(pathlib.Path(__file__).read_text(encoding="utf-8"))
+  block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING")
+  return {alias.asname or alias.name: node.module for node in block.body for alias in node.names}
+
+
+_NAMES = _public_names()
+_EXPORTS = {name: module for name, module in _NAMES.items() if module != __name__}
+_SUBMODULES = tuple(name for name, module in _NAMES.items() if module == __name__)
 
 __all__ = tuple(_EXPORTS)
 
 
 def __getattr__(name):
   if name in _EXPORTS:
-    value = getattr(_importlib.import_module(f"jmp_train._src.{_EXPORTS[name]}"), name)
+    value = getattr(_importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # once loaded, a plain attribute
     return value
   if name in _SUBMODULES:

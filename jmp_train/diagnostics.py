@@ -16,8 +16,10 @@
   and matmuls left in float32; usable as a test assertion.
 * :func:`saved_residuals`: the arrays the backward pass keeps (activation
   memory), each with its dtype and what produced it.
-* :func:`collective_bytes`, :func:`collective_ops`: the bytes a compiled
-  step exchanges between devices, read from its HLO.
+* :func:`collective_bytes`, :func:`collective_ops`,
+  :func:`conditional_branches`: the bytes a compiled step exchanges between
+  devices, read from its HLO, and which collectives run only in a branch.
+* :func:`format_table`: the reports' markdown tables, for any rows.
 * :func:`plot_gradient_histogram`: the histogram as a bar chart against the
   float16 range (needs matplotlib: ``pip install 'jmp_train[plot]'``).
 """
@@ -47,6 +49,8 @@ from jmp_train._src.diagnostics.tensor_cores import pad_to_multiple
 from jmp_train._src.diagnostics.tensor_cores import tensor_core_report
 from jmp_train._src.diagnostics.hlo import collective_bytes
 from jmp_train._src.diagnostics.hlo import collective_ops
+from jmp_train._src.diagnostics.hlo import conditional_branches
+from jmp_train._src.tables import format_table
 
 __all__ = (
     "Fp8CastFractions",
@@ -65,6 +69,8 @@ __all__ = (
     "TensorCoreReport",
     "collective_bytes",
     "collective_ops",
+    "conditional_branches",
+    "format_table",
     "gradient_histogram",
     "overflow_fraction",
     "pad_to_multiple",

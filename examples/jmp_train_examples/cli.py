@@ -235,13 +235,15 @@ class _DependencyError(Exception):
 def _setup_jax(process: str | None) -> None:
   """8 CPU devices (or 8/N per process), before JAX starts its backend."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
 
   if process is None:
-    # Called from a program that already started JAX (a test, a notebook):
-    # it keeps the devices it has; main() checks there are enough.
-    if not xla_bridge.backends_are_initialized():
+    try:
       jax.config.update("jax_num_cpu_devices", _NUM_DEVICES)
+    except RuntimeError:
+      # Called from a program that already started JAX (a test, a
+      # notebook): it keeps the devices it has; main() checks there are
+      # enough.
+      pass
     return
   pid, n, port = (int(x) for x in process.split(",")[:3])
   jax.config.update("jax_num_cpu_devices", _NUM_DEVICES // n)

@@ -232,7 +232,15 @@ def _unflatten(buckets: list[jax.Array], like: Any, layout: list[list[int]]) -> 
 
 def bucketed_mean(tree: Any, axis_name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                   dtype: Any = None) -> Any:
-  """Averages ``tree`` over ``axis_name`` with one ``pmean`` per bucket of :func:`mean_buckets`.
+  """Averages ``tree`` over ``axis_name`` with one ``pmean`` per bucket of about ``bucket_bytes``.
+
+  The leaves are flattened into buckets, the last leaves first (the first
+  gradients a backward pass produces), so that XLA can overlap each
+  bucket's all-reduce with the rest of the backward pass, as PyTorch DDP's
+  gradient buckets do; a leaf of ``bucket_bytes`` or 4 MiB or more is
+  averaged on its own. This is what :func:`jmp_train.make_train_step`'s
+  data-parallel modes do without ``compression``; use it in a hand-written
+  ``shard_map`` or ``pmap`` step.
 
   .. math::
 

@@ -1,4 +1,4 @@
-"""Plain-text tables: the diagnostics' reports, the demo's and the benchmarks' results."""
+"""Markdown tables: the diagnostics' reports, and :func:`jmp_train.diagnostics.format_table`."""
 
 from __future__ import annotations
 

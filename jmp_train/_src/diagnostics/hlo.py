@@ -323,6 +323,14 @@ def conditional_branches(compiled_or_hlo_text: Any) -> set[str]:
 
   Returns:
     The branch computations' names, without the ``%`` prefix.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> f = lambda x: jax.lax.cond(x.sum() > 0, lambda: x + 1, lambda: x * x)
+    >>> branches = conditional_branches(jax.jit(f).lower(jnp.ones(3)).compile())
+    >>> len(branches)
+    2
   """
   text = _hlo_text(compiled_or_hlo_text)
   groups = re.findall(r"branch_computations=\{([^}]*)\}", text)

@@ -160,7 +160,7 @@ def remat_policy(policy: policy_lib.Policy, recompute: str | None):
   """
   if recompute is None or np.dtype(policy.compute_dtype).itemsize >= F32.itemsize:
     return None
-  return remat.policy_saveable
+  return remat.half_precision_saveable
 
 
 def linen_field_names(module: nn.Module) -> frozenset[str]:

@@ -26,7 +26,7 @@ import numpy as np
 
 from jmp_train._src.dtypes import is_floating_dtype
 
-__all__ = ["half_precision_saveable", "policy_saveable"]
+__all__ = ["half_precision_saveable"]
 
 # Casts are never saved: their input is either an argument (a float32
 # weight: no memory beyond what the caller holds) or another value that is
@@ -53,7 +53,10 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
   pass of ``fun`` finds saved only the outputs of operations whose every
   output is a float16, bfloat16 (or 8-bit float) array, casts excepted;
   everything else (float32 values, integer and boolean values, casts) is
-  recomputed from those and from ``fun``'s arguments. Under a mixed
+  recomputed from those and from ``fun``'s arguments. A fused attention
+  kernel's outputs (``jax.nn.dot_product_attention`` on cuDNN) are saved
+  too, its float32 softmax statistics included: one value per query and
+  head, where recomputing them would rerun the kernel. Under a mixed
   policy the saved values are the matmul and convolution outputs and the
   half-precision activations: half the bytes of the same activations in
   float32, while the float32 regions the policy keeps for accuracy stay
@@ -96,6 +99,8 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016.
     https://arxiv.org/abs/1604.06174
   """
+  if prim.name in _ALWAYS_SAVED:
+    return True
   if prim.name in _NEVER_SAVED:
     return False
   try:
@@ -110,29 +115,3 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
   outs = out if isinstance(out, (list, tuple)) else (out,)
   return bool(outs) and all(_is_half_floating(o) for o in outs)
 
-
-def policy_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
-  """The ``jax.checkpoint`` policy :func:`jmp_train.flax.apply_policy` uses.
-
-  :func:`half_precision_saveable`, except that the outputs of a fused
-  attention kernel are saved too: its float32 softmax statistics are one
-  value per query and head, and recomputing them would rerun the kernel.
-
-  Args:
-    prim: the JAX primitive of an equation (given by ``jax.checkpoint``).
-    *avals: the abstract values of its inputs.
-    **params: its parameters.
-
-  Returns:
-    Whether the equation's outputs may be saved for the backward pass.
-
-  Examples:
-    >>> import jax
-    >>> f = jax.checkpoint(lambda x: jnp.exp(x.astype(jnp.float32)).sum(),
-    ...                    policy=policy_saveable)
-    >>> jax.grad(f)(jnp.ones(3, jnp.bfloat16)).dtype
-    dtype(bfloat16)
-  """
-  if prim.name in _ALWAYS_SAVED:
-    return True
-  return half_precision_saveable(prim, *avals, **params)
