@@ -14,6 +14,7 @@ import pytest
 import _processes
 from jmp_train_examples import cli
 from jmp_train_examples import demo
+from jmp_train_examples import demo_configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -29,13 +30,14 @@ def _env():
 def quick_run(tmp_path_factory):
   """``jmp-train --quick --task digits``, every configuration, once per module.
 
-  The digits MLP compiles in a fraction of the Transformer's time; the text
-  task runs in ``test_quick_text_demo`` (one configuration).
+  The default rows and the DiLoCo ones (asked for by name). The digits MLP
+  compiles in a fraction of the Transformer's time; the text task runs in
+  ``test_quick_text_demo`` (one configuration).
   """
   out = tmp_path_factory.mktemp("demo")
   done = subprocess.run(
       [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-progress",
-       "--out", str(out)],
+       "--configs", ",".join(demo_configs.CONFIGS), "--steps", "24", "--out", str(out)],
       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
   return out, done
 
@@ -46,7 +48,8 @@ def test_quick_demo_writes_table_json_and_png(quick_run):
   payload = json.loads((out / "results.json").read_text())
   rows = {r["config"]: r for r in payload["rows"]}
   assert list(rows) == ["f32", "f16", "f16-dls", "bf16", "f16w-sgd", "f16w-mmsgd",
-                        "8dev-f32", "8dev-1bit-noef", "8dev-1bit"]
+                        "8dev-f32", "8dev-1bit-noef", "8dev-1bit", "8dev-diloco",
+                        "8dev-diloco-1bit"]
   for name, row in rows.items():
     for column in payload["columns"]:
       assert column in row, (name, column)
@@ -106,6 +109,16 @@ def test_quick_demo_figures_make_sense(quick_run):
   assert rows["8dev-f32"]["devices"] == rows["8dev-1bit"]["devices"] == 8
   assert rows["8dev-f32"]["state_bytes"] == rows["f32"]["state_bytes"]
   assert rows["8dev-1bit"]["state_bytes"] > rows["8dev-f32"]["state_bytes"]
+  # DiLoCo exchanges once every DILOCO_SYNC_EVERY steps (24 steps: three
+  # synchronisations, the last at the end), 1-bit DiLoCo a 32nd of that;
+  # both keep the synchronised weights and the outer momentum besides.
+  f32, diloco, diloco_1bit = (rows[n] for n in ("8dev-f32", "8dev-diloco", "8dev-diloco-1bit"))
+  every = demo_configs.DILOCO_SYNC_EVERY
+  assert 0.9 / every < diloco["wire_bytes_per_step"] / f32["wire_bytes_per_step"] < 1.2 / every
+  assert 0 < diloco_1bit["wire_bytes_per_step"] < 0.1 * diloco["wire_bytes_per_step"]
+  assert diloco["state_bytes"] > f32["state_bytes"]
+  for row in (diloco, diloco_1bit):
+    assert np.isfinite(row["val_loss"]) and row["train_loss"] < np.log(10), row
 
 
 @pytest.mark.parametrize(
@@ -249,6 +262,10 @@ def test_one_bit_scale_and_init_flags_reach_the_settings():
   assert settings["one_bit_scale"] == "column" and settings["init"] == "gpt2"
   default = cli._settings(parser.parse_args([]), parser.config_names)  # pylint: disable=protected-access
   assert default["one_bit_scale"] == "l1" and default["init"] == "flax"
+  # The DiLoCo rows run when asked for by name.
+  assert default["configs"] == demo_configs.DEFAULT_CONFIGS == demo_configs.DemoSettings().configs
+  assert set(demo_configs.CONFIGS) - set(default["configs"]) == {"8dev-diloco", "8dev-diloco-1bit"}
+  assert tuple(demo_configs.CONFIGS) == parser.config_names
 
 
 def test_console_script_is_declared_by_the_examples_not_the_library():

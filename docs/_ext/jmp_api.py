@@ -85,7 +85,7 @@ def source_modules(namespace: str) -> dict[str, str]:
   module = importlib.import_module(namespace)
   exports = getattr(module, "_EXPORTS", None)
   if exports is not None:
-    return {name: exports[name] for name in module.__all__}
+    return {name: exports[name].removeprefix(_SRC) for name in module.__all__}
   imports = _import_sources(module)
   result = {}
   for name in module.__all__:

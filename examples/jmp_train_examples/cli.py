@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
   # Names only; importing the demo module here would import JAX first.
   config_names = (
       "f32", "f16", "f16-dls", "bf16", "f16w-sgd", "f16w-mmsgd",
-      "8dev-f32", "8dev-1bit-noef", "8dev-1bit",
+      "8dev-f32", "8dev-1bit-noef", "8dev-1bit", "8dev-diloco", "8dev-diloco-1bit",
   )
+  default_configs = tuple(n for n in config_names if "diloco" not in n)
   parser = _Parser(prog=_PROG, description=_DESCRIPTION, epilog=_EPILOG)
   parser.add_argument("--task", choices=("text", "digits"), default="text",
                       help="char-level LM on the stdlib source, or MLP on sklearn digits "
@@ -107,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="text task weights: Flax's default initializers, or GPT-2's "
                            "(normal 0.02, residual projections / sqrt(2 layers)) "
                            "(default: %(default)s)")
-  parser.add_argument("--configs", default=",".join(config_names),
-                      help="comma-separated subset of (default: all): " + ", ".join(config_names))
+  parser.add_argument("--configs", default=",".join(default_configs),
+                      help="comma-separated subset of " + ", ".join(config_names)
+                           + " (default: all but the 8dev-diloco rows, which train with "
+                           "local steps and an average every 8 steps)")
   parser.add_argument("--out", default="jmp_train_output", help="output folder (default: %(default)s)")
   parser.add_argument("--seed", type=_nonnegative_int, default=0,
                       help="seed of weights and data (default: %(default)s)")

@@ -16,12 +16,16 @@ import optax
 import jmp_train
 
 __all__ = [
-    "COLUMNS", "COMPARISONS", "CONFIGS", "DemoError", "DemoSettings", "NUM_DEVICES",
+    "COLUMNS", "COMPARISONS", "CONFIGS", "DEFAULT_CONFIGS", "DILOCO_SYNC_EVERY", "DemoError",
+    "DemoSettings", "NUM_DEVICES",
     "RunConfig", "data_parallel_optimizer", "learning_rate_schedule",
     "single_device_optimizer", "warmup_steps",
 ]
 
 NUM_DEVICES = 8
+# Steps between the DiLoCo rows' synchronisations: the demo's 200 steps are
+# 25 rounds.
+DILOCO_SYNC_EVERY = 8
 
 
 class DemoError(Exception):
@@ -42,8 +46,10 @@ class RunConfig(NamedTuple):
       that keeps the learning rate inside the buffer) or
       ``"modified-momentum"`` (:func:`jmp_train.modified_momentum_sgd`).
     devices: 1 (``jit``) or 8 (``shard_map`` over a data-parallel mesh).
-    compression: ``"none"``, ``"1bit"`` (with error feedback) or
-      ``"1bit-noef"`` (without).
+    compression: ``"none"``, ``"1bit"`` (with error feedback),
+      ``"1bit-noef"`` (without), ``"diloco"`` (local steps, an exact
+      average every :data:`DILOCO_SYNC_EVERY` steps) or ``"diloco-1bit"``
+      (the average through 1-bit compression with error feedback).
     reference: the row this one is compared with (``val_loss_gap``).
   """
 
@@ -76,14 +82,24 @@ CONFIGS: dict[str, RunConfig] = {
                   devices=NUM_DEVICES, compression="1bit-noef", reference="8dev-f32"),
         RunConfig("8dev-1bit", "8 devices, 1-bit SGD + error feedback", "float32",
                   devices=NUM_DEVICES, compression="1bit", reference="8dev-f32"),
+        RunConfig("8dev-diloco", f"8 devices, DiLoCo: local steps, average every "
+                  f"{DILOCO_SYNC_EVERY}", "float32", devices=NUM_DEVICES, compression="diloco",
+                  reference="8dev-f32"),
+        RunConfig("8dev-diloco-1bit", f"8 devices, DiLoCo, 1-bit average every "
+                  f"{DILOCO_SYNC_EVERY}", "float32", devices=NUM_DEVICES,
+                  compression="diloco-1bit", reference="8dev-f32"),
     )
 }
+
+# What a run without --configs trains: every row but the DiLoCo ones (asked
+# for by name: ``--configs 8dev-f32,8dev-diloco,8dev-diloco-1bit``).
+DEFAULT_CONFIGS = tuple(name for name in CONFIGS if "diloco" not in name)
 
 # The three comparisons of the figure, each with its reference first.
 COMPARISONS = {
     "loss scaling": ("f32", "f16", "f16-dls", "bf16"),
     "weight updates": ("f32", "f16w-sgd", "f16w-mmsgd"),
-    "compression": ("8dev-f32", "8dev-1bit-noef", "8dev-1bit"),
+    "compression": ("8dev-f32", "8dev-1bit-noef", "8dev-1bit", "8dev-diloco", "8dev-diloco-1bit"),
 }
 
 COLUMNS = (
@@ -111,7 +127,7 @@ class DemoSettings:
   one_bit_warmup_steps: int = 0
   one_bit_scale: str = "l1"
   init: str = "flax"
-  configs: tuple[str, ...] = tuple(CONFIGS)
+  configs: tuple[str, ...] = DEFAULT_CONFIGS
   out: str = "jmp_train_output"
   seed: int = 0
   eval_batches: int = 4
@@ -178,7 +194,14 @@ def data_parallel_optimizer(
     lets the momentum integrate the quantization error, which diverged on
     this task at momentum 0.9.)
 
-  Both 1-bit rows reconstruct with ``s.one_bit_scale``: ``"l1"`` (default;
+  * ``8dev-diloco``: :func:`jmp_train.diloco`: each replica takes
+    :data:`DILOCO_SYNC_EVERY` local steps of the same momentum SGD, then
+    the replicas average their weights' change (float32) and DiLoCo's
+    outer Nesterov step moves the shared weights;
+  * ``8dev-diloco-1bit``: the same, the change averaged by
+    :func:`jmp_train.sign_compression` (1 bit per element, error feedback).
+
+  The 1-bit rows reconstruct with ``s.one_bit_scale``: ``"l1"`` (default;
   one value per tensor chunk, the mean ``|v|``, as EF-SignSGD), ``"l2"`` or
   ``"column"`` (one value per column, Seide et al.). ``s.one_bit_warmup_steps``
   exact steps come first in ``8dev-1bit``.
@@ -196,6 +219,13 @@ def data_parallel_optimizer(
         lr, m, axis_name=axis_name, warmup_steps=s.one_bit_warmup_steps,
         scale=s.one_bit_scale)
     return tx, optax.identity()
+  if cfg.compression in ("diloco", "diloco-1bit"):
+    exchange = (jmp_train.sign_compression(axis_name, scale=s.one_bit_scale)
+                if cfg.compression == "diloco-1bit" else None)
+    tx = jmp_train.diloco(optax.sgd(lr, momentum=m), sync_every=DILOCO_SYNC_EVERY,
+                          axis_name=axis_name, compression=exchange)
+    return tx, optax.identity()
   raise ValueError(
-      f"Unknown compression {cfg.compression!r}; valid: 'none', '1bit', '1bit-noef'."
+      f"Unknown compression {cfg.compression!r}; valid: 'none', '1bit', '1bit-noef', "
+      "'diloco', 'diloco-1bit'."
   )

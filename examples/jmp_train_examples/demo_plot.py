@@ -28,6 +28,8 @@ _STYLES = (
     dict(color="tab:red", ls="--", lw=1.8, marker="o"),
     dict(color="tab:blue", ls="-.", lw=1.8, marker="s"),
     dict(color="tab:green", ls=":", lw=2.2, marker="^"),
+    dict(color="tab:purple", ls="--", lw=1.8, marker="v"),
+    dict(color="tab:brown", ls="-.", lw=1.8, marker="D"),
 )
 # A gap panel's y-axis spans at least this many percent either side of zero,
 # so that rows within a fraction of a percent of their baseline draw flat.

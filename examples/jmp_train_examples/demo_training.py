@@ -19,6 +19,7 @@ from jmp_train_examples.demo_configs import NUM_DEVICES
 from jmp_train_examples.demo_configs import DemoError
 from jmp_train_examples.demo_configs import DemoSettings
 from jmp_train_examples.demo_configs import RunConfig
+from jmp_train_examples.demo_configs import DILOCO_SYNC_EVERY
 from jmp_train_examples.demo_configs import data_parallel_optimizer
 from jmp_train_examples.demo_configs import single_device_optimizer
 from jmp_train_examples.demo_tasks import TASKS
@@ -62,6 +63,24 @@ def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> jmp_train.TrainS
         cast_params=False,
         eval_apply_fn=functools.partial(model.apply, train=False),
     )
+
+
+def _wire_bytes_per_step(compiled: Any, cfg: RunConfig) -> float:
+  """Bytes one device sends per step, read from the compiled step's HLO.
+
+  A DiLoCo row's exchange runs in a ``lax.cond`` branch taken once every
+  :data:`DILOCO_SYNC_EVERY` steps: its bytes count for that share of the
+  steps; collectives outside any branch (the metrics) run every step.
+  """
+  if cfg.devices == 1:
+    return 0
+  if not cfg.compression.startswith("diloco"):
+    return jmp_train.diagnostics.collective_bytes(compiled, wire=True)["total"]
+  branches = jmp_train.diagnostics.conditional_branches(compiled)
+  ops = jmp_train.diagnostics.collective_ops(compiled)
+  every = sum(op.wire_bytes for op in ops if op.computation not in branches)
+  synced = sum(op.wire_bytes for op in ops if op.computation in branches)
+  return every + synced / DILOCO_SYNC_EVERY
 
 
 def data_parallel_devices() -> list[Any]:
@@ -344,8 +363,7 @@ def run_config(
     t0 = time.perf_counter()
     compiled = step.lower(state, step.shard_batch(_local_rows(task.train_batch(0), step))).compile()
     compile_s = time.perf_counter() - t0
-    wire = (jmp_train.diagnostics.collective_bytes(compiled, wire=True)["total"]
-            if cfg.devices > 1 else 0)
+    wire = _wire_bytes_per_step(compiled, cfg)
     state_bytes = _tree_bytes(step.unreplicate((state.params, state.opt_state)))
     state, metrics, curves, steps_per_s = _train(
         step, compiled, state, task, s, progress, cfg.name, checkpoints)
