@@ -45,7 +45,7 @@ NAMESPACES = (
         ("8-bit optimizer state", (
             "low_precision.quantized_state", "low_precision.optimizers_8bit")),
         ("FP8", ("fp8",)),
-        ("Compressed data parallelism", ("compression",)),
+        ("Data parallelism and compression", ("compression", "buckets")),
         ("Train step and checkpoints", ("train",)),
     )),
     ("flax", "jmp_train.flax", "``jmp_train.flax``", (
@@ -63,6 +63,7 @@ NAMESPACES = (
         ("Precision audit", ("diagnostics.precision_audit",)),
         ("Saved residuals", ("diagnostics.residuals",)),
         ("Collectives", ("diagnostics.hlo",)),
+        ("Tables", ("tables",)),
     )),
 )
 
