@@ -39,8 +39,8 @@ at 10, 100 and 400 Gbit/s per replica, K up to 1,024:
 64-128-10 MLP, one timed step; the projection as in a full run.
 
 Environment (full runs): ``BENCH_REPLICA_SCALE_KS`` (comma-separated
-replica counts, default ``8,16,32,64``; the stored results add 128, about 5
-minutes on this project's 2-core machine, and 256, about 2 minutes), ``BENCH_REPLICA_SCALE_SCHEMES``
+replica counts, default ``8,16,32,64``; the stored run adds 128 and 256: about 5
+minutes in all on this project's 2-core machine), ``BENCH_REPLICA_SCALE_SCHEMES``
 (default all four) and ``BENCH_REPLICA_SCALE_BUDGET_S`` (seconds per K
 process, default 600).
 """
