@@ -24,6 +24,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 DOCS_STAMP := $(VENV)/.docs-installed
 $(DOCS_STAMP): $(STAMP) pyproject.toml

@@ -70,8 +70,12 @@ def module_facts(path: pathlib.Path) -> tuple[str, tuple[str, ...] | None]:
   line = doc.splitlines()[0].replace("``", "`") if doc else ""
   columns = None
   for node in tree.body:
-    if (isinstance(node, ast.Assign) and len(node.targets) == 1
-        and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "COLUMNS"):
+    if (
+      isinstance(node, ast.Assign)
+      and len(node.targets) == 1
+      and isinstance(node.targets[0], ast.Name)
+      and node.targets[0].id == "COLUMNS"
+    ):
       columns = tuple(ast.literal_eval(node.value))
   return line, columns
 
@@ -94,9 +98,9 @@ def summary(results_dir: pathlib.Path | None = None) -> str:
     if columns is not None and any("run" in r for r in payload["records"]):
       columns = (*columns, "run")  # records appended by later runs say which run
     parts.append(
-        f"#### {name}\n\n{m['device_kind']} x{m['device_count']} ({m['backend']}, "
-        f"{m.get('cpu_count')} CPU cores), jax {m['versions']['jax']}, {m['date']}\n\n"
-        + format_table(payload["records"], columns)
+      f"#### {name}\n\n{m['device_kind']} x{m['device_count']} ({m['backend']}, "
+      f"{m.get('cpu_count')} CPU cores), jax {m['versions']['jax']}, {m['date']}\n\n"
+      + format_table(payload["records"], columns)
     )
   return "\n\n".join(parts) if parts else f"(no results in {results_dir})"
 
@@ -109,13 +113,24 @@ _SHORT_TEXT = 24  # longer text varying between rows stays out of the tables
 # A folder of results that are not ``bench_*`` output: its section's title
 # and the module whose docstring says what it measures.
 _FOLDERS = {"demo": ("Demo (`jmp-train`)", _ROOT / "jmp_train" / "examples" / "demo.py")}
-_DEMO_SETTINGS = ("task", "steps", "batch", "seq_len", "d_model", "layers", "learning_rate",
-                  "momentum", "one_bit_scale", "seed")
+_DEMO_SETTINGS = (
+  "task",
+  "steps",
+  "batch",
+  "seq_len",
+  "d_model",
+  "layers",
+  "learning_rate",
+  "momentum",
+  "one_bit_scale",
+  "seed",
+)
 
 
 def _percent(digits: int) -> Callable[[Any], str]:
   def fmt(v: Any) -> str:
     return f"{v:+.{digits}%}" if isinstance(v, (int, float)) and math.isfinite(v) else str(v)
+
   return fmt
 
 
@@ -147,8 +162,7 @@ def _machine(m: dict[str, Any]) -> str:
   elif count is not None:
     words.append(f"{count} device{'s' if count != 1 else ''}")
   details = [f"{m['backend']} backend"] if m.get("backend") else []
-  if (m.get("backend") == "cpu"
-      and "xla_force_host_platform_device_count" in (m.get("xla_flags") or "")):
+  if m.get("backend") == "cpu" and "xla_force_host_platform_device_count" in (m.get("xla_flags") or ""):
     details.append("simulated devices")
   if m.get("cpu_count"):
     details.append(f"{m['cpu_count']} CPU cores")
@@ -169,8 +183,7 @@ def _display(path: pathlib.Path) -> tuple[str, str | None]:
   return rel, f"../{rel}"
 
 
-def _file_blocks(path: pathlib.Path, results_dir: pathlib.Path,
-                 machine: dict[str, Any]) -> list[str]:
+def _file_blocks(path: pathlib.Path, results_dir: pathlib.Path, machine: dict[str, Any]) -> list[str]:
   """A file's heading (no link: Sphinx takes none in a title), machine and link."""
   shown, link = _display(path)
   blocks = [f"### `{path.relative_to(results_dir).as_posix()}`", f"Machine: {_machine(machine)}."]
@@ -179,8 +192,7 @@ def _file_blocks(path: pathlib.Path, results_dir: pathlib.Path,
   return blocks
 
 
-def _record_tables(records: list[dict[str, Any]], columns: tuple[str, ...] | None
-                   ) -> Iterator[str]:
+def _record_tables(records: list[dict[str, Any]], columns: tuple[str, ...] | None) -> Iterator[str]:
   """Markdown blocks: one table per value of a splitting column and per run.
 
   Columns: ``columns`` (those some record of the table has), then every
@@ -221,8 +233,7 @@ def _record_tables(records: list[dict[str, Any]], columns: tuple[str, ...] | Non
       yield format_table(rows, shown)
 
 
-def _benchmark_section(path: pathlib.Path, payload: dict[str, Any],
-                       results_dir: pathlib.Path) -> list[str]:
+def _benchmark_section(path: pathlib.Path, payload: dict[str, Any], results_dir: pathlib.Path) -> list[str]:
   records = payload["records"]
   blocks = _file_blocks(path, results_dir, payload["machine"])
   if len(records) == 1 and records[0].get("skipped") is True:
@@ -232,8 +243,7 @@ def _benchmark_section(path: pathlib.Path, payload: dict[str, Any],
   return blocks
 
 
-def _folder_file_section(path: pathlib.Path, payload: dict[str, Any],
-                         results_dir: pathlib.Path) -> list[str]:
+def _folder_file_section(path: pathlib.Path, payload: dict[str, Any], results_dir: pathlib.Path) -> list[str]:
   blocks = _file_blocks(path, results_dir, payload["machine"])
   if "rows" in payload:  # a ``jmp-train`` results.json
     settings = payload.get("settings", {})
@@ -244,12 +254,13 @@ def _folder_file_section(path: pathlib.Path, payload: dict[str, Any],
     if said:
       blocks.append("Settings: " + ", ".join(said) + ".")
     columns = list(payload.get("columns") or payload["rows"][0])
-    columns += [c for c in ("devices", "backend") if c not in columns
-                and any(c in r for r in payload["rows"])]
+    columns += [c for c in ("devices", "backend") if c not in columns and any(c in r for r in payload["rows"])]
     rows = [{k: _plain(v) for k, v in r.items()} for r in payload["rows"]]
     blocks.append(format_table(rows, columns, formats={"val_loss_gap": _percent(1)}))
-    blocks.append("`val_loss_gap`: the validation loss relative to the row's `reference` "
-                  "(`f32`, or `8dev-f32` for the 8-device rows).")
+    blocks.append(
+      "`val_loss_gap`: the validation loss relative to the row's `reference` "
+      "(`f32`, or `8dev-f32` for the 8-device rows)."
+    )
   else:
     for key in ("what", "source"):
       if payload.get(key):
@@ -273,6 +284,7 @@ def _load(results_dir: pathlib.Path) -> dict[str, tuple[pathlib.Path, dict[str, 
 
 # --- Headlines: figures quoted elsewhere, computed from the same files. ---
 
+
 def _rows_of(loaded, name: str) -> list[dict[str, Any]]:
   if name not in loaded:
     return []
@@ -295,9 +307,11 @@ def _where(loaded, name: str) -> str:
   return f"[`{name}`]({link}) ({device})" if link else f"`{name}` ({device})"
 
 
-_DEMO_FILES = ("demo-nvidia-h200/text-default.json",
-               "demo-nvidia-h200/text-d512-l6-lr0.05.json",
-               "demo-nvidia-h200/digits-default.json")
+_DEMO_FILES = (
+  "demo-nvidia-h200/text-default.json",
+  "demo-nvidia-h200/text-d512-l6-lr0.05.json",
+  "demo-nvidia-h200/digits-default.json",
+)
 
 
 def _demo_headline(loaded) -> list[str]:
@@ -311,8 +325,7 @@ def _demo_headline(loaded) -> list[str]:
     first = next(r for r in found if r is not None)
     if first.get("reference") == config:
       continue  # a baseline: gap 0 by definition
-    row = {"config": config, "what": first.get("description"),
-           "baseline": first.get("reference")}
+    row = {"config": config, "what": first.get("description"), "baseline": first.get("reference")}
     for n, r in zip(names, found):
       row[pathlib.PurePath(n).stem] = None if r is None else r.get("val_loss_gap")
     rows.append(row)
@@ -321,17 +334,18 @@ def _demo_headline(loaded) -> list[str]:
   settings = []
   for n in names:
     s = loaded[n][1].get("settings", {})
-    said = ", ".join(f"{k} {s[k]}" for k in ("task", "d_model", "layers", "seq_len", "batch",
-                                               "steps", "learning_rate") if k in s)
+    said = ", ".join(
+      f"{k} {s[k]}" for k in ("task", "d_model", "layers", "seq_len", "batch", "steps", "learning_rate") if k in s
+    )
     settings.append(f"`{pathlib.PurePath(n).stem}`: {said}")
   return [
-      "### The demo: final validation loss against its baseline",
-      "`jmp-train`'s configurations, each trained from the same weights on the same batches "
-      "as its baseline; the validation loss relative to the baseline's (`-` where the run "
-      "did not include the configuration). Single-device rows on the GPU, 8-device rows on "
-      "8 simulated CPU devices. From " + ", ".join(_where(loaded, n) for n in names) + ".",
-      format_table(rows, columns, formats=formats),
-      "Runs: " + "; ".join(settings) + ".",
+    "### The demo: final validation loss against its baseline",
+    "`jmp-train`'s configurations, each trained from the same weights on the same batches "
+    "as its baseline; the validation loss relative to the baseline's (`-` where the run "
+    "did not include the configuration). Single-device rows on the GPU, 8-device rows on "
+    "8 simulated CPU devices. From " + ", ".join(_where(loaded, n) for n in names) + ".",
+    format_table(rows, columns, formats=formats),
+    "Runs: " + "; ".join(settings) + ".",
   ]
 
 
@@ -340,120 +354,155 @@ def _headline_rows(loaded) -> Iterator[dict[str, str]]:
   name = "compression-cpu.json"
   r = _find(loaded, name, part="bytes", scheme="1bit_l1", replicas=8)
   if r:
-    yield {"figure": f"1-bit exchange (`1bit_l1`) bytes over a float32 all-reduce, "
-                     f"{r['params']:,}-parameter MLP, 8 replicas",
-           "value": f"{r['vs_f32']:.4f} ({1 / r['vs_f32']:.0f}x fewer)",
-           "source": _where(loaded, name)}
+    yield {
+      "figure": f"1-bit exchange (`1bit_l1`) bytes over a float32 all-reduce, "
+      f"{r['params']:,}-parameter MLP, 8 replicas",
+      "value": f"{r['vs_f32']:.4f} ({1 / r['vs_f32']:.0f}x fewer)",
+      "source": _where(loaded, name),
+    }
   name = "replica_scale-cpu.json"
-  measured = [r for r in _rows_of(loaded, name)
-              if r.get("part") == "measured" and r.get("scheme") == "sign_compression"]
+  measured = [
+    r for r in _rows_of(loaded, name) if r.get("part") == "measured" and r.get("scheme") == "sign_compression"
+  ]
   if len(measured) >= 2:
     lo, hi = min(measured, key=lambda r: r["replicas"]), max(measured, key=lambda r: r["replicas"])
-    yield {"figure": f"`sign_compression` step's program (StableHLO lines) and first step, "
-                     f"{lo['replicas']} against {hi['replicas']} replicas",
-           "value": f"{lo['hlo_lines']:,} / {lo['first_step_s']:.1f} s against "
-                    f"{hi['hlo_lines']:,} / {hi['first_step_s']:.1f} s",
-           "source": _where(loaded, name)}
+    yield {
+      "figure": f"`sign_compression` step's program (StableHLO lines) and first step, "
+      f"{lo['replicas']} against {hi['replicas']} replicas",
+      "value": f"{lo['hlo_lines']:,} / {lo['first_step_s']:.1f} s against "
+      f"{hi['hlo_lines']:,} / {hi['first_step_s']:.1f} s",
+      "source": _where(loaded, name),
+    }
   name = _DEMO_FILES[0]
   one_bit, f32 = _find(loaded, name, config="8dev-1bit"), _find(loaded, name, config="8dev-f32")
   if one_bit and f32 and one_bit.get("wire_bytes_per_step") and f32.get("wire_bytes_per_step"):
     a, b = one_bit["wire_bytes_per_step"], f32["wire_bytes_per_step"]
-    yield {"figure": "Demo: bytes each device sends per step, `8dev-1bit` against `8dev-f32`",
-           "value": f"{a:,} against {b:,} ({b / a:.0f}x fewer)", "source": _where(loaded, name)}
+    yield {
+      "figure": "Demo: bytes each device sends per step, `8dev-1bit` against `8dev-f32`",
+      "value": f"{a:,} against {b:,} ({b / a:.0f}x fewer)",
+      "source": _where(loaded, name),
+    }
   name = "weight_memory-cpu.json"
-  q8, f32 = (_find(loaded, name, optimizer="adam_8bit"),
-             _find(loaded, name, optimizer="adam", weights="float32"))
+  q8, f32 = (_find(loaded, name, optimizer="adam_8bit"), _find(loaded, name, optimizer="adam", weights="float32"))
   if q8 and f32:
-    yield {"figure": "Adam state bytes per parameter: `adam_8bit` against float32 moments",
-           "value": f"{q8['opt_state_per_param']:.2f} against "
-                    f"{f32['opt_state_per_param']:.2f}",
-           "source": _where(loaded, name)}
+    yield {
+      "figure": "Adam state bytes per parameter: `adam_8bit` against float32 moments",
+      "value": f"{q8['opt_state_per_param']:.2f} against {f32['opt_state_per_param']:.2f}",
+      "source": _where(loaded, name),
+    }
   name = "one_bit_text-cpu.json"
   r = _find(loaded, name, mode="one_bit_adam_rescaled_clipped", steps=200)
   if r:
-    yield {"figure": "`one_bit_adam` (`clip_step`, `rescale_variance`) on the demo's text "
-                     "Transformer, 8 replicas, 200 steps: validation loss against Adam",
-           "value": f"{_percent(2)(r['rel_to_float32'])}, at {r['wire_ratio']:.3f} of the bytes",
-           "source": _where(loaded, name)}
+    yield {
+      "figure": "`one_bit_adam` (`clip_step`, `rescale_variance`) on the demo's text "
+      "Transformer, 8 replicas, 200 steps: validation loss against Adam",
+      "value": f"{_percent(2)(r['rel_to_float32'])}, at {r['wire_ratio']:.3f} of the bytes",
+      "source": _where(loaded, name),
+    }
   name = "diloco-cpu.json"
   for mode in ("diloco_h16", "diloco_h16_1bit"):
     r = _find(loaded, name, mode=mode)
     if r and r.get("rel_to_adam") is not None:
-      yield {"figure": f"`diloco` ({'1-bit' if mode.endswith('1bit') else 'exact'} outer "
-                       f"updates every {r['sync_every']} steps) on the demo's text Transformer, 8 "
-                       f"replicas, {r['steps']} steps: validation loss against synchronous Adam",
-             "value": f"{_percent(1)(r['rel_to_adam'])}, at {r['wire_ratio']:.4f} of the bytes",
-             "source": _where(loaded, name)}
+      yield {
+        "figure": f"`diloco` ({'1-bit' if mode.endswith('1bit') else 'exact'} outer "
+        f"updates every {r['sync_every']} steps) on the demo's text Transformer, 8 "
+        f"replicas, {r['steps']} steps: validation loss against synchronous Adam",
+        "value": f"{_percent(1)(r['rel_to_adam'])}, at {r['wire_ratio']:.4f} of the bytes",
+        "source": _where(loaded, name),
+      }
   name = "gpt-nvidia-h200.json"
   lib, floor = _find(loaded, name, variant="library"), _find(loaded, name, variant="floor")
   if lib and floor:
-    yield {"figure": f"{lib['model']} ({lib['params'] / 1e9:.2f}B parameters, "
-                     f"{lib['batch']}x{lib['seq']} tokens) under `make_train_step(..., "
-                     "\"mixed_bfloat16\")`: share of the bfloat16 peak; time over a "
-                     "hand-written bfloat16 step",
-           "value": f"{lib['fraction_of_peak']:.1%} ({lib['tflops']:.0f} TFLOP/s); "
-                    f"{lib['vs_floor']:.3f}",
-           "source": _where(loaded, name)}
+    yield {
+      "figure": f"{lib['model']} ({lib['params'] / 1e9:.2f}B parameters, "
+      f"{lib['batch']}x{lib['seq']} tokens) under `make_train_step(..., "
+      '"mixed_bfloat16")`: share of the bfloat16 peak; time over a '
+      "hand-written bfloat16 step",
+      "value": f"{lib['fraction_of_peak']:.1%} ({lib['tflops']:.0f} TFLOP/s); {lib['vs_floor']:.3f}",
+      "source": _where(loaded, name),
+    }
   name = "user_models-nvidia-h200.json"
   for model in ("transformer", "resnet50"):
     auto = _find(loaded, name, model=model, variant="mixed_bfloat16")
     if auto:
-      yield {"figure": f"Flax-style {model} declaring float32 dtypes, `make_train_step("
-                       "policy=\"mixed_bfloat16\")` defaults: speed-up over float32 (TF32); "
-                       "time over the model wrapped by hand in `apply_policy`",
-             "value": f"{auto['speedup_vs_float32']:.2f}x; {auto['vs_by_hand']:.3f}",
-             "source": _where(loaded, name)}
+      yield {
+        "figure": f"Flax-style {model} declaring float32 dtypes, `make_train_step("
+        'policy="mixed_bfloat16")` defaults: speed-up over float32 (TF32); '
+        "time over the model wrapped by hand in `apply_policy`",
+        "value": f"{auto['speedup_vs_float32']:.2f}x; {auto['vs_by_hand']:.3f}",
+        "source": _where(loaded, name),
+      }
   name = "fp8-nvidia-h200.json"
   for r in _rows_of(loaded, name):
     if r.get("kind") == "step" and r.get("policy") == "mixed_float8":
-      yield {"figure": f"FP8 train step (`mixed_float8`) of `{r['task']}` over "
-                       "`mixed_bfloat16`; first call",
-             "value": f"{r['speedup_vs_bf16']:.2f}x; {r['first_call_s']:.1f} s",
-             "source": _where(loaded, name)}
+      yield {
+        "figure": f"FP8 train step (`mixed_float8`) of `{r['task']}` over `mixed_bfloat16`; first call",
+        "value": f"{r['speedup_vs_bf16']:.2f}x; {r['first_call_s']:.1f} s",
+        "source": _where(loaded, name),
+      }
   name = "fp8_first_call-nvidia-h200.json"
   for r in _rows_of(loaded, name):
     if r.get("xla_flags") == "--xla_gpu_enable_triton_gemm=false" and "error" not in r:
-      yield {"figure": f"FP8 train step of `{r['task']}`, first call and step time with "
-                       "`xla_gpu_enable_triton_gemm=false` (`make_train_step`'s FP8 default)",
-             "value": f"{r['first_call_s']:.1f} s; {r['ms_per_step']:.1f} ms",
-             "source": _where(loaded, name)}
+      yield {
+        "figure": f"FP8 train step of `{r['task']}`, first call and step time with "
+        "`xla_gpu_enable_triton_gemm=false` (`make_train_step`'s FP8 default)",
+        "value": f"{r['first_call_s']:.1f} s; {r['ms_per_step']:.1f} ms",
+        "source": _where(loaded, name),
+      }
   name = "gpu-nvidia-h100-80gb-hbm3.json"
   bf16 = _find(loaded, name, kind="step", model="Transformer d1024", policy="mixed_bfloat16")
-  tf32 = _find(loaded, name, kind="step", model="Transformer d1024",
-               policy="float32 (default/TF32)")
+  tf32 = _find(loaded, name, kind="step", model="Transformer d1024", policy="float32 (default/TF32)")
   if bf16 and tf32:
-    yield {"figure": "Train step of a d_model 1024 Transformer: `mixed_bfloat16` speed-up "
-                     "over float32 (TF32 matmuls)",
-           "value": f"{tf32['median_ms'] / bf16['median_ms']:.2f}x "
-                    f"({bf16['median_ms']:.2f} ms against {tf32['median_ms']:.2f} ms)",
-           "source": _where(loaded, name)}
+    yield {
+      "figure": "Train step of a d_model 1024 Transformer: `mixed_bfloat16` speed-up over float32 (TF32 matmuls)",
+      "value": f"{tf32['median_ms'] / bf16['median_ms']:.2f}x "
+      f"({bf16['median_ms']:.2f} ms against {tf32['median_ms']:.2f} ms)",
+      "source": _where(loaded, name),
+    }
   name = "activation_memory-cpu.json"
-  r = next((r for r in _rows_of(loaded, name) if r.get("remat") == "default"
-            and r.get("policy") == "mixed_bfloat16"
-            and str(r.get("model", "")).startswith("Transformer")), None)
+  r = next(
+    (
+      r
+      for r in _rows_of(loaded, name)
+      if r.get("remat") == "default"
+      and r.get("policy") == "mixed_bfloat16"
+      and str(r.get("model", "")).startswith("Transformer")
+    ),
+    None,
+  )
   if r:
-    yield {"figure": f"Bytes kept for the backward pass, {r['model']}, `apply_policy` "
-                     "under `mixed_bfloat16`, over float32",
-           "value": f"{r['residual_ratio']:.3f}", "source": _where(loaded, name)}
+    yield {
+      "figure": f"Bytes kept for the backward pass, {r['model']}, `apply_policy` under `mixed_bfloat16`, over float32",
+      "value": f"{r['residual_ratio']:.3f}",
+      "source": _where(loaded, name),
+    }
   name = "loss_scaling-nvidia-h200.json"
-  steps = [r for r in _rows_of(loaded, name) if r.get("part") == "step"
-           and r.get("variant") == "jmp_train" and "run" not in r]
+  steps = [
+    r for r in _rows_of(loaded, name) if r.get("part") == "step" and r.get("variant") == "jmp_train" and "run" not in r
+  ]
   if not steps:
     name = "loss_scaling-nvidia-h100-80gb-hbm3.json"
-    steps = [r for r in _rows_of(loaded, name) if r.get("part") == "step"
-             and r.get("variant") == "jmp_train" and "run" not in r]
+    steps = [
+      r
+      for r in _rows_of(loaded, name)
+      if r.get("part") == "step" and r.get("variant") == "jmp_train" and "run" not in r
+    ]
   if steps:
     r = max(steps, key=lambda r: (r["params"], r["batch"]))
-    yield {"figure": f"`loss_scaled(adamw)` step time over `adamw`, {r['params']:,} "
-                     f"parameters, batch {r['batch']}",
-           "value": f"{r['ratio_to_adamw']:.3f}", "source": _where(loaded, name)}
+    yield {
+      "figure": f"`loss_scaled(adamw)` step time over `adamw`, {r['params']:,} parameters, batch {r['batch']}",
+      "value": f"{r['ratio_to_adamw']:.3f}",
+      "source": _where(loaded, name),
+    }
   name = "gradient_underflow-cpu.json"
   r = _find(loaded, name, weights="after 100 float32 steps", tokens_per_step=131072)
   if r:
-    yield {"figure": "Float16 gradient's error against float32 at 131,072 tokens per step "
-                     "(the demo's model after 100 steps): without a loss scale, with 2^15",
-           "value": f"{r['rel_err_f16']:.1%}, {r['rel_err_f16_scaled']:.1%}",
-           "source": _where(loaded, name)}
+    yield {
+      "figure": "Float16 gradient's error against float32 at 131,072 tokens per step "
+      "(the demo's model after 100 steps): without a loss scale, with 2^15",
+      "value": f"{r['rel_err_f16']:.1%}, {r['rel_err_f16_scaled']:.1%}",
+      "source": _where(loaded, name),
+    }
 
 
 def report(results_dir: pathlib.Path | None = None) -> str:
@@ -474,14 +523,13 @@ def report(results_dir: pathlib.Path | None = None) -> str:
   results_dir = pathlib.Path(results_dir or RESULTS_DIR)
   loaded = _load(results_dir)
   blocks = [
-      "# Benchmark results",
-      f"<!-- Generated by `{REPORT_COMMAND}` from benchmarks/results/. "
-      "Do not edit by hand: run the command again. -->",
-      f"Generated by `{REPORT_COMMAND}` from the JSON files in `benchmarks/results/`; "
-      "do not edit by hand. How the figures are taken and how to run the benchmarks: "
-      "`benchmarks/README.md` in the repository. Compare figures within one table: "
-      "ratios were taken within one run, and timings from different runs or machines are "
-      "not comparable.",
+    "# Benchmark results",
+    f"<!-- Generated by `{REPORT_COMMAND}` from benchmarks/results/. Do not edit by hand: run the command again. -->",
+    f"Generated by `{REPORT_COMMAND}` from the JSON files in `benchmarks/results/`; "
+    "do not edit by hand. How the figures are taken and how to run the benchmarks: "
+    "`benchmarks/README.md` in the repository. Compare figures within one table: "
+    "ratios were taken within one run, and timings from different runs or machines are "
+    "not comparable.",
   ]
   headlines = _demo_headline(loaded)
   others = list(_headline_rows(loaded))
@@ -508,8 +556,7 @@ def report(results_dir: pathlib.Path | None = None) -> str:
       sections.setdefault(key, [doc] if doc else [])
       sections[key] += _folder_file_section(path, payload, results_dir)
   if sections:
-    blocks.append("Sections: " + ", ".join(
-        f"[{titles[k]}](#{_anchor(titles[k])})" for k in sorted(sections)) + ".")
+    blocks.append("Sections: " + ", ".join(f"[{titles[k]}](#{_anchor(titles[k])})" for k in sorted(sections)) + ".")
   for key in sorted(sections):
     blocks.append(f"## {titles[key]}")
     blocks += [b for b in sections[key] if b]
@@ -524,8 +571,7 @@ def _anchor(title: str) -> str:
   return text.replace(" ", "-")
 
 
-def write_report(path: pathlib.Path | None = None,
-                 results_dir: pathlib.Path | None = None) -> pathlib.Path:
+def write_report(path: pathlib.Path | None = None, results_dir: pathlib.Path | None = None) -> pathlib.Path:
   """Writes :func:`report` to ``path`` (default ``docs/benchmarks_report.md``)."""
   path = pathlib.Path(path or REPORT_PATH)
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -537,33 +583,45 @@ def main(argv: list[str] | None = None) -> int:
   """Runs the selected benchmarks; returns the process exit status."""
   modules = discover()
   names = [m.removeprefix("bench_") for m in modules]
-  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke test)")
-  parser.add_argument("--only", nargs="*", choices=names, metavar="NAME",
-                      help=f"run only these benchmarks (of: {', '.join(names)})")
-  parser.add_argument("--out", type=pathlib.Path, default=None,
-                      help="results folder (default: benchmarks/results)")
+  parser.add_argument(
+    "--only", nargs="*", choices=names, metavar="NAME", help=f"run only these benchmarks (of: {', '.join(names)})"
+  )
+  parser.add_argument("--out", type=pathlib.Path, default=None, help="results folder (default: benchmarks/results)")
   parser.add_argument("--json", action="store_true", help="print the JSON records too")
   parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
-  parser.add_argument("--summary", action="store_true",
-                      help="print the stored results (of --out) as markdown, one table "
-                           "per file with the machine it came from, and exit")
-  parser.add_argument("--report", action="store_true",
-                      help="write the stored results (of --out) with headline figures "
-                           "to docs/benchmarks_report.md and exit")
-  parser.add_argument("--write", action="store_true",
-                      help="with --summary: write the report, as --report does")
-  parser.add_argument("--cpu-devices", type=int, default=8, metavar="N",
-                      help="simulated CPU devices for the multi-device benchmarks "
-                           "(sets XLA_FLAGS before JAX starts; default 8; a count "
-                           "already in XLA_FLAGS wins)")
-  parser.add_argument("--gpu-probe", action="store_true",
-                      help="run the GPU measurements in one process (fp8 speed, "
-                           "user_models, compression, gpt, fp8_first_call, loss_scaling, "
-                           "gpu; bench_gpt.gpu_probe), "
-                           "write their results and print one summary table; refuses "
-                           "without a GPU")
+  parser.add_argument(
+    "--summary",
+    action="store_true",
+    help="print the stored results (of --out) as markdown, one table per file with the machine it came from, and exit",
+  )
+  parser.add_argument(
+    "--report",
+    action="store_true",
+    help="write the stored results (of --out) with headline figures to docs/benchmarks_report.md and exit",
+  )
+  parser.add_argument("--write", action="store_true", help="with --summary: write the report, as --report does")
+  parser.add_argument(
+    "--cpu-devices",
+    type=int,
+    default=8,
+    metavar="N",
+    help="simulated CPU devices for the multi-device benchmarks "
+    "(sets XLA_FLAGS before JAX starts; default 8; a count "
+    "already in XLA_FLAGS wins)",
+  )
+  parser.add_argument(
+    "--gpu-probe",
+    action="store_true",
+    help="run the GPU measurements in one process (fp8 speed, "
+    "user_models, compression, gpt, fp8_first_call, loss_scaling, "
+    "gpu; bench_gpt.gpu_probe), "
+    "write their results and print one summary table; refuses "
+    "without a GPU",
+  )
   args = parser.parse_args(argv)
   if args.write and not args.summary:
     parser.error("--write goes with --summary (or use --report)")
@@ -588,8 +646,11 @@ def main(argv: list[str] | None = None) -> int:
   from benchmarks import _harness
 
   info = _harness.machine_info()
-  print(f"# {info['device_kind']} x{info['device_count']} ({info['backend']}), "
-        f"jax {info['versions']['jax']}, {info['date']}", flush=True)
+  print(
+    f"# {info['device_kind']} x{info['device_count']} ({info['backend']}), "
+    f"jax {info['versions']['jax']}, {info['date']}",
+    flush=True,
+  )
   failed = []
   for module_name, name in zip(modules, names):
     if args.only and name not in args.only:

@@ -30,9 +30,7 @@ def block(tree: Any) -> Any:
   return jax.block_until_ready(tree)
 
 
-def median_seconds(
-    fn: Callable[..., Any], *args: Any, warmup: int = 2, repeats: int = 10
-) -> float:
+def median_seconds(fn: Callable[..., Any], *args: Any, warmup: int = 2, repeats: int = 10) -> float:
   """Median wall-clock seconds of ``fn(*args)`` after ``warmup`` calls.
 
   Each call is timed until its outputs are ready (``jax.block_until_ready``),
@@ -62,7 +60,7 @@ def median_seconds(
 
 
 def interleaved_seconds(
-    fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10
+  fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10
 ) -> dict[str, list[float]]:
   """Seconds of every timed call of several zero-argument callables, round-robin.
 
@@ -100,7 +98,7 @@ def interleaved_seconds(
 
 
 def interleaved_median_seconds(
-    fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10
+  fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10
 ) -> dict[str, float]:
   """Medians of :func:`interleaved_seconds`: name -> median seconds.
 
@@ -180,8 +178,7 @@ def selected_rows(rows: Sequence[tuple], variable: str) -> list[tuple]:
 
 def tree_bytes(tree: Any) -> int:
   """Bytes of the array leaves of ``tree`` (``size * itemsize`` summed)."""
-  sizes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize
-           for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
+  sizes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
   return int(sum(sizes))
 
 
@@ -198,11 +195,11 @@ def compiled_memory(compiled: Any) -> dict[str, int | None]:
     ``code_bytes``; all ``None`` where the backend gives no analysis.
   """
   keys = {
-      "argument_bytes": "argument_size_in_bytes",
-      "output_bytes": "output_size_in_bytes",
-      "alias_bytes": "alias_size_in_bytes",
-      "temp_bytes": "temp_size_in_bytes",
-      "code_bytes": "generated_code_size_in_bytes",
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "code_bytes": "generated_code_size_in_bytes",
   }
   try:
     stats = compiled.memory_analysis()
@@ -244,29 +241,27 @@ def machine_info() -> dict[str, Any]:
 
   devices = jax.devices()
   versions = {
-      "jax": jax.__version__,
-      "jaxlib": _version("jaxlib"),
-      "flax": flax.__version__,
-      "optax": optax.__version__,
-      "chex": _version("chex"),
-      "numpy": np.__version__,
-      "jmp": _version("jmp"),
-      "jmp_train": jmp_train.__version__,
+    "jax": jax.__version__,
+    "jaxlib": _version("jaxlib"),
+    "flax": flax.__version__,
+    "optax": optax.__version__,
+    "chex": _version("chex"),
+    "numpy": np.__version__,
+    "jmp": _version("jmp"),
+    "jmp_train": jmp_train.__version__,
   }
   return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-          timespec="seconds"
-      ),
-      "platform": platform.platform(),
-      "processor": platform.processor() or platform.machine(),
-      "cpu_count": os.cpu_count(),
-      "python": platform.python_version(),
-      "backend": jax.default_backend(),
-      "device_kind": devices[0].device_kind,
-      "device_count": len(devices),
-      "device_memory_bytes": _device_memory(devices[0]),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "versions": versions,
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "platform": platform.platform(),
+    "processor": platform.processor() or platform.machine(),
+    "cpu_count": os.cpu_count(),
+    "python": platform.python_version(),
+    "backend": jax.default_backend(),
+    "device_kind": devices[0].device_kind,
+    "device_count": len(devices),
+    "device_memory_bytes": _device_memory(devices[0]),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "versions": versions,
   }
 
 
@@ -295,9 +290,7 @@ def device_tag() -> str:
   return "-".join(p for p in keep.split("-") if p) or jax.default_backend()
 
 
-def save_results(
-    name: str, records: Sequence[dict[str, Any]], out_dir: pathlib.Path | None = None
-) -> pathlib.Path:
+def save_results(name: str, records: Sequence[dict[str, Any]], out_dir: pathlib.Path | None = None) -> pathlib.Path:
   """Writes ``{machine, records}`` as JSON; returns the path."""
   out_dir = pathlib.Path(out_dir or RESULTS_DIR)
   out_dir.mkdir(parents=True, exist_ok=True)

@@ -75,18 +75,28 @@ from jmp_train.flax import apply_policy
 
 NAME = "activation_memory"
 COLUMNS = (
-    "model", "remat", "policy", "params", "residual_bytes", "residual_ratio",
-    "cast_copy_bytes", "activation_ratio", "half_residual_share", "temp_bytes",
-    "temp_ratio", "argument_bytes", "meets_target",
+  "model",
+  "remat",
+  "policy",
+  "params",
+  "residual_bytes",
+  "residual_ratio",
+  "cast_copy_bytes",
+  "activation_ratio",
+  "half_residual_share",
+  "temp_bytes",
+  "temp_ratio",
+  "argument_bytes",
+  "meets_target",
 )
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 TARGET_RATIO = 0.55
 # remat -> (apply_policy's `recompute`, a checkpoint policy around the model).
 REMATS = {
-    "default": ("float32", None),
-    "none": (None, None),
-    "dots": (None, jax.checkpoint_policies.dots_saveable),
-    "half": (None, half_precision_saveable),
+  "default": ("float32", None),
+  "none": (None, None),
+  "dots": (None, jax.checkpoint_policies.dots_saveable),
+  "half": (None, half_precision_saveable),
 }
 
 
@@ -113,28 +123,32 @@ def _cases(quick: bool) -> list[_Case]:
   f32, i32 = jnp.float32, jnp.int32
   hidden = "-".join(map(str, mlp["hidden"]))
   return [
-      _Case(
-          name=f"MLP {mlp['features']}-{hidden}-{mlp['classes']} b{mlp['batch']}",
-          module=models.MLP(features=mlp["hidden"], num_classes=mlp["classes"]),
-          inputs=jax.ShapeDtypeStruct((mlp["batch"], mlp["features"]), f32),
-          labels=jax.ShapeDtypeStruct((mlp["batch"],), i32),
+    _Case(
+      name=f"MLP {mlp['features']}-{hidden}-{mlp['classes']} b{mlp['batch']}",
+      module=models.MLP(features=mlp["hidden"], num_classes=mlp["classes"]),
+      inputs=jax.ShapeDtypeStruct((mlp["batch"], mlp["features"]), f32),
+      labels=jax.ShapeDtypeStruct((mlp["batch"],), i32),
+    ),
+    _Case(
+      name=(f"ResNet {'-'.join(map(str, conv['stages']))}ch {conv['size']}x{conv['size']} b{conv['batch']}"),
+      module=models.ResNet(num_classes=conv["classes"], stage_features=conv["stages"]),
+      inputs=jax.ShapeDtypeStruct((conv["batch"], conv["size"], conv["size"], 3), f32),
+      labels=jax.ShapeDtypeStruct((conv["batch"],), i32),
+      train_kwargs=(("train", True), ("mutable", ("batch_stats",))),
+    ),
+    _Case(
+      name=f"Transformer d{tfm['d_model']} h{tfm['heads']} s{tfm['seq']} b{tfm['batch']}",
+      module=models.TransformerBlock(
+        vocab_size=tfm["vocab"],
+        d_model=tfm["d_model"],
+        num_heads=tfm["heads"],
+        mlp_dim=tfm["mlp"],
+        num_layers=1,
+        max_len=tfm["seq"],
       ),
-      _Case(
-          name=(f"ResNet {'-'.join(map(str, conv['stages']))}ch "
-                f"{conv['size']}x{conv['size']} b{conv['batch']}"),
-          module=models.ResNet(num_classes=conv["classes"], stage_features=conv["stages"]),
-          inputs=jax.ShapeDtypeStruct((conv["batch"], conv["size"], conv["size"], 3), f32),
-          labels=jax.ShapeDtypeStruct((conv["batch"],), i32),
-          train_kwargs=(("train", True), ("mutable", ("batch_stats",))),
-      ),
-      _Case(
-          name=f"Transformer d{tfm['d_model']} h{tfm['heads']} s{tfm['seq']} b{tfm['batch']}",
-          module=models.TransformerBlock(
-              vocab_size=tfm["vocab"], d_model=tfm["d_model"], num_heads=tfm["heads"],
-              mlp_dim=tfm["mlp"], num_layers=1, max_len=tfm["seq"]),
-          inputs=jax.ShapeDtypeStruct((tfm["batch"], tfm["seq"]), i32),
-          labels=jax.ShapeDtypeStruct((tfm["batch"], tfm["seq"]), i32),
-      ),
+      inputs=jax.ShapeDtypeStruct((tfm["batch"], tfm["seq"]), i32),
+      labels=jax.ShapeDtypeStruct((tfm["batch"], tfm["seq"]), i32),
+    ),
   ]
 
 
@@ -143,8 +157,7 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
-def measure(case: _Case, policy: Policy, remat: str = "none", *,
-            compile_step: bool = True) -> dict[str, Any]:
+def measure(case: _Case, policy: Policy, remat: str = "none", *, compile_step: bool = True) -> dict[str, Any]:
   """The figures for one model under one policy (see the module docstring).
 
   Args:
@@ -171,8 +184,7 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *,
   recompute, checkpoint_policy = REMATS[remat]
   model = apply_policy(case.module, policy, recompute=recompute)
   x, labels = case.inputs, case.labels
-  variables = jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype)))
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype)))
   params = variables["params"]
   state = {k: v for k, v in variables.items() if k != "params"}
   kwargs = dict(case.train_kwargs)
@@ -191,34 +203,29 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *,
   res = saved_residuals(loss_fn, params, state, x, labels)
   kept = [r.shape_dtype for r in res if r.kind in ("activation", "cast_copy")]
   residual_bytes = _harness.tree_bytes(kept)
-  cast_copy_bytes = _harness.tree_bytes(
-      [r.shape_dtype for r in res if r.kind == "cast_copy"])
+  cast_copy_bytes = _harness.tree_bytes([r.shape_dtype for r in res if r.kind == "cast_copy"])
   record = {
-      "model": case.name,
-      "policy": _policy_name(policy),
-      "remat": remat,
-      "params": int(sum(np.prod(p.shape) for p in jax.tree.leaves(params))),
-      "residual_bytes": residual_bytes,
-      "cast_copy_bytes": cast_copy_bytes,
-      "activation_bytes": residual_bytes - cast_copy_bytes,
-      "half_residual_share": _harness.tree_bytes(
-          [s for s in kept if s.dtype.itemsize == 2]) / max(residual_bytes, 1),
-      "argument_residual_bytes": _harness.tree_bytes(
-          [r.shape_dtype for r in res if r.kind == "argument"]),
-      "residual_arrays": len(kept),
+    "model": case.name,
+    "policy": _policy_name(policy),
+    "remat": remat,
+    "params": int(sum(np.prod(p.shape) for p in jax.tree.leaves(params))),
+    "residual_bytes": residual_bytes,
+    "cast_copy_bytes": cast_copy_bytes,
+    "activation_bytes": residual_bytes - cast_copy_bytes,
+    "half_residual_share": _harness.tree_bytes([s for s in kept if s.dtype.itemsize == 2]) / max(residual_bytes, 1),
+    "argument_residual_bytes": _harness.tree_bytes([r.shape_dtype for r in res if r.kind == "argument"]),
+    "residual_arrays": len(kept),
   }
 
   memory = dict.fromkeys(("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes"))
   if compile_step:
 
     def step(params, state, x, labels):
-      (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          params, state, x, labels)
+      (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x, labels)
       params = jax.tree.map(lambda p, g: p - 0.01 * g.astype(p.dtype), params, grads)
       return params, state, loss
 
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-        params, state, x, labels).compile()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x, labels).compile()
     memory = _harness.compiled_memory(compiled)
   for key in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes"):
     record[key] = memory[key]
@@ -262,8 +269,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
       # (and apply_policy's default recomputes nothing under float32): the
       # "default" and "half" rows compare with float32 as JAX runs it.
       names = POLICIES[1:] if remat in ("default", "half") else POLICIES
-      rows = [measure(case, get_policy(name), remat, compile_step=compile_step)
-              for name in names]
+      rows = [measure(case, get_policy(name), remat, compile_step=compile_step) for name in names]
       if remat in ("default", "half"):
         base = base_by_remat["none"]
       else:
@@ -272,7 +278,6 @@ def run(quick: bool) -> list[dict[str, Any]]:
         row["residual_ratio"] = _ratio(row["residual_bytes"], base["residual_bytes"])
         row["activation_ratio"] = _ratio(row["activation_bytes"], base["activation_bytes"])
         row["temp_ratio"] = _ratio(row["temp_bytes"], base["temp_bytes"])
-        row["meets_target"] = (
-            row["residual_ratio"] <= TARGET_RATIO if row is not base else None)
+        row["meets_target"] = row["residual_ratio"] <= TARGET_RATIO if row is not base else None
         records.append(row)
   return records

@@ -44,8 +44,15 @@ from jmp_train.flax import apply_policy
 
 NAME = "autocast"
 COLUMNS = (
-    "model", "variant", "median_ms", "ratio", "hlo_dots_match", "hlo_instructions",
-    "trace_ms", "compile_ms", "repeats",
+  "model",
+  "variant",
+  "median_ms",
+  "ratio",
+  "hlo_dots_match",
+  "hlo_instructions",
+  "trace_ms",
+  "compile_ms",
+  "repeats",
 )
 
 _DOT = re.compile(r"=\s*(\S+)\s+(dot|convolution)\(([^)]*)\)")
@@ -61,13 +68,13 @@ def _cases(quick: bool) -> dict[str, tuple[Any, jax.Array, jax.Array]]:
   tokens = jax.random.randint(key, (batch // 8, seq), 0, 256)
   width = 32 if quick else 256
   cases = {
-      "mlp": (models.MLP(features=(width, width)), x, labels),
-      "resnet": (models.ResNet(stage_features=(32, 64)), x, labels),
-      "transformer": (
-          models.TransformerBlock(d_model=width // 2 if quick else 128, num_heads=4,
-                                  mlp_dim=width, max_len=seq),
-          tokens, tokens,
-      ),
+    "mlp": (models.MLP(features=(width, width)), x, labels),
+    "resnet": (models.ResNet(stage_features=(32, 64)), x, labels),
+    "transformer": (
+      models.TransformerBlock(d_model=width // 2 if quick else 128, num_heads=4, mlp_dim=width, max_len=seq),
+      tokens,
+      tokens,
+    ),
   }
   if quick:  # a smoke test: compiling the other models' steps is the slow part
     del cases["resnet"], cases["transformer"]
@@ -102,21 +109,21 @@ def _instructions(text: str) -> int:
 
 # variant -> the apply_policy variant it is compared with.
 _REFERENCE = {
-    "apply_policy": "apply_policy", "autocast": "apply_policy",
-    "apply_policy_recompute": "apply_policy_recompute",
-    "autocast_recompute": "apply_policy_recompute",
+  "apply_policy": "apply_policy",
+  "autocast": "apply_policy",
+  "apply_policy_recompute": "apply_policy_recompute",
+  "autocast_recompute": "apply_policy_recompute",
 }
 
 
 def _applies(model, policy: str, quick: bool) -> dict[str, Any]:
   applies = {
-      "apply_policy": apply_policy(model, policy, recompute=None).apply,
-      "autocast": autocast(model.apply, policy),
+    "apply_policy": apply_policy(model, policy, recompute=None).apply,
+    "autocast": autocast(model.apply, policy),
   }
   if not quick:
     applies["apply_policy_recompute"] = apply_policy(model, policy).apply
-    applies["autocast_recompute"] = jax.checkpoint(
-        autocast(model.apply, policy), policy=half_precision_saveable)
+    applies["autocast_recompute"] = jax.checkpoint(autocast(model.apply, policy), policy=half_precision_saveable)
   return applies
 
 
@@ -138,24 +145,29 @@ def run(quick: bool) -> list[dict[str, Any]]:
       compile_s = time.perf_counter() - start
       compiled_steps[variant] = compiled  # timed below: compiled once
       text = compiled.as_text()
-      info[variant] = dict(trace_ms=1e3 * trace_s, compile_ms=1e3 * compile_s,
-                           dots=_hlo_dots(text), hlo_instructions=_instructions(text))
+      info[variant] = dict(
+        trace_ms=1e3 * trace_s, compile_ms=1e3 * compile_s, dots=_hlo_dots(text), hlo_instructions=_instructions(text)
+      )
     times = _harness.interleaved_median_seconds(
-        {v: (lambda s=s: s(params, x, y)) for v, s in compiled_steps.items()},
-        warmup=1 if quick else 2, repeats=repeats,
+      {v: (lambda s=s: s(params, x, y)) for v, s in compiled_steps.items()},
+      warmup=1 if quick else 2,
+      repeats=repeats,
     )
     for variant in steps:
       ref = _REFERENCE[variant]
-      records.append({
-          "model": name, "variant": variant, "policy": policy,
+      records.append(
+        {
+          "model": name,
+          "variant": variant,
+          "policy": policy,
           "median_ms": 1e3 * times[variant],
           "ratio": times[variant] / times[ref],
           "hlo_dots_match": info[variant]["dots"] == info[ref]["dots"],
-          "hlo_dots": sorted(f"{op} {r}<-{','.join(t)} x{n}"
-                             for (op, r, t), n in info[variant]["dots"].items()),
+          "hlo_dots": sorted(f"{op} {r}<-{','.join(t)} x{n}" for (op, r, t), n in info[variant]["dots"].items()),
           "hlo_instructions": info[variant]["hlo_instructions"],
           "trace_ms": info[variant]["trace_ms"],
           "compile_ms": info[variant]["compile_ms"],
           "repeats": repeats,
-      })
+        }
+      )
   return records

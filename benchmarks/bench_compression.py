@@ -53,8 +53,16 @@ from benchmarks import _harness
 
 NAME = "compression"
 COLUMNS = (
-    "part", "scheme", "replicas", "params", "operand_bytes", "wire_bytes",
-    "vs_f32", "seconds", "gb_per_s", "vs_copy",
+  "part",
+  "scheme",
+  "replicas",
+  "params",
+  "operand_bytes",
+  "wire_bytes",
+  "vs_f32",
+  "seconds",
+  "gb_per_s",
+  "vs_copy",
 )
 AXIS = "i"
 # The bytes programs are inspected, not run: skip LLVM's optimizations.
@@ -94,15 +102,15 @@ def _bytes_records(shapes, ks, all_devices) -> list[dict]:
     devices = all_devices[:k]
     grads = {name: jax.ShapeDtypeStruct((k,) + s, jnp.float32) for name, s in shapes.items()}
     programs = {
-        "pmean_f32": (jax.pmap(lambda g: jax.lax.pmean(g, AXIS), axis_name=AXIS, devices=devices), None),
-        "pmean_bf16": (
-            jax.pmap(
-                lambda g: jax.lax.pmean(jax.tree.map(lambda x: x.astype(jnp.bfloat16), g), AXIS),
-                axis_name=AXIS,
-                devices=devices,
-            ),
-            None,
+      "pmean_f32": (jax.pmap(lambda g: jax.lax.pmean(g, AXIS), axis_name=AXIS, devices=devices), None),
+      "pmean_bf16": (
+        jax.pmap(
+          lambda g: jax.lax.pmean(jax.tree.map(lambda x: x.astype(jnp.bfloat16), g), AXIS),
+          axis_name=AXIS,
+          devices=devices,
         ),
+        None,
+      ),
     }
     for wire in ("bfloat16", "float8_e4m3"):
       tx = compressed_mean(AXIS, wire=wire)
@@ -120,7 +128,8 @@ def _bytes_records(shapes, ks, all_devices) -> list[dict]:
       wire = collective_bytes(compiled, wire=True)["total"]
       if scheme == "pmean_f32":
         base = wire
-      records.append({
+      records.append(
+        {
           "part": "bytes",
           "scheme": scheme,
           "replicas": k,
@@ -128,7 +137,8 @@ def _bytes_records(shapes, ks, all_devices) -> list[dict]:
           "operand_bytes": operand,
           "wire_bytes": wire,
           "vs_f32": wire / base,
-      })
+        }
+      )
   return records
 
 
@@ -159,15 +169,14 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
     # As a train step runs it: the residual donated, each call's new one
     # passed to the next (argument 1 <- output 2).
     r_donated = tuple(jnp.zeros_like(x) for x in r)
-    calls[f"1bit_{scale}_worker_donated{suffix}"] = (
-        jax.jit(worker, donate_argnums=1), (grads, r_donated), (1, 2))
+    calls[f"1bit_{scale}_worker_donated{suffix}"] = (jax.jit(worker, donate_argnums=1), (grads, r_donated), (1, 2))
     calls[f"1bit_{scale}_owner{suffix}"] = (
-        jax.jit(lambda b, p, e, i, layout=layout, scale=scale: sign_codec.owner_step(b, p, e, i, layout, scale)),
-        (bits, pairs, e, jnp.int32(k // 2)),
+      jax.jit(lambda b, p, e, i, layout=layout, scale=scale: sign_codec.owner_step(b, p, e, i, layout, scale)),
+      (bits, pairs, e, jnp.int32(k // 2)),
     )
     calls[f"1bit_{scale}_decode{suffix}"] = (
-        jax.jit(lambda b, p, layout=layout: sign_codec.final_decode(b, p, layout, [jnp.float32] * len(shapes))),
-        (bits, pairs),
+      jax.jit(lambda b, p, layout=layout: sign_codec.final_decode(b, p, layout, [jnp.float32] * len(shapes))),
+      (bits, pairs),
     )
   if not suffix:
     tree = {"w": grads[0]}
@@ -175,8 +184,8 @@ def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
       tx = compressed_mean(wire=wire)
       calls[f"{wire}_quantize_dequantize"] = (jax.jit(tx.update), (tree, tx.init(tree)))
     calls["pack_unpack_bits"] = (
-        jax.jit(lambda x: sign_bits.unpack(sign_bits.pack(x >= 0))),
-        (flat[: n - n % 8],),
+      jax.jit(lambda x: sign_bits.unpack(sign_bits.pack(x >= 0))),
+      (flat[: n - n % 8],),
     )
   return calls
 
@@ -195,7 +204,7 @@ class _Call:
     out = self.fn(*self.args)
     if self.carry is not None:
       i, j = self.carry
-      self.args = self.args[:i] + (out[j],) + self.args[i + 1:]
+      self.args = self.args[:i] + (out[j],) + self.args[i + 1 :]
     return out
 
 
@@ -208,16 +217,15 @@ def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None)
     sizes.update({name: (suffix, sum(int(np.prod(s)) for s in shapes)) for name in part})
   if compiler_options:
     calls = {
-        name: (call[0].lower(*call[1]).compile(compiler_options=compiler_options),) + call[1:]
-        for name, call in calls.items()
+      name: (call[0].lower(*call[1]).compile(compiler_options=compiler_options),) + call[1:]
+      for name, call in calls.items()
     }
-  times = _harness.interleaved_median_seconds(
-      {name: _Call(*call) for name, call in calls.items()}, repeats=repeats
-  )
+  times = _harness.interleaved_median_seconds({name: _Call(*call) for name, call in calls.items()}, repeats=repeats)
   records = []
   for name, t in times.items():
     suffix, n = sizes[name]
-    records.append({
+    records.append(
+      {
         "part": "throughput",
         "scheme": name,
         "replicas": k if "_owner" in name or "_decode" in name else 1,
@@ -225,7 +233,8 @@ def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None)
         "seconds": t,
         "gb_per_s": 4 * n / t / 1e9,
         "vs_copy": times[f"elementwise_x_plus_1{suffix}"] / t,
-    })
+      }
+    )
   return records
 
 
@@ -233,9 +242,9 @@ def run(quick: bool) -> list[dict]:
   devices = _exchange_devices()
   if len(devices) < 2:
     raise ValueError(
-        "bench_compression needs several devices: run it through `python -m "
-        "benchmarks` (8 simulated CPU devices) or set "
-        "XLA_FLAGS=--xla_force_host_platform_device_count=8."
+      "bench_compression needs several devices: run it through `python -m "
+      "benchmarks` (8 simulated CPU devices) or set "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8."
     )
   ks = (2,) if quick else tuple(range(2, min(8, len(devices)) + 1))
   mlp = _mlp_shapes((64, 128, 10) if quick else (784, 1024, 256, 10))

@@ -47,27 +47,46 @@ from benchmarks import _harness
 from benchmarks.bench_one_bit_text import AXIS, LR_ADAM, REPLICAS, _task, schedule
 
 NAME = "diloco"
-COLUMNS = ("mode", "sync_every", "steps", "seeds", "val_loss", "val_loss_min", "val_loss_max",
-           "rel_to_adam", "rel_to_adam_max", "wire_ratio")
+COLUMNS = (
+  "mode",
+  "sync_every",
+  "steps",
+  "seeds",
+  "val_loss",
+  "val_loss_min",
+  "val_loss_max",
+  "rel_to_adam",
+  "rel_to_adam_max",
+  "wire_ratio",
+)
 SYNC_EVERY = (16, 32, 64)
 OUTER = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
 
 
-def train_local(tx: optax.GradientTransformation, *, steps: int, seed: int, d_model: int = 64,
-                seq_len: int = 64, batch: int = 32, eval_batches: int = 16) -> dict:
+def train_local(
+  tx: optax.GradientTransformation,
+  *,
+  steps: int,
+  seed: int,
+  d_model: int = 64,
+  seq_len: int = 64,
+  batch: int = 32,
+  eval_batches: int = 16,
+) -> dict:
   """Trains the text Transformer with ``tx`` on local gradients, one parameter copy per replica."""
   if jax.device_count() < REPLICAS:
     raise ValueError(
-        f"needs {REPLICAS} devices, found {jax.device_count()}: set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={REPLICAS} before JAX starts.")
+      f"needs {REPLICAS} devices, found {jax.device_count()}: set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={REPLICAS} before JAX starts."
+    )
   model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, batch, eval_batches)
   mesh = jax.make_mesh((REPLICAS,), (AXIS,), devices=jax.devices()[:REPLICAS])
   spec, data = P(AXIS), P(None, AXIS)
   xs = jax.device_put(xs, NamedSharding(mesh, data))
   ys = jax.device_put(ys, NamedSharding(mesh, data))
   stacked = jax.device_put(
-      jax.tree.map(lambda p: np.broadcast_to(p, (REPLICAS,) + p.shape).copy(), params),
-      NamedSharding(mesh, spec))
+    jax.tree.map(lambda p: np.broadcast_to(p, (REPLICAS,) + p.shape).copy(), params), NamedSharding(mesh, spec)
+  )
   first = lambda t: jax.tree.map(lambda x: x[0], t)
   expand = lambda t: jax.tree.map(lambda x: x[None], t)
 
@@ -75,8 +94,7 @@ def train_local(tx: optax.GradientTransformation, *, steps: int, seed: int, d_mo
     logits = model.apply({"params": p}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-  init = jax.jit(jax.shard_map(lambda p: expand(tx.init(first(p))), mesh=mesh, in_specs=spec,
-                               out_specs=spec))
+  init = jax.jit(jax.shard_map(lambda p: expand(tx.init(first(p))), mesh=mesh, in_specs=spec, out_specs=spec))
 
   def train(p, s, xs, ys):
     def body(carry, b):
@@ -87,14 +105,13 @@ def train_local(tx: optax.GradientTransformation, *, steps: int, seed: int, d_mo
     (p, s), _ = jax.lax.scan(body, (first(p), first(s)), (xs, ys))
     return expand(p), expand(s)
 
-  run = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(spec, spec, data, data),
-                              out_specs=(spec, spec)))
+  run = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(spec, spec, data, data), out_specs=(spec, spec)))
   stacked, _ = jax.block_until_ready(run(stacked, init(stacked), xs, ys))
   final = first(jax.device_get(stacked))
   evaluate = jax.jit(loss_fn)
   losses = {}
   for split, (x, y) in evals.items():
-    parts = [evaluate(final, x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+    parts = [evaluate(final, x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
     losses[split] = float(np.mean(jax.device_get(parts)))
   return {"val_loss": losses["val"], "train_loss": losses["train"]}
 
@@ -106,17 +123,23 @@ def _rows(steps: int, quick: bool):
 
   lr = schedule(LR_ADAM, steps)
   rows = [
-      ("adam_float32", 1, lambda: optax.chain(_exact_mean(AXIS), optax.adam(lr))),
-      ("one_bit_adam", 1,
-       lambda: one_bit_adam(lr, axis_name=AXIS, warmup_steps=max(1, steps // 5))),
+    ("adam_float32", 1, lambda: optax.chain(_exact_mean(AXIS), optax.adam(lr))),
+    ("one_bit_adam", 1, lambda: one_bit_adam(lr, axis_name=AXIS, warmup_steps=max(1, steps // 5))),
   ]
-  for h in ((4,) if quick else SYNC_EVERY):
+  for h in (4,) if quick else SYNC_EVERY:
     outer = optax.sgd(**OUTER)
-    rows.append((f"diloco_h{h}", h, lambda h=h, outer=outer: diloco(
-        optax.adamw(lr, weight_decay=0.0), outer, h, axis_name=AXIS)))
-    rows.append((f"diloco_h{h}_1bit", h, lambda h=h, outer=outer: diloco(
-        optax.adamw(lr, weight_decay=0.0), outer, h, axis_name=AXIS,
-        compression=sign_compression(AXIS))))
+    rows.append(
+      (f"diloco_h{h}", h, lambda h=h, outer=outer: diloco(optax.adamw(lr, weight_decay=0.0), outer, h, axis_name=AXIS))
+    )
+    rows.append(
+      (
+        f"diloco_h{h}_1bit",
+        h,
+        lambda h=h, outer=outer: diloco(
+          optax.adamw(lr, weight_decay=0.0), outer, h, axis_name=AXIS, compression=sign_compression(AXIS)
+        ),
+      )
+    )
   return rows[-2:-1] if quick else rows
 
 
@@ -140,8 +163,7 @@ def run(quick: bool) -> list[dict]:
   size = dict(d_model=16, seq_len=16, eval_batches=2) if quick else {}
   rows = _rows(steps, quick)
   if not quick:
-    rows = [row[1:] for row in _harness.selected_rows([("adam", *row) for row in rows],
-                                                      "BENCH_DILOCO_MODES")]
+    rows = [row[1:] for row in _harness.selected_rows([("adam", *row) for row in rows], "BENCH_DILOCO_MODES")]
   for mode, h, _ in rows:
     if steps % h:
       raise ValueError(f"BENCH_DILOCO_STEPS={steps} is not a multiple of {mode}'s sync_every {h}.")
@@ -150,13 +172,20 @@ def run(quick: bool) -> list[dict]:
   for mode, h, make in rows:
     runs = [train_local(make(), steps=steps, seed=s, **size) for s in seeds]
     val = np.asarray([r["val_loss"] for r in runs])
-    records.append({
-        "mode": mode, "sync_every": h, "steps": steps, "seeds": len(seeds),
-        "val_loss": float(val.mean()), "val_loss_min": float(val.min()),
-        "val_loss_max": float(val.max()), "val_losses": [float(v) for v in val],
+    records.append(
+      {
+        "mode": mode,
+        "sync_every": h,
+        "steps": steps,
+        "seeds": len(seeds),
+        "val_loss": float(val.mean()),
+        "val_loss_min": float(val.min()),
+        "val_loss_max": float(val.max()),
+        "val_losses": [float(v) for v in val],
         "train_loss": float(np.mean([r["train_loss"] for r in runs])),
         "wire_ratio": None if quick else _wire_ratio(mode, h, make, params),
-    })
+      }
+    )
     print(f"{mode}: val {val.round(4).tolist()}", flush=True)
   base = next((r for r in records if r["mode"] == "adam_float32"), None)
   for r in records:

@@ -42,9 +42,20 @@ from jmp_train_examples import data as data_lib
 from jmp_train_examples import models
 
 NAME = "fp8"
-COLUMNS = ("kind", "task", "policy", "seeds", "final_loss", "worst_seed_loss",
-           "gap_to_bf16", "seed_spread", "steps_per_s", "ms_per_step", "speedup_vs_bf16",
-           "tflops")
+COLUMNS = (
+  "kind",
+  "task",
+  "policy",
+  "seeds",
+  "final_loss",
+  "worst_seed_loss",
+  "gap_to_bf16",
+  "seed_spread",
+  "steps_per_s",
+  "ms_per_step",
+  "speedup_vs_bf16",
+  "tflops",
+)
 POLICIES = ("mixed_bfloat16", "mixed_float8")
 
 
@@ -94,12 +105,18 @@ def _text(seed: int, quick: bool):
   def windows(source, rng, n):
     return data_lib.text_windows(source, rng, n, seq)
 
-  model = models.TransformerBlock(vocab_size=data_lib.TEXT_VOCAB_SIZE, d_model=64, num_heads=4,
-                                  mlp_dim=256, num_layers=1, max_len=seq)
+  model = models.TransformerBlock(
+    vocab_size=data_lib.TEXT_VOCAB_SIZE, d_model=64, num_heads=4, mlp_dim=256, num_layers=1, max_len=seq
+  )
   held_out = windows(val, np.random.default_rng((seed, 99)), 256)
-  return (model, np.zeros((1, seq), np.int32),
-          lambda i: windows(train, np.random.default_rng((seed, i)), 32),
-          held_out, (20 if quick else 300), 3e-3)
+  return (
+    model,
+    np.zeros((1, seq), np.int32),
+    lambda i: windows(train, np.random.default_rng((seed, i)), 32),
+    held_out,
+    (20 if quick else 300),
+    3e-3,
+  )
 
 
 TASKS = {"digits": _digits, "text": _text}
@@ -119,26 +136,31 @@ def train_once(task: str, policy: str, seed: int, quick: bool) -> dict[str, floa
     params, meta, opt_state, loss = step(params, meta, opt_state, *batch(i))
   jax.block_until_ready(loss)
   elapsed = time.perf_counter() - start
-  return {"final_loss": float(evaluate(params, meta, *held_out)),
-          "steps_per_s": (steps - 1) / elapsed}
+  return {"final_loss": float(evaluate(params, meta, *held_out)), "steps_per_s": (steps - 1) / elapsed}
 
 
 def accuracy_records(quick: bool) -> list[dict[str, Any]]:
   """bfloat16 vs FP8 final loss per task, mean over seeds."""
   seeds = (0,) if quick else (0, 1, 2)
   records = []
-  for task in (("digits",) if quick else TASKS):
+  for task in ("digits",) if quick else TASKS:
     runs = {p: [train_once(task, p, s, quick) for s in seeds] for p in POLICIES}
     bf16 = float(np.mean([r["final_loss"] for r in runs["mixed_bfloat16"]]))
     for policy, rs in runs.items():
       losses = [r["final_loss"] for r in rs]
-      records.append({
-          "kind": "accuracy", "task": task, "policy": policy, "seeds": len(seeds),
-          "final_loss": float(np.mean(losses)), "worst_seed_loss": max(losses),
+      records.append(
+        {
+          "kind": "accuracy",
+          "task": task,
+          "policy": policy,
+          "seeds": len(seeds),
+          "final_loss": float(np.mean(losses)),
+          "worst_seed_loss": max(losses),
           "gap_to_bf16": float(np.mean(losses)) / bf16 - 1.0,
           "seed_spread": max(losses) - min(losses),
           "steps_per_s": float(np.mean([r["steps_per_s"] for r in rs])),
-      })
+        }
+      )
   return records
 
 
@@ -150,8 +172,7 @@ def _matmul_tflops(policy: str, n: int) -> float:
     meta = jmp_train.init_fp8_meta(jmp_train.Fp8Recipe())
     f = jax.jit(lambda x, w: jmp_train.fp8_dot_general(x, w, dn, meta=meta))
   else:
-    f = jax.jit(lambda x, w: jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.float32
-                                                 ).astype(jnp.bfloat16))
+    f = jax.jit(lambda x, w: jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
   seconds = _harness.median_seconds(f, x, w, warmup=3, repeats=10)
   return 2 * n**3 / seconds / 1e12
 
@@ -161,8 +182,9 @@ def _matmul_tflops(policy: str, n: int) -> float:
 FP8_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
-def _step_record(model: Any, example: np.ndarray, batch: tuple, policy: str,
-                 compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def _step_record(
+  model: Any, example: np.ndarray, batch: tuple, policy: str, compiler_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
   """One step's compile time, first call, steady time and products (GPU).
 
   ``compiler_options``: ``None`` compiles an FP8 step on a GPU with
@@ -183,8 +205,7 @@ def _step_record(model: Any, example: np.ndarray, batch: tuple, policy: str,
   batch = tuple(jax.device_put(b) for b in batch)
   jax.block_until_ready((params, meta, opt_state, batch))
   t0 = time.perf_counter()
-  compiled = step.lower(params, meta, opt_state, *batch).compile(
-      compiler_options=compiler_options or None)
+  compiled = step.lower(params, meta, opt_state, *batch).compile(compiler_options=compiler_options or None)
   compile_s = time.perf_counter() - t0
   jax.block_until_ready(compiled(params, meta, opt_state, *batch))
   first_call_s = time.perf_counter() - t0
@@ -195,10 +216,16 @@ def _step_record(model: Any, example: np.ndarray, batch: tuple, policy: str,
     return compiled(params, meta, opt_state, *batch)
 
   ms = 1e3 * _harness.median_seconds(run, params, meta, opt_state, warmup=3, repeats=10)
-  return {"compiler_options": compiler_options, "ms_per_step": ms, "compile_s": compile_s, "first_call_s": first_call_s,
-          "products": len(report.products), "fp8_products": len(report.fp8),
-          "gemm_calls": len(gemms),
-          "fp8_gemm_calls": sum(1 for p in gemms if "f8" in p.op)}
+  return {
+    "compiler_options": compiler_options,
+    "ms_per_step": ms,
+    "compile_s": compile_s,
+    "first_call_s": first_call_s,
+    "products": len(report.products),
+    "fp8_products": len(report.fp8),
+    "gemm_calls": len(gemms),
+    "fp8_gemm_calls": sum(1 for p in gemms if "f8" in p.op),
+  }
 
 
 # Sizes of the speed records: FP8 pays off on products with K and N above
@@ -209,17 +236,18 @@ SPEED_MODELS = ("mlp_8x8192", "transformer_d4096")
 def _speed_model(name: str, rng: np.random.Generator):
   if name == "mlp_8x8192":
     width, batch = 8192, 8192
-    return (models.MLP(features=(width,) * 4, num_classes=width),
-            np.zeros((1, width), np.float32),
-            (rng.normal(size=(batch, width)).astype(np.float32),
-             rng.integers(0, width, batch)))
+    return (
+      models.MLP(features=(width,) * 4, num_classes=width),
+      np.zeros((1, width), np.float32),
+      (rng.normal(size=(batch, width)).astype(np.float32), rng.integers(0, width, batch)),
+    )
   if name == "transformer_d4096":
     seq, batch, vocab = 2048, 4, 32768
-    return (models.TransformerBlock(vocab_size=vocab, d_model=4096, num_heads=32,
-                                    mlp_dim=16384, num_layers=2, max_len=seq),
-            np.zeros((1, seq), np.int32),
-            (rng.integers(0, vocab, (batch, seq)).astype(np.int32),
-             rng.integers(0, vocab, (batch, seq)).astype(np.int32)))
+    return (
+      models.TransformerBlock(vocab_size=vocab, d_model=4096, num_heads=32, mlp_dim=16384, num_layers=2, max_len=seq),
+      np.zeros((1, seq), np.int32),
+      (rng.integers(0, vocab, (batch, seq)).astype(np.int32), rng.integers(0, vocab, (batch, seq)).astype(np.int32)),
+    )
   raise ValueError(f"unknown speed model {name!r}; expected one of {SPEED_MODELS}")
 
 
@@ -231,15 +259,33 @@ def speed_records() -> list[dict[str, Any]]:
     model, example, batch = _speed_model(name, rng)
     rows = {p: _step_record(model, example, batch, p) for p in POLICIES}
     for p in POLICIES:
-      records.append({"kind": "step", "task": name, "policy": p, **rows[p],
-                      "speedup_vs_bf16": rows["mixed_bfloat16"]["ms_per_step"]
-                      / rows[p]["ms_per_step"]})
-    print(_harness.format_table(records[-2:], ("task", "policy", "ms_per_step",
-                                               "speedup_vs_bf16", "compile_s", "first_call_s",
-                                               "fp8_gemm_calls", "gemm_calls")), flush=True)
+      records.append(
+        {
+          "kind": "step",
+          "task": name,
+          "policy": p,
+          **rows[p],
+          "speedup_vs_bf16": rows["mixed_bfloat16"]["ms_per_step"] / rows[p]["ms_per_step"],
+        }
+      )
+    print(
+      _harness.format_table(
+        records[-2:],
+        (
+          "task",
+          "policy",
+          "ms_per_step",
+          "speedup_vs_bf16",
+          "compile_s",
+          "first_call_s",
+          "fp8_gemm_calls",
+          "gemm_calls",
+        ),
+      ),
+      flush=True,
+    )
   for p in POLICIES:
-    records.append({"kind": "matmul", "task": "16384^3", "policy": p,
-                    "tflops": _matmul_tflops(p, 16384)})
+    records.append({"kind": "matmul", "task": "16384^3", "policy": p, "tflops": _matmul_tflops(p, 16384)})
   return records
 
 
@@ -248,7 +294,14 @@ def run(quick: bool) -> list[dict[str, Any]]:
   if jax.default_backend() == "gpu" and not quick:
     records += speed_records()
   else:
-    records.append({"kind": "speed", "task": "skipped",
-                    "policy": f"needs a GPU (backend here: {jax.default_backend()})",
-                    "ms_per_step": None, "speedup_vs_bf16": None, "tflops": None})
+    records.append(
+      {
+        "kind": "speed",
+        "task": "skipped",
+        "policy": f"needs a GPU (backend here: {jax.default_backend()})",
+        "ms_per_step": None,
+        "speedup_vs_bf16": None,
+        "tflops": None,
+      }
+    )
   return records

@@ -26,8 +26,7 @@ import jax
 from benchmarks import _harness
 
 NAME = "fp8_first_call"
-COLUMNS = ("task", "policy", "xla_flags", "compile_s", "first_call_s", "ms_per_step",
-           "fp8_gemm_calls", "gemm_calls")
+COLUMNS = ("task", "policy", "xla_flags", "compile_s", "first_call_s", "ms_per_step", "fp8_gemm_calls", "gemm_calls")
 
 # XLA flags tried against the FP8 step's first call (compilation, with its
 # GEMM autotuning), each in a fresh process.
@@ -44,23 +43,29 @@ def first_call_records(model_name: str = "mlp_8x8192") -> list[dict[str, Any]]:
   records = []
   for flags in FIRST_CALL_FLAGS:
     # No preallocation: this process (the probe) may hold most of the GPU.
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               XLA_FLAGS=" ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), flags))))
-    code = ("import json, numpy as np; from benchmarks import bench_fp8 as b; "
-            f"m = b._speed_model({model_name!r}, np.random.default_rng(0)); "
-            "print('RESULT', json.dumps(b._step_record(*m, 'mixed_float8', compiler_options={})))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=240, check=False)
+    env = dict(
+      os.environ,
+      XLA_PYTHON_CLIENT_PREALLOCATE="false",
+      XLA_FLAGS=" ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), flags))),
+    )
+    code = (
+      "import json, numpy as np; from benchmarks import bench_fp8 as b; "
+      f"m = b._speed_model({model_name!r}, np.random.default_rng(0)); "
+      "print('RESULT', json.dumps(b._step_record(*m, 'mixed_float8', compiler_options={})))"
+    )
+    proc = subprocess.run(
+      [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     row = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-400:]}
-    records.append({"kind": "first_call", "task": model_name, "policy": "mixed_float8",
-                    "xla_flags": flags or "(none)", **row})
+    records.append(
+      {"kind": "first_call", "task": model_name, "policy": "mixed_float8", "xla_flags": flags or "(none)", **row}
+    )
     print(records[-1], flush=True)
   return records
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
   if jax.default_backend() != "gpu" or quick:
-    return _harness.skipped(
-        f"needs a GPU and a full run (backend here: {jax.default_backend()}, quick={quick})")
+    return _harness.skipped(f"needs a GPU and a full run (backend here: {jax.default_backend()}, quick={quick})")
   return first_call_records()

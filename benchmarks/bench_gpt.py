@@ -47,9 +47,22 @@ from benchmarks import _harness
 from jmp_train_examples.models_gpt import GPT, GPTConfig, gpt_train_fns
 
 NAME = "gpt"
-COLUMNS = ("variant", "model", "params", "batch", "seq", "remat", "median_ms",
-           "tokens_per_s", "tflops", "peak_tflops", "fraction_of_peak", "vs_floor",
-           "hlo_dots", "weight_converts")
+COLUMNS = (
+  "variant",
+  "model",
+  "params",
+  "batch",
+  "seq",
+  "remat",
+  "median_ms",
+  "tokens_per_s",
+  "tflops",
+  "peak_tflops",
+  "fraction_of_peak",
+  "vs_floor",
+  "hlo_dots",
+  "weight_converts",
+)
 
 
 def floor_step(model: GPT, tx: optax.GradientTransformation) -> Callable[..., Any]:
@@ -108,8 +121,7 @@ def hlo_profile(stablehlo_text: str, weight_shapes) -> dict[str, Any]:
         dots[tuple(t[1] for t in types)] += 1
       elif "stablehlo.convert" in line and len(types) == 2 and types[1][0] in shapes:
         converts[(types[1][0], types[0][1], types[1][1])] += 1
-  return {"dots": dots, "weight_converts": sum(converts.values()),
-          "weight_converts_by": converts}
+  return {"dots": dots, "weight_converts": sum(converts.values()), "weight_converts_by": converts}
 
 
 def _sizes(on_gpu: bool) -> tuple[GPTConfig, int, int, int]:
@@ -121,8 +133,7 @@ def _sizes(on_gpu: bool) -> tuple[GPTConfig, int, int, int]:
   return GPTConfig.tiny(num_layers=1, remat=remat), 2, 16, 2
 
 
-def measure(cfg: GPTConfig, batch: int, seq: int, *, repeats: int = 10,
-            warmup: int = 2) -> list[dict[str, Any]]:
+def measure(cfg: GPTConfig, batch: int, seq: int, *, repeats: int = 10, warmup: int = 2) -> list[dict[str, Any]]:
   """Both steps of a :class:`GPT` of ``cfg`` on one batch: one record each (floor first)."""
   from benchmarks.bench_gpu import peak_tflops
 
@@ -140,8 +151,10 @@ def measure(cfg: GPTConfig, batch: int, seq: int, *, repeats: int = 10,
   lib_state = library.init(jax.tree.map(jnp.copy, params))
   lib_batch = ((tokens, targets), None)
   lib_lowered = library.lower(lib_state, lib_batch)
-  profiles = {"floor": hlo_profile(floor_lowered.as_text(), weight_shapes),
-              "library": hlo_profile(lib_lowered.as_text(), weight_shapes)}
+  profiles = {
+    "floor": hlo_profile(floor_lowered.as_text(), weight_shapes),
+    "library": hlo_profile(lib_lowered.as_text(), weight_shapes),
+  }
   floor_c, library_c = floor_lowered.compile(), lib_lowered.compile()
 
   carry = {"floor": (params, tx.init(params)), "library": lib_state}
@@ -156,7 +169,8 @@ def measure(cfg: GPTConfig, batch: int, seq: int, *, repeats: int = 10,
     return metrics["loss"]
 
   times = _harness.interleaved_median_seconds(
-      {"floor": run_floor, "library": run_library}, warmup=warmup, repeats=repeats)
+    {"floor": run_floor, "library": run_library}, warmup=warmup, repeats=repeats
+  )
   kind = jax.devices()[0].device_kind
   peak = peak_tflops(kind, "bf16")
   flops = cfg.train_flops_per_token(seq) * batch * seq
@@ -164,18 +178,27 @@ def measure(cfg: GPTConfig, batch: int, seq: int, *, repeats: int = 10,
   for variant in ("floor", "library"):
     t = times[variant]
     tflops = flops / t / 1e12
-    records.append({
-        "variant": variant, "model": f"GPT d{cfg.d_model} L{cfg.num_layers}",
-        "params": cfg.num_params(), "batch": batch, "seq": seq, "remat": cfg.remat,
-        "attention": cfg.attention, "median_ms": 1e3 * t, "tokens_per_s": batch * seq / t,
-        "tflops": tflops, "peak_tflops": peak,
+    records.append(
+      {
+        "variant": variant,
+        "model": f"GPT d{cfg.d_model} L{cfg.num_layers}",
+        "params": cfg.num_params(),
+        "batch": batch,
+        "seq": seq,
+        "remat": cfg.remat,
+        "attention": cfg.attention,
+        "median_ms": 1e3 * t,
+        "tokens_per_s": batch * seq / t,
+        "tflops": tflops,
+        "peak_tflops": peak,
         "fraction_of_peak": None if peak is None else tflops / peak,
         "vs_floor": t / times["floor"],
         "hlo_dots": sum(profiles[variant]["dots"].values()),
         "hlo_dot_dtypes": {"x".join(k): v for k, v in sorted(profiles[variant]["dots"].items())},
         "weight_converts": profiles[variant]["weight_converts"],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    })
+      }
+    )
   return records
 
 
@@ -183,8 +206,8 @@ def run(quick: bool) -> list[dict[str, Any]]:
   """The benchmark on a GPU (``quick``: a 125M model, sequence 512); one ``skipped`` record elsewhere."""
   if jax.default_backend() != "gpu":
     return _harness.skipped(
-        f"needs a GPU (backend here: {jax.default_backend()}); the code path is "
-        "tested on CPU by tests/test_gpt.py")
+      f"needs a GPU (backend here: {jax.default_backend()}); the code path is tested on CPU by tests/test_gpt.py"
+    )
   if quick:
     return measure(GPTConfig.gpt_125m(), 2, 512, repeats=3, warmup=1)
   cfg, batch, seq, repeats = _sizes(True)
@@ -197,13 +220,13 @@ def run(quick: bool) -> list[dict[str, Any]]:
 # first, since the budget may stop the rest): (results name, benchmark
 # module, what to call). Each is saved as soon as it ends.
 PROBE = (
-    ("fp8", "bench_fp8", "speed_records"),
-    ("user_models", "bench_user_models", "run"),
-    ("compression", "bench_compression", "run"),
-    ("gpt", "bench_gpt", "run"),
-    ("fp8_first_call", "bench_fp8_first_call", "run"),
-    ("loss_scaling", "bench_loss_scaling", "run"),
-    ("gpu", "bench_gpu", "run"),
+  ("fp8", "bench_fp8", "speed_records"),
+  ("user_models", "bench_user_models", "run"),
+  ("compression", "bench_compression", "run"),
+  ("gpt", "bench_gpt", "run"),
+  ("fp8_first_call", "bench_fp8_first_call", "run"),
+  ("loss_scaling", "bench_loss_scaling", "run"),
+  ("gpu", "bench_gpu", "run"),
 )
 PROBE_BUDGET_VARIABLE = "BENCH_PROBE_BUDGET_S"
 
@@ -212,9 +235,11 @@ def no_gpu_reason() -> str | None:
   """Why the probe cannot run here (``None`` on a GPU)."""
   if jax.default_backend() == "gpu":
     return None
-  return (f"--gpu-probe needs a GPU: JAX's default backend here is "
-          f"{jax.default_backend()!r} ({jax.devices()[0].device_kind}). Install a CUDA "
-          'build of JAX (pip install -U "jax[cuda12]") and run it on a GPU machine.')
+  return (
+    f"--gpu-probe needs a GPU: JAX's default backend here is "
+    f"{jax.default_backend()!r} ({jax.devices()[0].device_kind}). Install a CUDA "
+    'build of JAX (pip install -U "jax[cuda12]") and run it on a GPU machine.'
+  )
 
 
 def _probe_headline(name: str, records: list[dict[str, Any]]) -> str:
@@ -224,9 +249,11 @@ def _probe_headline(name: str, records: list[dict[str, Any]]) -> str:
     by = {r["variant"]: r for r in records}
     lib, floor = by["library"], by["floor"]
     pct = lambda r: "-" if r["fraction_of_peak"] is None else f"{r['fraction_of_peak']:.1%}"
-    return (f"library {lib['tokens_per_s']:,.0f} tok/s, {lib['tflops']:.0f} TFLOP/s "
-            f"({pct(lib)} of bf16 peak); floor {floor['tokens_per_s']:,.0f} tok/s "
-            f"({pct(floor)}); library/floor time {lib['vs_floor']:.3f}")
+    return (
+      f"library {lib['tokens_per_s']:,.0f} tok/s, {lib['tflops']:.0f} TFLOP/s "
+      f"({pct(lib)} of bf16 peak); floor {floor['tokens_per_s']:,.0f} tok/s "
+      f"({pct(floor)}); library/floor time {lib['vs_floor']:.3f}"
+    )
   return f"{len(records)} records"
 
 
@@ -253,14 +280,21 @@ def gpu_probe(out_dir=None, budget_s: float | None = None) -> int:
   if budget_s is None:
     budget_s = _harness.env_int(PROBE_BUDGET_VARIABLE, 300)
   info = _harness.machine_info()
-  print(f"# gpu probe: {info['device_kind']} x{info['device_count']}, jax "
-        f"{info['versions']['jax']}, XLA_FLAGS={info['xla_flags']!r}, budget {budget_s} s",
-        flush=True)
+  print(
+    f"# gpu probe: {info['device_kind']} x{info['device_count']}, jax "
+    f"{info['versions']['jax']}, XLA_FLAGS={info['xla_flags']!r}, budget {budget_s} s",
+    flush=True,
+  )
   start, rows, failed = time.perf_counter(), [], False
   for name, module_name, function in PROBE:
     elapsed = time.perf_counter() - start
-    row = {"benchmark": name, "status": "not run (budget)", "seconds": None, "file": None,
-           "headline": f"{elapsed:.0f} s had passed"}
+    row = {
+      "benchmark": name,
+      "status": "not run (budget)",
+      "seconds": None,
+      "file": None,
+      "headline": f"{elapsed:.0f} s had passed",
+    }
     rows.append(row)
     if elapsed > budget_s:
       continue

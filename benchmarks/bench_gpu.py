@@ -46,9 +46,19 @@ from jmp_train.diagnostics import tensor_core_report
 
 NAME = "gpu"
 COLUMNS = (
-    "kind", "model", "policy", "shape", "median_ms", "speedup", "items_per_s",
-    "tflops", "peak_tflops", "fraction_of_peak", "temp_bytes", "peak_bytes",
-    "peak_ratio",
+  "kind",
+  "model",
+  "policy",
+  "shape",
+  "median_ms",
+  "speedup",
+  "items_per_s",
+  "tflops",
+  "peak_tflops",
+  "fraction_of_peak",
+  "temp_bytes",
+  "peak_bytes",
+  "peak_ratio",
 )
 
 # Dense (no structured sparsity) peak TFLOP/s from NVIDIA's datasheets, per
@@ -56,17 +66,17 @@ COLUMNS = (
 # float32 accumulation). Keyed by the words of `device.device_kind` that must
 # all appear (lower case); the first match wins, so specific rows come first.
 PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float | None]], ...] = (
-    (("gh200",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-    (("h200", "nvl"), {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
-    (("h200",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-    (("h100", "pcie"), {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
-    (("h100", "nvl"), {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
-    (("h100",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-    (("a100",), {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
-    (("l4",), {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}),
-    (("v100", "pcie"), {"fp32": 14.0, "tf32": None, "bf16": None, "fp16": 112.0}),
-    (("v100",), {"fp32": 15.7, "tf32": None, "bf16": None, "fp16": 125.0}),
-    (("t4",), {"fp32": 8.1, "tf32": None, "bf16": None, "fp16": 65.0}),
+  (("gh200",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+  (("h200", "nvl"), {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
+  (("h200",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+  (("h100", "pcie"), {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
+  (("h100", "nvl"), {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
+  (("h100",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+  (("a100",), {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
+  (("l4",), {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}),
+  (("v100", "pcie"), {"fp32": 14.0, "tf32": None, "bf16": None, "fp16": 112.0}),
+  (("v100",), {"fp32": 15.7, "tf32": None, "bf16": None, "fp16": 125.0}),
+  (("t4",), {"fp32": 8.1, "tf32": None, "bf16": None, "fp16": 65.0}),
 )
 
 
@@ -103,10 +113,10 @@ def peak_tflops(device_kind: str, mode: str) -> float | None:
 
 # name -> (policy spec, matmul precision to trace under, peak mode)
 _SETUPS: dict[str, tuple[str, str | None, str]] = {
-    "float32 (highest)": ("float32", "highest", "fp32"),
-    "float32 (default/TF32)": ("float32", None, "tf32"),
-    "mixed_bfloat16": ("mixed_bfloat16", None, "bf16"),
-    "mixed_float16": ("mixed_float16", None, "fp16"),
+  "float32 (highest)": ("float32", "highest", "fp32"),
+  "float32 (default/TF32)": ("float32", None, "tf32"),
+  "mixed_bfloat16": ("mixed_bfloat16", None, "bf16"),
+  "mixed_float16": ("mixed_float16", None, "fp16"),
 }
 
 
@@ -118,17 +128,47 @@ def _precision(name: str | None):
 
 def _sizes(quick: bool, on_gpu: bool) -> dict[str, Any]:
   if on_gpu and not quick:
-    return dict(mlp_batch=4096, mlp_width=4096, mlp_layers=4,
-                tfm_batch=16, tfm_seq=1024, tfm_d=1024, tfm_heads=16, tfm_mlp=4096,
-                tfm_vocab=8192, matmul_n=16384, repeats=20)
+    return dict(
+      mlp_batch=4096,
+      mlp_width=4096,
+      mlp_layers=4,
+      tfm_batch=16,
+      tfm_seq=1024,
+      tfm_d=1024,
+      tfm_heads=16,
+      tfm_mlp=4096,
+      tfm_vocab=8192,
+      matmul_n=16384,
+      repeats=20,
+    )
   if on_gpu:
-    return dict(mlp_batch=512, mlp_width=512, mlp_layers=2,
-                tfm_batch=4, tfm_seq=128, tfm_d=256, tfm_heads=4, tfm_mlp=1024,
-                tfm_vocab=512, matmul_n=1024, repeats=5)
+    return dict(
+      mlp_batch=512,
+      mlp_width=512,
+      mlp_layers=2,
+      tfm_batch=4,
+      tfm_seq=128,
+      tfm_d=256,
+      tfm_heads=4,
+      tfm_mlp=1024,
+      tfm_vocab=512,
+      matmul_n=1024,
+      repeats=5,
+    )
   # The same code on CPU, tiny (used by the test suite to keep it working).
-  return dict(mlp_batch=8, mlp_width=32, mlp_layers=2,
-              tfm_batch=2, tfm_seq=8, tfm_d=32, tfm_heads=2, tfm_mlp=64,
-              tfm_vocab=64, matmul_n=64, repeats=2)
+  return dict(
+    mlp_batch=8,
+    mlp_width=32,
+    mlp_layers=2,
+    tfm_batch=2,
+    tfm_seq=8,
+    tfm_d=32,
+    tfm_heads=2,
+    tfm_mlp=64,
+    tfm_vocab=64,
+    matmul_n=64,
+    repeats=2,
+  )
 
 
 def _step_fn(module, policy: str) -> Callable[..., Any]:
@@ -150,8 +190,7 @@ def _step_fn(module, policy: str) -> Callable[..., Any]:
   return step
 
 
-def _step_rows(sizes: dict[str, Any], models: tuple[str, ...],
-               setups: tuple[str, ...]) -> list[dict[str, Any]]:
+def _step_rows(sizes: dict[str, Any], models: tuple[str, ...], setups: tuple[str, ...]) -> list[dict[str, Any]]:
   from jmp_train_examples import models as zoo
 
   key_x, key_y = jax.random.split(jax.random.key(1))
@@ -159,22 +198,29 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...],
   tb, ts, tv = sizes["tfm_batch"], sizes["tfm_seq"], sizes["tfm_vocab"]
   # Built on demand: only the requested models' inputs are made.
   cases = {
-      "mlp": lambda: (
-          f"MLP {w}x{sizes['mlp_layers']}",
-          zoo.MLP(features=(w,) * sizes["mlp_layers"], num_classes=w),
-          jax.random.normal(key_x, (b, w), jnp.float32),
-          jax.random.randint(key_y, (b,), 0, w),
-          b, f"batch {b}",
+    "mlp": lambda: (
+      f"MLP {w}x{sizes['mlp_layers']}",
+      zoo.MLP(features=(w,) * sizes["mlp_layers"], num_classes=w),
+      jax.random.normal(key_x, (b, w), jnp.float32),
+      jax.random.randint(key_y, (b,), 0, w),
+      b,
+      f"batch {b}",
+    ),
+    "transformer": lambda: (
+      f"Transformer d{sizes['tfm_d']}",
+      zoo.TransformerBlock(
+        vocab_size=tv,
+        d_model=sizes["tfm_d"],
+        num_heads=sizes["tfm_heads"],
+        mlp_dim=sizes["tfm_mlp"],
+        num_layers=1,
+        max_len=ts,
       ),
-      "transformer": lambda: (
-          f"Transformer d{sizes['tfm_d']}",
-          zoo.TransformerBlock(
-              vocab_size=tv, d_model=sizes["tfm_d"], num_heads=sizes["tfm_heads"],
-              mlp_dim=sizes["tfm_mlp"], num_layers=1, max_len=ts),
-          jax.random.randint(key_x, (tb, ts), 0, tv),
-          jax.random.randint(key_y, (tb, ts), 0, tv),
-          tb * ts, f"batch {tb} x seq {ts}",
-      ),
+      jax.random.randint(key_x, (tb, ts), 0, tv),
+      jax.random.randint(key_y, (tb, ts), 0, tv),
+      tb * ts,
+      f"batch {tb} x seq {ts}",
+    ),
   }
   rows = []
   for key in models:
@@ -190,16 +236,15 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...],
         # counts none for cuBLAS calls (0.07 TFLOP/s was reported for the
         # MLP step on an H100), and the lowered module has no cost analysis
         # there.
-        flops[setup] = tensor_core_report(
-            _step_fn(module, policy), params, x, y).total_flops
-      fns[setup] = (lambda c=compiled: c(params, x, y))
+        flops[setup] = tensor_core_report(_step_fn(module, policy), params, x, y).total_flops
+      fns[setup] = lambda c=compiled: c(params, x, y)
       memory[setup] = _harness.compiled_memory(compiled)["temp_bytes"]
     peaks = _peak_bytes(fns, memory)
-    times = _harness.interleaved_median_seconds(
-        fns, warmup=2, repeats=sizes["repeats"])
+    times = _harness.interleaved_median_seconds(fns, warmup=2, repeats=sizes["repeats"])
     base = times[setups[0]]
     for setup, t in times.items():
-      rows.append({
+      rows.append(
+        {
           "kind": "step",
           "model": model_name,
           "policy": setup,
@@ -212,14 +257,13 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...],
           "fraction_of_peak": None,
           "temp_bytes": memory[setup],
           "peak_bytes": peaks[setup],
-          "peak_ratio": (peaks[setup] / peaks[setups[0]]
-                         if peaks[setup] and peaks[setups[0]] else None),
-      })
+          "peak_ratio": (peaks[setup] / peaks[setups[0]] if peaks[setup] and peaks[setups[0]] else None),
+        }
+      )
   return rows
 
 
-def _peak_bytes(fns: dict[str, Callable[[], Any]],
-                temp_bytes: dict[str, int | None]) -> dict[str, int | None]:
+def _peak_bytes(fns: dict[str, Callable[[], Any]], temp_bytes: dict[str, int | None]) -> dict[str, int | None]:
   """The device's peak bytes in use while each step runs (None if unknown).
 
   The device counts one peak per process and never lowers it, so the steps
@@ -241,10 +285,10 @@ def _matmul_rows(sizes: dict[str, Any], device_kind: str) -> list[dict[str, Any]
   n = sizes["matmul_n"]
   key_a, key_b = jax.random.split(jax.random.key(2))
   setups = {
-      "float32 (highest)": (jnp.float32, "highest", "fp32"),
-      "float32 (default/TF32)": (jnp.float32, None, "tf32"),
-      "bfloat16": (jnp.bfloat16, None, "bf16"),
-      "float16": (jnp.float16, None, "fp16"),
+    "float32 (highest)": (jnp.float32, "highest", "fp32"),
+    "float32 (default/TF32)": (jnp.float32, None, "tf32"),
+    "bfloat16": (jnp.bfloat16, None, "bf16"),
+    "float16": (jnp.float16, None, "fp16"),
   }
   rows = []
   fns = {}
@@ -252,16 +296,17 @@ def _matmul_rows(sizes: dict[str, Any], device_kind: str) -> list[dict[str, Any]
     a = jax.random.normal(key_a, (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(key_b, (n, n), jnp.float32).astype(dtype)
     with _precision(precision):
-      compiled = jax.jit(
-          lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
-      ).lower(a, b).compile()
-    fns[name] = (lambda c=compiled, a=a, b=b: c(a, b))
+      compiled = (
+        jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)).lower(a, b).compile()
+      )
+    fns[name] = lambda c=compiled, a=a, b=b: c(a, b)
   times = _harness.interleaved_median_seconds(fns, warmup=3, repeats=sizes["repeats"])
   for name, t in times.items():
     mode = setups[name][2]
     achieved = 2 * n**3 / t / 1e12
     peak = peak_tflops(device_kind, mode)
-    rows.append({
+    rows.append(
+      {
         "kind": "matmul",
         "model": f"matmul {n}x{n}x{n}",
         "policy": name,
@@ -274,12 +319,14 @@ def _matmul_rows(sizes: dict[str, Any], device_kind: str) -> list[dict[str, Any]
         "fraction_of_peak": achieved / peak if peak else None,
         "peak_mode": mode,
         "peak_source": "datasheet (dense)" if peak else "unknown",
-    })
+      }
+    )
   return rows
 
 
-def measure(quick: bool, *, models: tuple[str, ...] = ("mlp", "transformer"),
-            setups: tuple[str, ...] = tuple(_SETUPS)) -> list[dict[str, Any]]:
+def measure(
+  quick: bool, *, models: tuple[str, ...] = ("mlp", "transformer"), setups: tuple[str, ...] = tuple(_SETUPS)
+) -> list[dict[str, Any]]:
   """The step and matmul rows on the default device, whatever its kind.
 
   :func:`run` calls this only on a GPU; the test suite calls it on CPU with
@@ -297,8 +344,7 @@ def measure(quick: bool, *, models: tuple[str, ...] = ("mlp", "transformer"),
   Raises:
     ValueError: for an unknown model or setup.
   """
-  for name, given, valid in (("model", models, ("mlp", "transformer")),
-                             ("setup", setups, tuple(_SETUPS))):
+  for name, given, valid in (("model", models, ("mlp", "transformer")), ("setup", setups, tuple(_SETUPS))):
     bad = [g for g in given if g not in valid]
     if bad or not given:
       raise ValueError(f"Bad {name}s {list(given)!r}; valid: {', '.join(valid)}.")
@@ -322,7 +368,8 @@ def run(quick: bool) -> list[dict[str, Any]]:
   backend = jax.default_backend()
   if backend != "gpu":
     return _harness.skipped(
-        f"needs a GPU: JAX's default backend here is {backend!r} "
-        f"({jax.devices()[0].device_kind}); install a CUDA build of JAX "
-        "(pip install -U 'jax[cuda12]') and run python -m benchmarks --only gpu")
+      f"needs a GPU: JAX's default backend here is {backend!r} "
+      f"({jax.devices()[0].device_kind}); install a CUDA build of JAX "
+      "(pip install -U 'jax[cuda12]') and run python -m benchmarks --only gpu"
+    )
   return measure(quick)

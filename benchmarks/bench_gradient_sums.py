@@ -47,16 +47,14 @@ def _relative_errors(policy: str, n: int) -> dict[str, float]:
   cotangent = (0.3 + jax.random.normal(keys[2], (n, FEATURES))) / n
   rounded = cotangent.astype(half).astype(jnp.float32)
   grad = jax.jit(
-      jax.grad(lambda p, model, inputs, ct: jnp.sum(
-          model.apply({"params": p}, inputs).astype(jnp.float32) * ct)),
-      static_argnums=1)
+    jax.grad(lambda p, model, inputs, ct: jnp.sum(model.apply({"params": p}, inputs).astype(jnp.float32) * ct)),
+    static_argnums=1,
+  )
   out = {}
   for name, model, reference, inputs in [
-      ("dense", jmp_train.flax.apply_policy(nn.Dense(FEATURES), policy), nn.Dense(FEATURES), x),
-      ("embed", jmp_train.flax.apply_policy(nn.Embed(FEATURES, FEATURES), policy),
-       nn.Embed(FEATURES, FEATURES), ids),
-      ("flax_embed_half", nn.Embed(FEATURES, FEATURES, dtype=half),
-       nn.Embed(FEATURES, FEATURES), ids),
+    ("dense", jmp_train.flax.apply_policy(nn.Dense(FEATURES), policy), nn.Dense(FEATURES), x),
+    ("embed", jmp_train.flax.apply_policy(nn.Embed(FEATURES, FEATURES), policy), nn.Embed(FEATURES, FEATURES), ids),
+    ("flax_embed_half", nn.Embed(FEATURES, FEATURES, dtype=half), nn.Embed(FEATURES, FEATURES), ids),
   ]:
     params = reference.init(jax.random.key(0), inputs)["params"]
     exact = jax.device_get(grad(params, reference, inputs, rounded))
@@ -74,6 +72,5 @@ def run(quick: bool) -> list[dict[str, Any]]:
   for policy in ("mixed_float16", "mixed_bfloat16"):
     for n in tokens:
       for gradient, err in _relative_errors(policy, n).items():
-        records.append({"policy": policy, "tokens_per_step": n, "gradient": gradient,
-                        "rel_err": err})
+        records.append({"policy": policy, "tokens_per_step": n, "gradient": gradient, "rel_err": err})
   return records

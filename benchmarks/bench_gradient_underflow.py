@@ -45,8 +45,14 @@ from jmp_train_examples import demo_tasks
 
 NAME = "gradient_underflow"
 COLUMNS = (
-    "weights", "tokens_per_step", "rel_err_f16", "rel_err_f16_scaled", "rel_err_bf16", "worst_leaf",
-    "worst_leaf_rel_err", "underflow_f16_logits",
+  "weights",
+  "tokens_per_step",
+  "rel_err_f16",
+  "rel_err_f16_scaled",
+  "rel_err_bf16",
+  "worst_leaf",
+  "worst_leaf_rel_err",
+  "underflow_f16_logits",
 )
 TRAIN_STEPS = 100
 SCALE = 2.0**15
@@ -128,7 +134,8 @@ def run(quick: bool) -> list[dict]:
       ref, underflow = jax.device_get(g32(params, batch))
       unscaled = jax.device_get(g16(params, batch, jnp.float32(1.0)))
       leaf, leaf_err = _worst_leaf(unscaled, ref)
-      records.append({
+      records.append(
+        {
           "weights": label,
           "tokens_per_step": n,
           "rel_err_f16": _rel(unscaled, ref),
@@ -137,5 +144,6 @@ def run(quick: bool) -> list[dict]:
           "worst_leaf": leaf,
           "worst_leaf_rel_err": leaf_err,
           "underflow_f16_logits": float(underflow),
-      })
+        }
+      )
   return records

@@ -98,8 +98,17 @@ from jmp_train_examples import half_weights as experiment
 
 NAME = "half_weights_training"
 COLUMNS = (
-    "task", "half", "setup", "test_loss", "test_accuracy", "loss_gap", "accuracy_gap",
-    "within_1pct", "paired_loss_gap", "worst_seed_loss_gap", "seconds",
+  "task",
+  "half",
+  "setup",
+  "test_loss",
+  "test_accuracy",
+  "loss_gap",
+  "accuracy_gap",
+  "within_1pct",
+  "paired_loss_gap",
+  "worst_seed_loss_gap",
+  "seconds",
 )
 
 SGD_LR = 0.01
@@ -125,9 +134,7 @@ def run_digits(quick: bool) -> list[dict]:
   dataset = data_lib.load_digits()
   records = []
   for half in (jnp.bfloat16,) if quick else (jnp.bfloat16, jnp.float16):
-    setups = experiment.make_setups(
-        SGD_LR, half, adam_learning_rate=None if quick else ADAM_LR
-    )
+    setups = experiment.make_setups(SGD_LR, half, adam_learning_rate=None if quick else ADAM_LR)
     if not quick:
       setups.update(experiment.make_8bit_setups(SGD_LR, ADAM_LR, half))
     if quick:  # a smoke test: two plain SGD rows only
@@ -139,18 +146,16 @@ def run_digits(quick: bool) -> list[dict]:
       start = time.perf_counter()
       # Seed s: the same initial values and minibatches for every setup.
       runs = [
-          experiment.train_digits(
-              opt, dtype, half, steps=steps, batch_size=64, hidden=64,
-              dataset=dataset, seed=seed)[0]
-          for seed in seeds
+        experiment.train_digits(opt, dtype, half, steps=steps, batch_size=64, hidden=64, dataset=dataset, seed=seed)[0]
+        for seed in seeds
       ]
       seconds = (time.perf_counter() - start) / len(seeds)
       results[name] = runs
       ref = results[name.split(" / ")[0] + " / float32 master"]
       loss_gap = experiment.relative_gap(_mean(runs, "test_loss"), _mean(ref, "test_loss"))
-      acc_gap = experiment.relative_gap(
-          _mean(runs, "test_accuracy"), _mean(ref, "test_accuracy"))
-      records.append({
+      acc_gap = experiment.relative_gap(_mean(runs, "test_accuracy"), _mean(ref, "test_accuracy"))
+      records.append(
+        {
           "task": "digits",
           "half": jnp.dtype(half).name,
           "setup": name,
@@ -159,14 +164,13 @@ def run_digits(quick: bool) -> list[dict]:
           "loss_gap": loss_gap,
           "accuracy_gap": acc_gap,
           "within_1pct": bool(loss_gap <= 0.01 and acc_gap <= 0.01),
-          "paired_loss_gap": float(np.mean(
-              [r.test_loss / q.test_loss - 1.0 for r, q in zip(runs, ref)])),
-          "worst_seed_loss_gap": max(
-              experiment.relative_gap(r.test_loss, q.test_loss) for r, q in zip(runs, ref)),
+          "paired_loss_gap": float(np.mean([r.test_loss / q.test_loss - 1.0 for r, q in zip(runs, ref)])),
+          "worst_seed_loss_gap": max(experiment.relative_gap(r.test_loss, q.test_loss) for r, q in zip(runs, ref)),
           "seconds": seconds,
           "steps": steps,
           "seeds": len(seeds),
-      })
+        }
+      )
   return records
 
 
@@ -185,7 +189,8 @@ def run_text(steps: int | None = None, seeds: tuple[int, ...] = SEEDS) -> list[d
     loss_gap = experiment.relative_gap(_mean(runs, "test_loss"), _mean(ref, "test_loss"))
     acc_gap = experiment.relative_gap(_mean(runs, "test_accuracy"), _mean(ref, "test_accuracy"))
     paired = [r.test_loss / q.test_loss - 1.0 for r, q in zip(runs, ref)]
-    records.append({
+    records.append(
+      {
         "task": "text",
         "half": "bfloat16",
         "setup": name,
@@ -201,5 +206,6 @@ def run_text(steps: int | None = None, seeds: tuple[int, ...] = SEEDS) -> list[d
         "seconds": seconds,
         "steps": settings.steps,
         "seeds": len(seeds),
-    })
+      }
+    )
   return records

@@ -96,14 +96,24 @@ from jmp_train_examples.data import load_digits
 
 NAME = "loss_scaling"
 COLUMNS = (
-    "part", "variant", "params", "batch", "median_ms", "ratio_to_adamw",
-    "ratio_to_jmp_train", "min_ms", "min_ratio_to_adamw", "queued_ms",
-    "queued_ratio_to_adamw", "repeats", "array_kernels", "scalar_kernels",
-    "array_bytes",
+  "part",
+  "variant",
+  "params",
+  "batch",
+  "median_ms",
+  "ratio_to_adamw",
+  "ratio_to_jmp_train",
+  "min_ms",
+  "min_ratio_to_adamw",
+  "queued_ms",
+  "queued_ratio_to_adamw",
+  "repeats",
+  "array_kernels",
+  "scalar_kernels",
+  "array_bytes",
 )
 _QUEUED_STEPS = 10  # calls queued before one wait, on a GPU
-VARIANTS = ("adamw", "jmp_train", "jmp_train_select", "jmp", "flax", "optax",
-            "skip_floor")
+VARIANTS = ("adamw", "jmp_train", "jmp_train_select", "jmp", "flax", "optax", "skip_floor")
 _STATIC_SCALE = 2.0**15
 
 
@@ -118,8 +128,7 @@ def _init_mlp(sizes: tuple[int, ...], seed: int = 0) -> dict[str, jax.Array]:
   rng = np.random.default_rng(seed)
   params = {}
   for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:])):
-    params[f"w{i}"] = jnp.asarray(
-        rng.normal(0, 1 / np.sqrt(m), (m, n)), jnp.float32)
+    params[f"w{i}"] = jnp.asarray(rng.normal(0, 1 / np.sqrt(m), (m, n)), jnp.float32)
     params[f"b{i}"] = jnp.zeros((n,), jnp.float32)
   return params
 
@@ -150,8 +159,7 @@ def _steps(lr: float = 1e-3) -> dict[str, tuple[Callable[..., Any], Any]]:
   grad_fn = jmp_train.scaled_value_and_grad(_loss)
 
   def ours(skip_mode):
-    tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale(),
-                               skip_mode=skip_mode)
+    tx = jmp_train.loss_scaled(adamw, jmp_train.DynamicLossScale(), skip_mode=skip_mode)
 
     def step(carry, x, y):
       params, opt_state = carry
@@ -200,14 +208,12 @@ def _jmp_step(adamw):
     loss_scale = loss_scale.adjust(finite)
     updates, new_opt_state = adamw.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    params, opt_state = jmp.select_tree(
-        finite, (new_params, new_opt_state), (params, opt_state))
+    params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state), (params, opt_state))
     return params, opt_state, loss_scale
 
   return (
-      with_jmp,
-      lambda p: (p, adamw.init(p),
-                 jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))),
+    with_jmp,
+    lambda p: (p, adamw.init(p), jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))),
   )
 
 
@@ -217,14 +223,11 @@ def _flax_step(adamw):
 
   def with_flax(carry, x, y):
     params, opt_state, dynamic_scale = carry
-    dynamic_scale, is_finite, _, grads = dynamic_scale.value_and_grad(_loss)(
-        params, x, y)
+    dynamic_scale, is_finite, _, grads = dynamic_scale.value_and_grad(_loss)(params, x, y)
     updates, new_opt_state = adamw.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    select = lambda new, old: jax.tree.map(
-        lambda a, b: jnp.where(is_finite, a, b), new, old)
-    return (select(new_params, params), select(new_opt_state, opt_state),
-            dynamic_scale)
+    select = lambda new, old: jax.tree.map(lambda a, b: jnp.where(is_finite, a, b), new, old)
+    return (select(new_params, params), select(new_opt_state, opt_state), dynamic_scale)
 
   return (with_flax, lambda p: (p, adamw.init(p), DynamicScale()))
 
@@ -233,10 +236,13 @@ def _skip_floor_apply(adamw, carry, grads):
   """``adamw`` under ``lax.cond`` on one finiteness test: the reference."""
   params, opt_state = carry
   updates, opt_state = jax.lax.cond(
-      jmp_train.all_finite(grads),
-      lambda g, s, p: adamw.update(g, s, p),
-      lambda g, s, p: (jax.tree.map(jnp.zeros_like, g), s),
-      grads, opt_state, params)
+    jmp_train.all_finite(grads),
+    lambda g, s, p: adamw.update(g, s, p),
+    lambda g, s, p: (jax.tree.map(jnp.zeros_like, g), s),
+    grads,
+    opt_state,
+    params,
+  )
   return optax.apply_updates(params, updates), opt_state
 
 
@@ -247,8 +253,8 @@ def _update_only(step_name: str, lr: float = 1e-3):
     return (lambda c, g: _apply(adamw, c, g), lambda p: (p, adamw.init(p)))
   if step_name in ("jmp_train", "jmp_train_select"):
     tx = jmp_train.loss_scaled(
-        adamw, jmp_train.DynamicLossScale(),
-        skip_mode="select" if step_name == "jmp_train_select" else "cond")
+      adamw, jmp_train.DynamicLossScale(), skip_mode="select" if step_name == "jmp_train_select" else "cond"
+    )
     return (lambda c, g: _apply(tx, c, g), lambda p: (p, tx.init(p)))
   if step_name == "jmp":
     import jmp
@@ -261,8 +267,7 @@ def _update_only(step_name: str, lr: float = 1e-3):
       new = _apply(adamw, (params, opt_state), grads)
       return (*jmp.select_tree(finite, new, (params, opt_state)), loss_scale)
 
-    return upd, lambda p: (p, adamw.init(p), jmp.DynamicLossScale(
-        jnp.asarray(2.0**15, jnp.float32)))
+    return upd, lambda p: (p, adamw.init(p), jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32)))
   if step_name == "flax":
     from flax.training.dynamic_scale import DynamicScale
 
@@ -275,14 +280,12 @@ def _update_only(step_name: str, lr: float = 1e-3):
       for g in jax.tree.leaves(grads):
         finite &= jnp.all(jnp.isfinite(g))
       new_params, new_opt = _apply(adamw, (params, opt_state), grads)
-      sel = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y),
-                                      a, b)
+      sel = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
       return sel(new_params, params), sel(new_opt, opt_state), ds
 
     return upd, lambda p: (p, adamw.init(p), DynamicScale())
   if step_name == "skip_floor":
-    return (lambda c, g: _skip_floor_apply(adamw, c, g),
-            lambda p: (p, adamw.init(p)))
+    return (lambda c, g: _skip_floor_apply(adamw, c, g), lambda p: (p, adamw.init(p)))
   guarded = optax.apply_if_finite(adamw, max_consecutive_errors=10**9)
 
   def upd(carry, grads):
@@ -310,9 +313,7 @@ def _runner(step, carry, *args):
   return run
 
 
-def _queued_times(
-    fns: dict[str, Callable[[], Any]], *, steps: int, rounds: int
-) -> dict[str, list[float]]:
+def _queued_times(fns: dict[str, Callable[[], Any]], *, steps: int, rounds: int) -> dict[str, list[float]]:
   """Seconds per call with ``steps`` calls queued before one wait.
 
   A training loop on a GPU does not wait for each step: JAX dispatches the
@@ -347,13 +348,9 @@ def _plans(quick: bool, on_gpu: bool):
   """
   if quick:  # the counted shapes: the timed step reuses their compilation
     return [((64, 1024, 1024, 10), [("step", 128, 5)])]
-  plans = [((64, 1024, 1024, 10),
-            [("step", 128, 300), ("update", 128, 300), ("step", 512, 120),
-             ("step", 1024, 60)])]
+  plans = [((64, 1024, 1024, 10), [("step", 128, 300), ("update", 128, 300), ("step", 512, 120), ("step", 1024, 60)])]
   if on_gpu:
-    plans.append(((64, 4096, 4096, 4096, 10),
-                  [("step", 1024, 200), ("update", 1024, 200),
-                   ("step", 8192, 100)]))
+    plans.append(((64, 4096, 4096, 4096, 10), [("step", 1024, 200), ("update", 1024, 200), ("step", 8192, 100)]))
   return plans
 
 
@@ -388,8 +385,7 @@ def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
       for name, (step, init) in steps.items():
         candidates[name] = _runner(step, init(copy()), x, y)
     else:
-      grads = jax.tree.map(lambda g: g * _STATIC_SCALE,
-                           jax.grad(_loss)(params, x, y))
+      grads = jax.tree.map(lambda g: g * _STATIC_SCALE, jax.grad(_loss)(params, x, y))
       for name in _variants():
         upd, init = _update_only(name)
         candidates[name] = _runner(upd, init(copy()), grads)
@@ -403,7 +399,8 @@ def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
     medians = {k: statistics.median(v) for k, v in times.items()}
     mins = {k: min(v) for k, v in times.items()}
     for name in _variants():
-      records.append({
+      records.append(
+        {
           "part": part,
           "variant": name,
           "params": n_params,
@@ -414,13 +411,12 @@ def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
           "min_ms": mins[name] * 1e3,
           "min_ratio_to_adamw": mins[name] / mins["adamw"],
           "queued_ms": None if queued is None else queued[name] * 1e3,
-          "queued_ratio_to_adamw": (
-              None if queued is None else queued[name] / queued["adamw"]),
+          "queued_ratio_to_adamw": (None if queued is None else queued[name] / queued["adamw"]),
           "repeats": repeats,
           # 1-minute load average of the machine around the timing.
-          "load_average": (None if load_before is None
-                           else round(max(load_before, load_after), 2)),
-      })
+          "load_average": (None if load_before is None else round(max(load_before, load_after), 2)),
+        }
+      )
     if part == "step":
       # The loss-scaled run really ran with its scale and never skipped.
       state = candidates["jmp_train"]()[1]
@@ -434,17 +430,28 @@ def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
 # What the compiled step launches and moves (backend-independent structure).
 # ---------------------------------------------------------------------------
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-                "f64": 8}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR_RE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z\-]*)\((.*)$")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z\-]*)\((.*)$")
 # Instructions that launch nothing: they name, bundle or unbundle buffers.
-_NOT_LAUNCHED = frozenset({
-    "parameter", "get-tuple-element", "tuple", "constant", "bitcast",
-    "after-all", "opt-barrier"})
+_NOT_LAUNCHED = frozenset(
+  {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "opt-barrier"}
+)
 
 
 def _hlo_arrays(type_text: str) -> list[tuple[str, int]]:
@@ -498,15 +505,15 @@ def finite_step_profile(hlo_text: str) -> dict[str, int]:
     for _, result_type, opcode, rest in computations[name]:
       if opcode == "conditional":
         branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-        last = (branches.group(1).split(",")[-1] if branches else
-                re.search(r"true_computation=%?([\w.\-]+)", rest).group(1))
+        last = (
+          branches.group(1).split(",")[-1] if branches else re.search(r"true_computation=%?([\w.\-]+)", rest).group(1)
+        )
         walk(last.strip().lstrip("%"))
         continue
       if opcode in _NOT_LAUNCHED:
         continue
       operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
-      arrays = _hlo_arrays(result_type) + [
-          a for o in operands for a in _hlo_arrays(types.get(o, ""))]
+      arrays = _hlo_arrays(result_type) + [a for o in operands for a in _hlo_arrays(types.get(o, ""))]
       if any(n > 1 for _, n in arrays):
         profile["array_kernels"] += 1
         profile["array_bytes"] += sum(_DTYPE_BYTES[d] * n for d, n in arrays)
@@ -518,9 +525,10 @@ def finite_step_profile(hlo_text: str) -> dict[str, int]:
 
 
 def compiled_profiles(
-    sizes: tuple[int, ...] = (64, 1024, 1024, 10), batch: int = 128,
-    variants: tuple[str, ...] = tuple(v for v in VARIANTS if v != "jmp"),
-    steps: dict[str, tuple[Callable[..., Any], Any]] | None = None,
+  sizes: tuple[int, ...] = (64, 1024, 1024, 10),
+  batch: int = 128,
+  variants: tuple[str, ...] = tuple(v for v in VARIANTS if v != "jmp"),
+  steps: dict[str, tuple[Callable[..., Any], Any]] | None = None,
 ) -> list[dict[str, Any]]:
   """:func:`finite_step_profile` of each variant's step and update.
 
@@ -546,7 +554,13 @@ def compiled_profiles(
         fn, init = _update_only(name)
         args = (grads,)
       compiled = jax.jit(fn, donate_argnums=0).lower(init(params), *args).compile()
-      records.append({"part": f"hlo_{part}", "variant": name,
-                      "params": sum(int(p.size) for p in jax.tree.leaves(params)),
-                      "batch": batch, **finite_step_profile(compiled.as_text())})
+      records.append(
+        {
+          "part": f"hlo_{part}",
+          "variant": name,
+          "params": sum(int(p.size) for p in jax.tree.leaves(params)),
+          "batch": batch,
+          **finite_step_profile(compiled.as_text()),
+        }
+      )
   return records

@@ -90,18 +90,38 @@ from jmp_train_examples.processes import free_port, run_processes
 
 NAME = "multiprocess"
 COLUMNS = (
-    "link", "processes", "params", "scheme", "step_ms", "vs_float32", "compute_ms",
-    "exchange_ms", "codec_ms", "comm_ms", "wire_bytes", "wire_vs_float32",
+  "link",
+  "processes",
+  "params",
+  "scheme",
+  "step_ms",
+  "vs_float32",
+  "compute_ms",
+  "exchange_ms",
+  "codec_ms",
+  "comm_ms",
+  "wire_bytes",
+  "wire_vs_float32",
 )
 AXIS = "data"
 SIZES = {  # MLP layer widths (input 784, output 10)
-    "tiny": (64, 10),
-    "1M": (784, 1024, 256, 10),
-    "8M": (784, 2048, 2048, 1024, 10),
-    "32M": (784, 4096, 4096, 2048, 10),
+  "tiny": (64, 10),
+  "1M": (784, 1024, 256, 10),
+  "8M": (784, 2048, 2048, 1024, 10),
+  "32M": (784, 4096, 4096, 2048, 10),
 }
-SCHEMES = ("float32", "float32_buckets", "float32_b4MB", "bfloat16", "bfloat16_b4MB",
-           "float8_e4m3", "1bit_column", "1bit_column_b4MB", "1bit_l1", "1bit_l1_b4MB")
+SCHEMES = (
+  "float32",
+  "float32_buckets",
+  "float32_b4MB",
+  "bfloat16",
+  "bfloat16_b4MB",
+  "float8_e4m3",
+  "1bit_column",
+  "1bit_column_b4MB",
+  "1bit_l1",
+  "1bit_l1_b4MB",
+)
 PER_PROCESS_BATCH = 32
 # glibc's malloc keeps freed memory: no mmap per large buffer, no trim.
 KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**33)}
@@ -140,8 +160,7 @@ def loopback_cap(rate: str | None):
   # its burst, and loopback packets reach the interface's MTU (64 KiB), so a
   # smaller burst stalls every TCP connection that sends a full segment.
   mtu = int(pathlib.Path("/sys/class/net/lo/mtu").read_text()) if reason is None else 65536
-  add = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
-         "burst", str(4 * mtu), "latency", "50ms"]
+  add = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", str(4 * mtu), "latency", "50ms"]
   if reason is None:
     res = subprocess.run(add, capture_output=True, text=True)
     reason = None if res.returncode == 0 else f"tc failed: {res.stderr.strip()}"
@@ -164,9 +183,16 @@ _CAN_PIN = hasattr(os, "sched_setaffinity")
 _GLIBC = platform.libc_ver()[0] == "glibc"
 
 
-def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: float = 1800,
-           donate: bool | str = False, pin: bool = False,
-           keep_freed: bool = False) -> list[dict]:
+def launch(
+  processes: int,
+  size: str,
+  rounds: int,
+  schemes=SCHEMES,
+  timeout: float = 1800,
+  donate: bool | str = False,
+  pin: bool = False,
+  keep_freed: bool = False,
+) -> list[dict]:
   """Runs the step in ``processes`` processes; returns process 0's records.
 
   ``donate``: ``True``, ``False``, or ``"both"`` (donated steps, and the
@@ -178,9 +204,7 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
   if pin and not _CAN_PIN:
     raise ValueError("pin=True needs os.sched_setaffinity (Linux); this platform has none.")
   if keep_freed and not _GLIBC:
-    raise ValueError(
-        f"keep_freed=True needs glibc's malloc; this platform has {platform.libc_ver()}."
-    )
+    raise ValueError(f"keep_freed=True needs glibc's malloc; this platform has {platform.libc_ver()}.")
   cores = sorted(os.sched_getaffinity(0)) if pin else []
   port = free_port()
   env = dict(os.environ)
@@ -191,13 +215,28 @@ def launch(processes: int, size: str, rounds: int, schemes=SCHEMES, timeout: flo
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "records.json"
-    cmd = [sys.executable, "-m", "benchmarks.bench_multiprocess", "--port", str(port),
-           "--processes", str(processes), "--size", size, "--rounds", str(rounds),
-           "--schemes", ",".join(schemes), "--out", str(out)]
+    cmd = [
+      sys.executable,
+      "-m",
+      "benchmarks.bench_multiprocess",
+      "--port",
+      str(port),
+      "--processes",
+      str(processes),
+      "--size",
+      size,
+      "--rounds",
+      str(rounds),
+      "--schemes",
+      ",".join(schemes),
+      "--out",
+      str(out),
+    ]
     cmd += {"both": ["--donate", "--also-undonated"], True: ["--donate"]}.get(donate, [])
     pins = [["--core", str(cores[i % len(cores)])] if pin else [] for i in range(processes)]
-    done = run_processes([cmd + ["--process-id", str(i)] + pins[i] for i in range(processes)],
-                         env, timeout=timeout, cwd=ROOT)
+    done = run_processes(
+      [cmd + ["--process-id", str(i)] + pins[i] for i in range(processes)], env, timeout=timeout, cwd=ROOT
+    )
     # Process 0 writes the records before leaving the job; a later failure
     # of the distributed shutdown (a slow peer under load) loses nothing.
     if not out.exists():
@@ -217,9 +256,7 @@ def _env_names(variable: str, default, valid) -> tuple[str, ...]:
   names = default if value is None else tuple(n for n in value.split(",") if n)
   unknown = [n for n in names if n not in valid]
   if unknown or not names:
-    raise ValueError(
-        f"{variable}={value!r}: unknown {unknown or 'empty list'}; valid: {', '.join(valid)}."
-    )
+    raise ValueError(f"{variable}={value!r}: unknown {unknown or 'empty list'}; valid: {', '.join(valid)}.")
   return tuple(names)
 
 
@@ -245,8 +282,7 @@ def run(quick: bool) -> list[dict]:
   for rate in links:
     with loopback_cap(rate) as link:
       for processes, size in plan:
-        for r in launch(processes, size, rounds, schemes, donate=donate, pin=pin,
-                        keep_freed=keep_freed):
+        for r in launch(processes, size, rounds, schemes, donate=donate, pin=pin, keep_freed=keep_freed):
           records.append({**link, **r, "pinned": pin, "keep_freed": keep_freed})
           print(json.dumps(records[-1]), flush=True)  # progress, if a later run fails
   return records
@@ -333,10 +369,14 @@ def _programs(scheme, mesh, params, batch, grads_local, donate: bool):
     u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
     return s, u
 
-  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                               out_specs=(P(), specs)), donate_argnums=(0, 1) if donate else ())
-  exch = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P(AXIS), specs, P()),
-                               out_specs=(specs, P())), donate_argnums=(1,) if donate else ())
+  step = jax.jit(
+    jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)),
+    donate_argnums=(0, 1) if donate else (),
+  )
+  exch = jax.jit(
+    jax.shard_map(exchange, mesh=mesh, in_specs=(P(AXIS), specs, P()), out_specs=(specs, P())),
+    donate_argnums=(1,) if donate else (),
+  )
   # The compiled step is the one timed: compiling it a second time on the
   # first call would only cost time.
   step = step.lower(params, state, *batch).compile()
@@ -365,14 +405,23 @@ def _records(args, schemes, ms, wire, n_params: int, undonated: bool) -> list[di
   records = []
   for s in schemes:
     codec = ms.get(f"codec:{s}", 0.0)
-    records.append({
-        "processes": args.processes, "params": n_params, "scheme": s, "donated": args.donate,
-        "step_ms": ms[f"step:{s}"], "vs_float32": ms[f"step:{s}"] / ms["step:float32"],
-        "compute_ms": ms["compute"], "exchange_ms": ms[f"exchange:{s}"], "codec_ms": codec,
-        "comm_ms": max(ms[f"exchange:{s}"] - codec, 0.0), "wire_bytes": wire[s],
+    records.append(
+      {
+        "processes": args.processes,
+        "params": n_params,
+        "scheme": s,
+        "donated": args.donate,
+        "step_ms": ms[f"step:{s}"],
+        "vs_float32": ms[f"step:{s}"] / ms["step:float32"],
+        "compute_ms": ms["compute"],
+        "exchange_ms": ms[f"exchange:{s}"],
+        "codec_ms": codec,
+        "comm_ms": max(ms[f"exchange:{s}"] - codec, 0.0),
+        "wire_bytes": wire[s],
         "wire_vs_float32": wire[s] / wire["float32"],
         "cores": sorted(os.sched_getaffinity(0)) if _CAN_PIN else None,
-    })
+      }
+    )
     if undonated:
       records[-1]["step_ms_undonated"] = ms[f"undonated:{s}"]
       records[-1]["vs_float32_undonated"] = ms[f"undonated:{s}"] / ms["undonated:float32"]
@@ -394,8 +443,10 @@ def _mesh_params_batch(size: str, process_id: int):
   widths = SIZES[size]
   params = jax.device_put(jax.tree.map(jnp.asarray, _init_mlp(widths)), NamedSharding(mesh, P()))
   rng = np.random.default_rng(process_id)
-  local = (rng.normal(size=(PER_PROCESS_BATCH, widths[0])).astype(np.float32),
-           rng.normal(size=(PER_PROCESS_BATCH, widths[-1])).astype(np.float32))
+  local = (
+    rng.normal(size=(PER_PROCESS_BATCH, widths[0])).astype(np.float32),
+    rng.normal(size=(PER_PROCESS_BATCH, widths[-1])).astype(np.float32),
+  )
   shard = NamedSharding(mesh, P(AXIS))
   return mesh, params, tuple(jax.make_array_from_process_local_data(shard, a) for a in local)
 
@@ -404,17 +455,21 @@ def _worker(args) -> int:
   import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
-                             process_id=args.process_id)
+  jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes, process_id=args.process_id)
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import PartitionSpec as P
 
   mesh, params, batch = _mesh_params_batch(args.size, args.process_id)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  compute = jax.jit(jax.shard_map(
+  compute = jax.jit(
+    jax.shard_map(
       lambda p, x, y: jax.tree.map(lambda g: g[None], jax.grad(_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)),
-      mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(AXIS)))
+      mesh=mesh,
+      in_specs=(P(), P(AXIS), P(AXIS)),
+      out_specs=P(AXIS),
+    )
+  )
   grads = jax.block_until_ready(compute(params, *batch))
   local_grads = jax.tree.map(lambda g: jnp.asarray(g.addressable_data(0)[0]), grads)
 
@@ -422,8 +477,7 @@ def _worker(args) -> int:
   donate = args.donate
   progs = {s: _programs(s, mesh, params, batch, local_grads, donate) for s in schemes}
   # The same steps without donation, timed in the same rounds.
-  undonated = {s: _programs(s, mesh, params, batch, local_grads, False)[0]
-               for s in schemes if args.also_undonated}
+  undonated = {s: _programs(s, mesh, params, batch, local_grads, False)[0] for s in schemes if args.also_undonated}
   codecs = {}
   for s in schemes:
     if not s.startswith("float32"):
@@ -449,8 +503,7 @@ def _worker(args) -> int:
   calls = {"compute": lambda: compute(params, *batch)}
   for s, (step, exch, _, _) in progs.items():
     calls[f"step:{s}"] = lambda s=s, step=step: call(f"step:{s}", lambda a: step(*a, *batch))
-    calls[f"exchange:{s}"] = lambda s=s, exch=exch: call(
-        f"exchange:{s}", lambda st: exch(grads, st, params))
+    calls[f"exchange:{s}"] = lambda s=s, exch=exch: call(f"exchange:{s}", lambda st: exch(grads, st, params))
   for s, step in undonated.items():
     calls[f"undonated:{s}"] = lambda step=step, state=progs[s][2]: step(params, state, *batch)
   for s, (fn, _) in codecs.items():

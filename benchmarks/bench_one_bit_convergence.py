@@ -37,8 +37,17 @@ from jax.sharding import PartitionSpec as P
 
 NAME = "one_bit_convergence"
 COLUMNS = (
-    "study", "mode", "learning_rate", "replicas", "steps", "final_loss", "rel_to_float32",
-    "test_accuracy", "residual_norm_final", "residual_norm_max", "seconds",
+  "study",
+  "mode",
+  "learning_rate",
+  "replicas",
+  "steps",
+  "final_loss",
+  "rel_to_float32",
+  "test_accuracy",
+  "residual_norm_final",
+  "residual_norm_max",
+  "seconds",
 )
 AXIS = "data"
 MODES = ("float32", "1bit_ef", "1bit_no_ef")
@@ -85,15 +94,15 @@ def _exact_mean(axis_name):
 
 
 def run_digits(
-    mode: str,
-    *,
-    steps: int = 200,
-    replicas: int = 8,
-    per_replica_batch: int = 16,
-    hidden: int | None = 64,
-    learning_rate: float = 0.1,
-    momentum: float = 0.9,
-    seed: int = 0,
+  mode: str,
+  *,
+  steps: int = 200,
+  replicas: int = 8,
+  per_replica_batch: int = 16,
+  hidden: int | None = 64,
+  learning_rate: float = 0.1,
+  momentum: float = 0.9,
+  seed: int = 0,
 ) -> dict:
   """Trains the digits MLP data-parallel over ``replicas`` devices.
 
@@ -124,20 +133,24 @@ def run_digits(
     compress = sign_compression(AXIS, error_feedback=ef, server_error_feedback=ef)
   tx = optax.chain(compress, optax.sgd(learning_rate, momentum=momentum))
   record = train_digits(
-      tx, steps=steps, replicas=replicas, per_replica_batch=per_replica_batch,
-      hidden=hidden, seed=seed,
+    tx,
+    steps=steps,
+    replicas=replicas,
+    per_replica_batch=per_replica_batch,
+    hidden=hidden,
+    seed=seed,
   )
   return {"mode": mode, **record}
 
 
 def train_digits(
-    tx: optax.GradientTransformation,
-    *,
-    steps: int = 200,
-    replicas: int = 8,
-    per_replica_batch: int = 16,
-    hidden: int | None = 64,
-    seed: int = 0,
+  tx: optax.GradientTransformation,
+  *,
+  steps: int = 200,
+  replicas: int = 8,
+  per_replica_batch: int = 16,
+  hidden: int | None = 64,
+  seed: int = 0,
 ) -> dict:
   """Trains the digits MLP with ``tx`` (fed each replica's local gradients).
 
@@ -151,8 +164,8 @@ def train_digits(
 
   if jax.device_count() < replicas:
     raise ValueError(
-        f"train_digits needs {replicas} devices, found {jax.device_count()}: set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before JAX starts."
+      f"train_digits needs {replicas} devices, found {jax.device_count()}: set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before JAX starts."
     )
   data = load_digits(seed=seed)
   mesh = jax.make_mesh((replicas,), (AXIS,), devices=jax.devices()[:replicas])
@@ -164,15 +177,16 @@ def train_digits(
   xs = jax.device_put(data.x_train[idx], NamedSharding(mesh, P(None, AXIS)))
   ys = jax.device_put(data.y_train[idx], NamedSharding(mesh, P(None, AXIS)))
 
-  state_shapes = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params
-  )
+  state_shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
   specs = sign_compression_specs(state_shapes, AXIS)
   opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
 
   def residual_norm(state):
-    found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "worker_residual"))
-             if hasattr(s, "worker_residual")]
+    found = [
+      s
+      for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "worker_residual"))
+      if hasattr(s, "worker_residual")
+    ]
     if not found:
       return jnp.zeros(())
     return jax.lax.pmax(optax.tree.norm(found[0].worker_residual), AXIS)
@@ -191,12 +205,12 @@ def train_digits(
     return params, opt_state, norms
 
   run = jax.jit(
-      jax.shard_map(
-          train,
-          mesh=mesh,
-          in_specs=(P(), specs, P(None, AXIS), P(None, AXIS)),
-          out_specs=(P(), specs, P()),
-      )
+    jax.shard_map(
+      train,
+      mesh=mesh,
+      in_specs=(P(), specs, P(None, AXIS), P(None, AXIS)),
+      out_specs=(P(), specs, P()),
+    )
   )
   start = time.perf_counter()
   params, opt_state, norms = jax.block_until_ready(run(params, opt_state, xs, ys))
@@ -206,15 +220,15 @@ def train_digits(
   accuracy = float((_logits(params, data.x_test).argmax(-1) == data.y_test).mean())
   norms = np.asarray(norms)
   return {
-      "replicas": replicas,
-      "steps": steps,
-      "final_loss": final_loss,
-      "test_loss": test_loss,
-      "test_accuracy": accuracy,
-      "residual_norm_final": float(norms[-1]),
-      "residual_norm_max": float(norms.max()),
-      "residual_norms": norms,
-      "seconds": seconds,
+    "replicas": replicas,
+    "steps": steps,
+    "final_loss": final_loss,
+    "test_loss": test_loss,
+    "test_accuracy": accuracy,
+    "residual_norm_final": float(norms[-1]),
+    "residual_norm_max": float(norms.max()),
+    "residual_norms": norms,
+    "seconds": seconds,
   }
 
 
@@ -232,14 +246,19 @@ def _delayed_mean(axis_name):
 
 
 STUDY_MODES = (
-    "float32", "float32_delayed", "1bit_ef", "1bit_ef_l2", "1bit_worker_ef", "one_bit_momentum",
+  "float32",
+  "float32_delayed",
+  "1bit_ef",
+  "1bit_ef_l2",
+  "1bit_worker_ef",
+  "one_bit_momentum",
 )
 QUICK_MODES = ("float32", "1bit_ef")
 QUICK_STUDY_MODES = ("float32", "float32_delayed")
 
 
 def momentum_study(
-    learning_rates, *, steps: int = 300, seed: int = 0, modes=STUDY_MODES, hidden: int | None = 64
+  learning_rates, *, steps: int = 300, seed: int = 0, modes=STUDY_MODES, hidden: int | None = 64
 ) -> list[dict]:
   """Gradient compression vs a pure delay vs momentum compression (see above).
 
@@ -252,12 +271,12 @@ def momentum_study(
   for lr in learning_rates:
     sgdm = lambda: optax.sgd(lr, momentum=0.9)
     txs = {
-        "float32": optax.chain(_exact_mean(AXIS), sgdm()),
-        "float32_delayed": optax.chain(_delayed_mean(AXIS), sgdm()),
-        "1bit_ef": optax.chain(sign_compression(AXIS), sgdm()),
-        "1bit_ef_l2": optax.chain(sign_compression(AXIS, scale="l2"), sgdm()),
-        "1bit_worker_ef": optax.chain(sign_compression(AXIS, server_error_feedback=False), sgdm()),
-        "one_bit_momentum": one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="column"),
+      "float32": optax.chain(_exact_mean(AXIS), sgdm()),
+      "float32_delayed": optax.chain(_delayed_mean(AXIS), sgdm()),
+      "1bit_ef": optax.chain(sign_compression(AXIS), sgdm()),
+      "1bit_ef_l2": optax.chain(sign_compression(AXIS, scale="l2"), sgdm()),
+      "1bit_worker_ef": optax.chain(sign_compression(AXIS, server_error_feedback=False), sgdm()),
+      "one_bit_momentum": one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="column"),
     }
     rows = []
     for mode in modes:
@@ -278,9 +297,7 @@ def run(quick: bool) -> list[dict]:
   # full run is what the tables report.
   steps = 20 if quick else 600
   hidden = None if quick else 64
-  records = [
-      run_digits(mode, steps=steps, hidden=hidden) for mode in (QUICK_MODES if quick else MODES)
-  ]
+  records = [run_digits(mode, steps=steps, hidden=hidden) for mode in (QUICK_MODES if quick else MODES)]
   base = records[0]["final_loss"]
   for r in records:
     r["study"] = "ef_on_off"

@@ -66,9 +66,23 @@ from benchmarks import bench_one_bit_convergence as digits
 
 NAME = "one_bit_optimizers"
 COLUMNS = (
-    "optimizer", "mode", "learning_rate", "schedule", "steps", "seeds", "final_loss",
-    "final_loss_min", "final_loss_max", "rel_to_float32", "rel_to_float32_max", "test_loss",
-    "rel_test_loss", "rel_test_loss_max", "test_accuracy", "wire_ratio", "wire_ratio_2m",
+  "optimizer",
+  "mode",
+  "learning_rate",
+  "schedule",
+  "steps",
+  "seeds",
+  "final_loss",
+  "final_loss_min",
+  "final_loss_max",
+  "rel_to_float32",
+  "rel_to_float32_max",
+  "test_loss",
+  "rel_test_loss",
+  "rel_test_loss_max",
+  "test_accuracy",
+  "wire_ratio",
+  "wire_ratio_2m",
 )
 AXIS = digits.AXIS
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -131,42 +145,67 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
   rows = []
   for lr in lr_momentum:
     rows += [
-        ("sgdm", "sgdm_float32", lr, "constant",
-         lambda lr=lr: optax.chain(exact, optax.sgd(lr, momentum=0.9))),
-        ("sgdm", "sgdm_grad_1bit", lr, "constant",
-         lambda lr=lr: optax.chain(sign_compression(AXIS), optax.sgd(lr, momentum=0.9))),
-        ("sgdm", "one_bit_momentum", lr, "constant",
-         lambda lr=lr: one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="column")),
-        ("sgdm", "one_bit_momentum_l2", lr, "constant",
-         lambda lr=lr: one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="l2")),
+      ("sgdm", "sgdm_float32", lr, "constant", lambda lr=lr: optax.chain(exact, optax.sgd(lr, momentum=0.9))),
+      (
+        "sgdm",
+        "sgdm_grad_1bit",
+        lr,
+        "constant",
+        lambda lr=lr: optax.chain(sign_compression(AXIS), optax.sgd(lr, momentum=0.9)),
+      ),
+      (
+        "sgdm",
+        "one_bit_momentum",
+        lr,
+        "constant",
+        lambda lr=lr: one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="column"),
+      ),
+      (
+        "sgdm",
+        "one_bit_momentum_l2",
+        lr,
+        "constant",
+        lambda lr=lr: one_bit_momentum(lr, 0.9, axis_name=AXIS, scale="l2"),
+      ),
     ]
   for name, peak in adam_settings:
     lr = schedule(name, peak, steps)
     rows += [
-        ("adam", "adam_float32", peak, name, lambda lr=lr: optax.chain(exact, optax.adam(lr))),
-        ("adam", "adam_grad_1bit", peak, name,
-         lambda lr=lr: optax.chain(sign_compression(AXIS), optax.adam(lr))),
-        ("adam", "adam_frozen_v", peak, name, lambda lr=lr: _frozen_v_adam(lr, warmup)),
-        ("adam", "one_bit_adam", peak, name,
-         lambda lr=lr: _one_bit_adam(lr, warmup)),
-        ("adam", "one_bit_adam_clipped", peak, name,
-         lambda lr=lr: _one_bit_adam(lr, warmup, clip_step=True)),
-        ("adam", "one_bit_adam_rescaled", peak, name,
-         lambda lr=lr: _one_bit_adam(lr, warmup,
-                                    rescale_variance=True)),
-        ("adam", "one_bit_adam_rescaled_clipped", peak, name,
-         lambda lr=lr: _one_bit_adam(lr, warmup, rescale_variance=True,
-                                    clip_step=True)),
-        ("adam", "one_bit_adam_preconditioned", peak, name,
-         lambda lr=lr: _one_bit_adam(lr, warmup, exchange="preconditioned")),
-        ("adam", "one_bit_adam_refresh", peak, name,
-         lambda lr=lr: _one_bit_adam(lr, warmup, variance_refresh=refresh)),
-        ("adam", "one_bit_adam_refresh_clipped", peak, name,
-         lambda lr=lr: _one_bit_adam(lr, warmup,
-                                    variance_refresh=refresh, clip_step=True)),
-        ("adam", "one_bit_adam_preconditioned_refresh", peak, name,
-         lambda lr=lr: _one_bit_adam(lr, warmup, variance_refresh=refresh,
-                                    exchange="preconditioned")),
+      ("adam", "adam_float32", peak, name, lambda lr=lr: optax.chain(exact, optax.adam(lr))),
+      ("adam", "adam_grad_1bit", peak, name, lambda lr=lr: optax.chain(sign_compression(AXIS), optax.adam(lr))),
+      ("adam", "adam_frozen_v", peak, name, lambda lr=lr: _frozen_v_adam(lr, warmup)),
+      ("adam", "one_bit_adam", peak, name, lambda lr=lr: _one_bit_adam(lr, warmup)),
+      ("adam", "one_bit_adam_clipped", peak, name, lambda lr=lr: _one_bit_adam(lr, warmup, clip_step=True)),
+      ("adam", "one_bit_adam_rescaled", peak, name, lambda lr=lr: _one_bit_adam(lr, warmup, rescale_variance=True)),
+      (
+        "adam",
+        "one_bit_adam_rescaled_clipped",
+        peak,
+        name,
+        lambda lr=lr: _one_bit_adam(lr, warmup, rescale_variance=True, clip_step=True),
+      ),
+      (
+        "adam",
+        "one_bit_adam_preconditioned",
+        peak,
+        name,
+        lambda lr=lr: _one_bit_adam(lr, warmup, exchange="preconditioned"),
+      ),
+      ("adam", "one_bit_adam_refresh", peak, name, lambda lr=lr: _one_bit_adam(lr, warmup, variance_refresh=refresh)),
+      (
+        "adam",
+        "one_bit_adam_refresh_clipped",
+        peak,
+        name,
+        lambda lr=lr: _one_bit_adam(lr, warmup, variance_refresh=refresh, clip_step=True),
+      ),
+      (
+        "adam",
+        "one_bit_adam_preconditioned_refresh",
+        peak,
+        name,
+        lambda lr=lr: _one_bit_adam(lr, warmup, variance_refresh=refresh, exchange="preconditioned"),
+      ),
     ]
   return rows
 
@@ -178,12 +217,7 @@ def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float
   devices = jax.devices()[:replicas]
   stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), params)
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(stacked)
-  text = (
-      jax.pmap(tx.update, axis_name=AXIS, devices=devices)
-      .lower(stacked, state, stacked)
-      .compile()
-      .as_text()
-  )
+  text = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(stacked, state, stacked).compile().as_text()
   ops = collective_ops(text)
   # The exact (warm-up) branch: the conditional branch holding the float
   # all-reduce. Collectives outside any branch run every step.
@@ -196,11 +230,14 @@ def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float
 def _seeds(value: str) -> tuple[int, ...]:
   """``""``: 0, 1, 2; ``"N"``: 0 to N-1; ``"A-B"``: A to B."""
   found = re.fullmatch(r"(\d+)(?:-(\d+))?", value.strip() or "3")
-  if found is None or (found[2] is None and int(found[1]) < 1) or (
-      found[2] is not None and int(found[2]) < int(found[1])):
+  if (
+    found is None
+    or (found[2] is None and int(found[1]) < 1)
+    or (found[2] is not None and int(found[2]) < int(found[1]))
+  ):
     raise ValueError(
-        f"BENCH_ONE_BIT_OPTIMIZERS_SEEDS must be a count N >= 1 or a range A-B "
-        f"with A <= B, got {value!r}.")
+      f"BENCH_ONE_BIT_OPTIMIZERS_SEEDS must be a count N >= 1 or a range A-B with A <= B, got {value!r}."
+    )
   if found[2] is None:
     return tuple(range(int(found[1])))
   return tuple(range(int(found[1]), int(found[2]) + 1))
@@ -224,8 +261,7 @@ def run(quick: bool) -> list[dict]:
   records, wire = [], {}
   warmup_percent = 20 if quick else _harness.env_int("BENCH_ONE_BIT_OPTIMIZERS_WARMUP", 20)
   if warmup_percent >= 100:
-    raise ValueError(
-        f"BENCH_ONE_BIT_OPTIMIZERS_WARMUP must be below 100 (percent), got {warmup_percent}.")
+    raise ValueError(f"BENCH_ONE_BIT_OPTIMIZERS_WARMUP must be below 100 (percent), got {warmup_percent}.")
   rows = _optimizers(lr_momentum, adam, steps, warmup_percent)
   if not quick:
     rows = _harness.selected_rows(rows, "BENCH_ONE_BIT_OPTIMIZERS_MODES")
@@ -234,7 +270,8 @@ def run(quick: bool) -> list[dict]:
       continue
     runs = [digits.train_digits(make(), steps=steps, seed=s, hidden=hidden) for s in seeds]
     losses = np.asarray([r["final_loss"] for r in runs])
-    records.append({
+    records.append(
+      {
         "optimizer": optimizer,
         "mode": mode,
         "learning_rate": lr,
@@ -250,16 +287,17 @@ def run(quick: bool) -> list[dict]:
         "test_loss": float(np.mean([r["test_loss"] for r in runs])),
         "test_losses": [float(r["test_loss"]) for r in runs],
         "test_accuracy": float(np.mean([r["test_accuracy"] for r in runs])),
-    })
+      }
+    )
     if mode not in wire:  # the bytes do not depend on the learning rate
       wire[mode] = (wire_ratio(make(), params, 8), None if quick else wire_ratio(make(), large, 8))
     records[-1]["wire_ratio"], records[-1]["wire_ratio_2m"] = wire[mode]
   for r in records:
     base = next(
-        b for b in records
-        if (b["optimizer"], b["learning_rate"], b["schedule"])
-        == (r["optimizer"], r["learning_rate"], r["schedule"])
-        and b["mode"].endswith("float32")
+      b
+      for b in records
+      if (b["optimizer"], b["learning_rate"], b["schedule"]) == (r["optimizer"], r["learning_rate"], r["schedule"])
+      and b["mode"].endswith("float32")
     )
     rel = np.asarray(r["final_losses"]) / np.asarray(base["final_losses"]) - 1.0
     r["rel_to_float32"], r["rel_to_float32_max"] = float(rel.mean()), float(rel.max())

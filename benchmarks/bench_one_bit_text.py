@@ -53,8 +53,18 @@ from jax.sharding import PartitionSpec as P
 
 NAME = "one_bit_text"
 COLUMNS = (
-    "optimizer", "mode", "learning_rate", "steps", "seeds", "val_loss", "val_loss_min",
-    "val_loss_max", "rel_to_float32", "rel_to_float32_max", "train_loss", "wire_ratio",
+  "optimizer",
+  "mode",
+  "learning_rate",
+  "steps",
+  "seeds",
+  "val_loss",
+  "val_loss_min",
+  "val_loss_max",
+  "rel_to_float32",
+  "rel_to_float32_max",
+  "train_loss",
+  "wire_ratio",
 )
 AXIS = "data"
 REPLICAS = 8
@@ -65,9 +75,7 @@ ONE_BIT_WARMUP = 0.2
 
 def schedule(peak: float, steps: int) -> optax.Schedule:
   """The demo's schedule: warm-up over 10% of the steps, cosine decay to 1%."""
-  return optax.warmup_cosine_decay_schedule(
-      0.0, peak, max(1, steps // 10), max(2, steps), peak * 0.01
-  )
+  return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 10), max(2, steps), peak * 0.01)
 
 
 def _task(seed: int, steps: int, d_model: int, seq_len: int, batch: int, eval_batches: int):
@@ -86,26 +94,30 @@ def _task(seed: int, steps: int, d_model: int, seq_len: int, batch: int, eval_ba
   batches = (xs.reshape(steps, batch, seq_len), ys.reshape(steps, batch, seq_len))
   eval_rng = np.random.default_rng((seed, 2))
   evals = {
-      "train": windows(train, eval_rng, eval_batches * batch),
-      "val": windows(val, eval_rng, eval_batches * batch),
+    "train": windows(train, eval_rng, eval_batches * batch),
+    "val": windows(val, eval_rng, eval_batches * batch),
   }
   model = TransformerBlock(
-      vocab_size=data_lib.TEXT_VOCAB_SIZE, d_model=d_model, num_heads=max(1, d_model // 16),
-      mlp_dim=4 * d_model, num_layers=1, max_len=seq_len,
+    vocab_size=data_lib.TEXT_VOCAB_SIZE,
+    d_model=d_model,
+    num_heads=max(1, d_model // 16),
+    mlp_dim=4 * d_model,
+    num_layers=1,
+    max_len=seq_len,
   )
   params = model.init(jax.random.key(seed), np.zeros((1, seq_len), np.int32))["params"]
   return model, params, batches, evals
 
 
 def train_text(
-    tx: optax.GradientTransformation,
-    *,
-    steps: int,
-    seed: int,
-    d_model: int = 64,
-    seq_len: int = 64,
-    batch: int = 32,
-    eval_batches: int = 16,
+  tx: optax.GradientTransformation,
+  *,
+  steps: int,
+  seed: int,
+  d_model: int = 64,
+  seq_len: int = 64,
+  batch: int = 32,
+  eval_batches: int = 16,
 ) -> dict:
   """Trains the text Transformer with ``tx`` (fed each replica's local gradients).
 
@@ -116,8 +128,8 @@ def train_text(
 
   if jax.device_count() < REPLICAS:
     raise ValueError(
-        f"needs {REPLICAS} devices, found {jax.device_count()}: set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={REPLICAS} before JAX starts."
+      f"needs {REPLICAS} devices, found {jax.device_count()}: set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={REPLICAS} before JAX starts."
     )
   model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, batch, eval_batches)
   mesh = jax.make_mesh((REPLICAS,), (AXIS,), devices=jax.devices()[:REPLICAS])
@@ -143,14 +155,14 @@ def train_text(
     (p, s), _ = jax.lax.scan(body, (p, s), (xs, ys))
     return p, s
 
-  run = jax.jit(jax.shard_map(
-      train, mesh=mesh, in_specs=(P(), specs, P(None, AXIS), P(None, AXIS)), out_specs=(P(), specs)
-  ))
+  run = jax.jit(
+    jax.shard_map(train, mesh=mesh, in_specs=(P(), specs, P(None, AXIS), P(None, AXIS)), out_specs=(P(), specs))
+  )
   params, _ = jax.block_until_ready(run(params, opt_state, xs, ys))
   evaluate = jax.jit(loss_fn)
   losses = {}
   for split, (x, y) in evals.items():
-    parts = [evaluate(params, x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+    parts = [evaluate(params, x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
     losses[split] = float(np.mean(jax.device_get(parts)))
   return {"val_loss": losses["val"], "train_loss": losses["train"]}
 
@@ -166,29 +178,28 @@ def _optimizers(steps: int, quick: bool):
   warmup = max(1, int(ONE_BIT_WARMUP * steps))
   refresh = max(1, steps // 8)
   rows = [
-      ("adam", "adam_float32", LR_ADAM, lambda: optax.chain(_exact_mean(AXIS), optax.adam(adam))),
-      ("adam", "adam_frozen_v", LR_ADAM, lambda: _frozen_v_adam(adam, warmup)),
-      ("adam", "one_bit_adam", LR_ADAM,
-       lambda: _one_bit_adam(adam, warmup)),
-      ("adam", "one_bit_adam_clipped", LR_ADAM,
-       lambda: _one_bit_adam(adam, warmup, clip_step=True)),
-      ("adam", "one_bit_adam_refresh", LR_ADAM,
-       lambda: _one_bit_adam(adam, warmup, variance_refresh=refresh)),
-      ("adam", "one_bit_adam_refresh_clipped", LR_ADAM,
-       lambda: _one_bit_adam(adam, warmup, variance_refresh=refresh,
-                            clip_step=True)),
-      ("adam", "one_bit_adam_rescaled_clipped", LR_ADAM,
-       lambda: _one_bit_adam(adam, warmup, rescale_variance=True,
-                            clip_step=True)),
-      ("adam", "adam_grad_1bit", LR_ADAM,
-       lambda: optax.chain(sign_compression(AXIS), optax.adam(adam))),
-      ("sgdm", "sgdm_float32", LR_SGDM,
-       lambda: optax.chain(_exact_mean(AXIS), optax.sgd(sgdm, momentum=0.9))),
-      ("sgdm", "one_bit_momentum", LR_SGDM, lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS, scale="column")),
-      ("sgdm", "one_bit_momentum_l2", LR_SGDM,
-       lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS, scale="l2")),
-      ("sgdm", "sgdm_grad_1bit", LR_SGDM,
-       lambda: optax.chain(sign_compression(AXIS), optax.sgd(sgdm, momentum=0.9))),
+    ("adam", "adam_float32", LR_ADAM, lambda: optax.chain(_exact_mean(AXIS), optax.adam(adam))),
+    ("adam", "adam_frozen_v", LR_ADAM, lambda: _frozen_v_adam(adam, warmup)),
+    ("adam", "one_bit_adam", LR_ADAM, lambda: _one_bit_adam(adam, warmup)),
+    ("adam", "one_bit_adam_clipped", LR_ADAM, lambda: _one_bit_adam(adam, warmup, clip_step=True)),
+    ("adam", "one_bit_adam_refresh", LR_ADAM, lambda: _one_bit_adam(adam, warmup, variance_refresh=refresh)),
+    (
+      "adam",
+      "one_bit_adam_refresh_clipped",
+      LR_ADAM,
+      lambda: _one_bit_adam(adam, warmup, variance_refresh=refresh, clip_step=True),
+    ),
+    (
+      "adam",
+      "one_bit_adam_rescaled_clipped",
+      LR_ADAM,
+      lambda: _one_bit_adam(adam, warmup, rescale_variance=True, clip_step=True),
+    ),
+    ("adam", "adam_grad_1bit", LR_ADAM, lambda: optax.chain(sign_compression(AXIS), optax.adam(adam))),
+    ("sgdm", "sgdm_float32", LR_SGDM, lambda: optax.chain(_exact_mean(AXIS), optax.sgd(sgdm, momentum=0.9))),
+    ("sgdm", "one_bit_momentum", LR_SGDM, lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS, scale="column")),
+    ("sgdm", "one_bit_momentum_l2", LR_SGDM, lambda: one_bit_momentum(sgdm, 0.9, axis_name=AXIS, scale="l2")),
+    ("sgdm", "sgdm_grad_1bit", LR_SGDM, lambda: optax.chain(sign_compression(AXIS), optax.sgd(sgdm, momentum=0.9))),
   ]
   return rows[:1] if quick else rows
 
@@ -208,13 +219,21 @@ def run(quick: bool) -> list[dict]:
   for optimizer, mode, lr, make in rows:
     runs = [train_text(make(), steps=steps, seed=s, **size) for s in seeds]
     val = np.asarray([r["val_loss"] for r in runs])
-    records.append({
-        "optimizer": optimizer, "mode": mode, "learning_rate": lr, "steps": steps,
-        "seeds": len(seeds), "val_loss": float(val.mean()), "val_loss_min": float(val.min()),
-        "val_loss_max": float(val.max()), "val_losses": [float(v) for v in val],
+    records.append(
+      {
+        "optimizer": optimizer,
+        "mode": mode,
+        "learning_rate": lr,
+        "steps": steps,
+        "seeds": len(seeds),
+        "val_loss": float(val.mean()),
+        "val_loss_min": float(val.min()),
+        "val_loss_max": float(val.max()),
+        "val_losses": [float(v) for v in val],
         "train_loss": float(np.mean([r["train_loss"] for r in runs])),
         "wire_ratio": None if quick else wire_ratio(make(), params, REPLICAS),
-    })
+      }
+    )
   for r in records:
     base = next(b for b in records if b["optimizer"] == r["optimizer"] and b["mode"].endswith("float32"))
     rel = np.asarray(r["val_losses"]) / np.asarray(base["val_losses"]) - 1.0

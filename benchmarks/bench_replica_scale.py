@@ -61,9 +61,23 @@ from benchmarks import _harness
 
 NAME = "replica_scale"
 COLUMNS = (
-    "part", "scheme", "replicas", "hlo_lines", "lower_s", "compile_s", "first_step_s", "step_s",
-    "step_per_replica_s", "model", "params", "link_gbit_s", "codec", "c_ns",
-    "ring_allreduce_ms", "one_bit_ms", "one_bit_speedup",
+  "part",
+  "scheme",
+  "replicas",
+  "hlo_lines",
+  "lower_s",
+  "compile_s",
+  "first_step_s",
+  "step_s",
+  "step_per_replica_s",
+  "model",
+  "params",
+  "link_gbit_s",
+  "codec",
+  "c_ns",
+  "ring_allreduce_ms",
+  "one_bit_ms",
+  "one_bit_speedup",
 )
 AXIS = "batch"
 SCHEMES = ("float32", "sign_compression", "one_bit_momentum", "one_bit_adam")
@@ -73,6 +87,7 @@ STEADY_STEPS = 5
 
 
 # --- Part 1: measured ------------------------------------------------------
+
 
 def _step(scheme: str, sizes: tuple[int, ...], mesh):
   """``make_train_step`` of an MLP of ``sizes`` for ``scheme`` on ``mesh``."""
@@ -93,14 +108,15 @@ def _step(scheme: str, sizes: tuple[int, ...], mesh):
 
   sgd = optax.sgd(0.01, momentum=0.9)
   optimizer, compression = {
-      "float32": (sgd, None),
-      "sign_compression": (sgd, jmp_train.sign_compression(AXIS)),
-      "one_bit_momentum": (None, jmp_train.one_bit_momentum(0.01, 0.9, axis_name=AXIS)),
-      "one_bit_adam": (None, jmp_train.one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1)),
+    "float32": (sgd, None),
+    "sign_compression": (sgd, jmp_train.sign_compression(AXIS)),
+    "one_bit_momentum": (None, jmp_train.one_bit_momentum(0.01, 0.9, axis_name=AXIS)),
+    "one_bit_adam": (None, jmp_train.one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1)),
   }[scheme]
   model = Mlp()
-  step = jmp_train.make_train_step(model.apply, loss, optimizer, compression=compression,
-                                   mode="shard_map", axis_name=AXIS, mesh=mesh)
+  step = jmp_train.make_train_step(
+    model.apply, loss, optimizer, compression=compression, mode="shard_map", axis_name=AXIS, mesh=mesh
+  )
   import jax
   import jax.numpy as jnp
 
@@ -108,8 +124,9 @@ def _step(scheme: str, sizes: tuple[int, ...], mesh):
   return step, params
 
 
-def measure(k: int, schemes, sizes=(784, 1024, 256, 10), steps: int = STEADY_STEPS, devices=None,
-            emit=None) -> list[dict]:
+def measure(
+  k: int, schemes, sizes=(784, 1024, 256, 10), steps: int = STEADY_STEPS, devices=None, emit=None
+) -> list[dict]:
   """The measured records of ``schemes`` on ``k`` devices (``devices``, default the first ``k``)."""
   import jax
 
@@ -142,9 +159,15 @@ def measure(k: int, schemes, sizes=(784, 1024, 256, 10), steps: int = STEADY_STE
       times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
     record = {
-        "part": "measured", "scheme": scheme, "replicas": k, "hlo_lines": lines,
-        "lower_s": lower_s, "compile_s": compile_s, "first_step_s": lower_s + compile_s + first,
-        "step_s": step_s, "step_per_replica_s": step_s / k,
+      "part": "measured",
+      "scheme": scheme,
+      "replicas": k,
+      "hlo_lines": lines,
+      "lower_s": lower_s,
+      "compile_s": compile_s,
+      "first_step_s": lower_s + compile_s + first,
+      "step_s": step_s,
+      "step_per_replica_s": step_s / k,
     }
     records.append(record)
     if emit is not None:
@@ -164,11 +187,9 @@ def _measured(ks, schemes, budget_s: int) -> list[dict]:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={k}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "benchmarks.bench_replica_scale", "--child", str(k),
-           "--schemes", ",".join(schemes)]
+    cmd = [sys.executable, "-m", "benchmarks.bench_replica_scale", "--child", str(k), "--schemes", ",".join(schemes)]
     try:
-      done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                            timeout=budget_s)
+      done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=budget_s)
       out, err, code = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
       out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -177,8 +198,7 @@ def _measured(ks, schemes, budget_s: int) -> list[dict]:
     if code != 0:
       raise RuntimeError(f"K={k}: exited with {code}:\n{err[-3000:]}")
     if len(got) < len(schemes):
-      print(f"replica_scale: K={k}: {err.strip()[-200:]}; measured "
-            f"{[r['scheme'] for r in got]}", file=sys.stderr)
+      print(f"replica_scale: K={k}: {err.strip()[-200:]}; measured {[r['scheme'] for r in got]}", file=sys.stderr)
     records += got
   return records
 
@@ -192,8 +212,7 @@ PROJECTED_KS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 def gpt_shapes(d: int, layers: int, vocab: int = 50257, context: int = 1024) -> list[tuple]:
   """The parameter shapes of a GPT-2-style decoder (tied embedding)."""
-  layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
-           (4 * d, d), (d,)]
+  layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
   return [(vocab, d), (context, d)] + layer * layers + [(d,), (d,)]
 
 
@@ -236,12 +255,21 @@ def projection(codecs: dict[str, float]) -> list[dict]:
         ring = latency + ring_bytes / rate
         for codec, c in codecs.items():
           one_bit = latency + one_bit_bytes / rate + c * n
-          records.append({
-              "part": "projection", "scheme": "ring_vs_1bit", "replicas": k, "model": model,
-              "params": n, "link_gbit_s": gbit, "codec": codec, "c_ns": c * 1e9,
-              "ring_allreduce_ms": ring * 1e3, "one_bit_ms": one_bit * 1e3,
+          records.append(
+            {
+              "part": "projection",
+              "scheme": "ring_vs_1bit",
+              "replicas": k,
+              "model": model,
+              "params": n,
+              "link_gbit_s": gbit,
+              "codec": codec,
+              "c_ns": c * 1e9,
+              "ring_allreduce_ms": ring * 1e3,
+              "one_bit_ms": one_bit * 1e3,
               "one_bit_speedup": ring / one_bit,
-          })
+            }
+          )
   return records
 
 

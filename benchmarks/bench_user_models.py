@@ -59,10 +59,17 @@ import jmp_train
 from benchmarks import _harness
 
 NAME = "user_models"
-COLUMNS = ("model", "variant", "ms_per_step", "speedup_vs_float32", "vs_by_hand",
-           "compile_s", "bf16_products", "products")
-VARIANTS = ("float32", "mixed_bfloat16", "by_hand", "by_hand_half_norms",
-            "by_hand_no_recompute")
+COLUMNS = (
+  "model",
+  "variant",
+  "ms_per_step",
+  "speedup_vs_float32",
+  "vs_by_hand",
+  "compile_s",
+  "bf16_products",
+  "products",
+)
+VARIANTS = ("float32", "mixed_bfloat16", "by_hand", "by_hand_half_norms", "by_hand_no_recompute")
 
 
 class Bottleneck(nn.Module):
@@ -74,10 +81,10 @@ class Bottleneck(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
-                             param_dtype=jnp.float32)
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                             epsilon=1e-5, dtype=self.dtype, param_dtype=jnp.float32)
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32)
+    norm = functools.partial(
+      nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=self.dtype, param_dtype=jnp.float32
+    )
     residual = x
     y = nn.relu(norm()(conv(self.filters, (1, 1))(x)))
     y = nn.relu(norm()(conv(self.filters, (3, 3), self.strides)(y)))
@@ -95,10 +102,12 @@ class ResNet50(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    x = nn.Conv(64, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
-                dtype=self.dtype, param_dtype=jnp.float32)(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                     dtype=self.dtype, param_dtype=jnp.float32)(x)
+    x = nn.Conv(
+      64, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False, dtype=self.dtype, param_dtype=jnp.float32
+    )(x)
+    x = nn.BatchNorm(
+      use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=self.dtype, param_dtype=jnp.float32
+    )(x)
     x = nn.max_pool(nn.relu(x), (3, 3), strides=(2, 2), padding="SAME")
     for i, blocks in enumerate((3, 4, 6, 3)):
       for j in range(blocks):
@@ -120,8 +129,7 @@ class DecoderBlock(nn.Module):
   def __call__(self, x, mask):
     kw = dict(dtype=self.dtype, param_dtype=jnp.float32)
     y = nn.LayerNorm(**kw)(x)
-    y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True,
-                                        **kw)(y, y, mask=mask)
+    y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True, **kw)(y, y, mask=mask)
     x = x + y
     z = nn.LayerNorm(**kw)(x)
     z = nn.Dense(self.mlp_dim, **kw)(z)
@@ -143,11 +151,20 @@ class TransformerLM(nn.Module):
   @nn.compact
   def __call__(self, tokens, train: bool = True):
     del train
-    embed = nn.Embed(self.vocab_size, self.emb_dim, dtype=self.dtype, param_dtype=jnp.float32,
-                     embedding_init=nn.initializers.normal(1.0))
+    embed = nn.Embed(
+      self.vocab_size,
+      self.emb_dim,
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
+      embedding_init=nn.initializers.normal(1.0),
+    )
     x = embed(tokens)
-    x = x + self.param("pos", nn.initializers.normal(0.02), (1, self.max_len, self.emb_dim),
-                       jnp.float32)[:, : tokens.shape[1]]
+    x = (
+      x
+      + self.param("pos", nn.initializers.normal(0.02), (1, self.max_len, self.emb_dim), jnp.float32)[
+        :, : tokens.shape[1]
+      ]
+    )
     mask = nn.make_causal_mask(tokens, dtype=self.dtype)
     for _ in range(self.num_layers):
       x = DecoderBlock(self.num_heads, self.mlp_dim, dtype=self.dtype)(x, mask)
@@ -156,16 +173,18 @@ class TransformerLM(nn.Module):
 
 
 def _loss(outputs, targets):
-  return optax.softmax_cross_entropy_with_integer_labels(
-      outputs.astype(jnp.float32), targets).mean()
+  return optax.softmax_cross_entropy_with_integer_labels(outputs.astype(jnp.float32), targets).mean()
 
 
 def _case(name: str, rng: np.random.Generator):
   """``(model, inputs, targets)`` of one benchmark model."""
   if name == "resnet50":
     batch = 128
-    return (ResNet50(), rng.normal(size=(batch, 224, 224, 3)).astype(np.float32),
-            rng.integers(0, 1000, batch).astype(np.int32))
+    return (
+      ResNet50(),
+      rng.normal(size=(batch, 224, 224, 3)).astype(np.float32),
+      rng.integers(0, 1000, batch).astype(np.int32),
+    )
   if name == "transformer":
     batch, seq, vocab = 16, 1024, 32768
     tokens = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
@@ -175,9 +194,9 @@ def _case(name: str, rng: np.random.Generator):
 
 # apply_policy's options of each "by_hand" variant.
 _BY_HAND = {
-    "by_hand": {},
-    "by_hand_half_norms": {"float32_modules": ()},
-    "by_hand_no_recompute": {"recompute": None},
+  "by_hand": {},
+  "by_hand_half_norms": {"float32_modules": ()},
+  "by_hand_no_recompute": {"recompute": None},
 }
 
 
@@ -185,10 +204,13 @@ def _step(model, variant: str):
   if variant in _BY_HAND:
     wrapped = jmp_train.flax.apply_policy(model, "mixed_bfloat16", **_BY_HAND[variant])
     return jmp_train.make_train_step(
-        functools.partial(wrapped.apply, train=True), _loss, optax.adam(1e-4),
-        policy="mixed_bfloat16", model_policy="inputs")
-  return jmp_train.make_train_step(functools.partial(model.apply, train=True), _loss,
-                                   optax.adam(1e-4), policy=variant)
+      functools.partial(wrapped.apply, train=True),
+      _loss,
+      optax.adam(1e-4),
+      policy="mixed_bfloat16",
+      model_policy="inputs",
+    )
+  return jmp_train.make_train_step(functools.partial(model.apply, train=True), _loss, optax.adam(1e-4), policy=variant)
 
 
 class _Stepper:
@@ -203,8 +225,9 @@ class _Stepper:
     return self.state, self.metrics
 
 
-def measure(name: str, *, variants: tuple[str, ...] = VARIANTS, warmup: int = 3,
-            repeats: int = 10) -> list[dict[str, Any]]:
+def measure(
+  name: str, *, variants: tuple[str, ...] = VARIANTS, warmup: int = 3, repeats: int = 10
+) -> list[dict[str, Any]]:
   """The records of one model's ``variants`` (see the module docstring).
 
   Every variant is compiled first; then the steps are timed round-robin
@@ -212,8 +235,7 @@ def measure(name: str, *, variants: tuple[str, ...] = VARIANTS, warmup: int = 3,
   training state, so that their ratios come from the same minutes.
   """
   model, inputs, targets = _case(name, np.random.default_rng(0))
-  variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0),
-                                                                   inputs[:2])
+  variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0), inputs[:2])
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
   steppers, rows = {}, {}
@@ -226,11 +248,13 @@ def measure(name: str, *, variants: tuple[str, ...] = VARIANTS, warmup: int = 3,
     report = jmp_train.diagnostics.fp8_products(lowered)
     lowered.compile()
     rows[variant] = {
-        "model": name, "variant": variant, "compile_s": time.perf_counter() - t0,
-        "products": len(report.products),
-        "bf16_products": sum(1 for p in report.products
-                             if np.dtype(p.lhs_dtype) == jnp.bfloat16
-                             and np.dtype(p.rhs_dtype) == jnp.bfloat16),
+      "model": name,
+      "variant": variant,
+      "compile_s": time.perf_counter() - t0,
+      "products": len(report.products),
+      "bf16_products": sum(
+        1 for p in report.products if np.dtype(p.lhs_dtype) == jnp.bfloat16 and np.dtype(p.rhs_dtype) == jnp.bfloat16
+      ),
     }
     steppers[variant] = _Stepper(step, state, batch)
   seconds = _harness.interleaved_median_seconds(steppers, warmup=warmup, repeats=repeats)
@@ -244,8 +268,7 @@ def measure(name: str, *, variants: tuple[str, ...] = VARIANTS, warmup: int = 3,
 
 def run(quick: bool) -> list[dict[str, Any]]:
   if jax.default_backend() != "gpu" or quick:
-    return _harness.skipped(
-        f"needs a GPU and a full run (backend here: {jax.default_backend()}, quick={quick})")
+    return _harness.skipped(f"needs a GPU and a full run (backend here: {jax.default_backend()}, quick={quick})")
   records = []
   for name in ("transformer", "resnet50"):
     records += measure(name)

@@ -46,9 +46,16 @@ from jmp_train import scale_by_narrow_adam, sgd_8bit, stochastic_rounding
 
 NAME = "weight_memory"
 COLUMNS = (
-    "setup", "weights", "optimizer", "params_per_param", "half_copy_per_param",
-    "opt_state_per_param", "codes_per_param", "total_per_param", "vs_adam_master",
-    "num_params",
+  "setup",
+  "weights",
+  "optimizer",
+  "params_per_param",
+  "half_copy_per_param",
+  "opt_state_per_param",
+  "codes_per_param",
+  "total_per_param",
+  "vs_adam_master",
+  "num_params",
 )
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -62,51 +69,93 @@ def _setups() -> list[tuple[str, Any, str, optax.GradientTransformation, bool]]:
   """(setup, weight dtype, optimizer name, optimizer, keeps a half copy)."""
   lr = 1e-3
   return [
-      ("adam / float32 master", F32, "adam", optax.adam(lr), True),
-      ("momentum sgd / float32 master", F32, "sgd(0.9)", optax.sgd(lr, 0.9), True),
-      ("momentum sgd / float32 (no half copy)", F32, "sgd(0.9)", optax.sgd(lr, 0.9), False),
-      ("adam / bfloat16 (plain, bf16 moments)", BF16, "adam", optax.adam(lr), False),
-      ("float16 + modified momentum (error feedback)", F16, "modified_momentum_sgd(0.9)",
-       modified_momentum_sgd(lr, 0.9), False),
-      ("bfloat16 + modified momentum (no feedback) + kahan", BF16,
-       "modified_momentum_sgd(0.9, error_feedback=False)",
-       optax.chain(modified_momentum_sgd(lr, 0.9, error_feedback=False),
-                   kahan_compensation()), False),
-      ("bfloat16 + adam + kahan", BF16, "adam (bf16 moments)",
-       optax.chain(optax.adam(lr), kahan_compensation()), False),
-      ("bfloat16 + adam(f32 moments) + kahan", BF16, "adam (f32 moments)",
-       optax.chain(with_float32_state(optax.adam(lr)), kahan_compensation()), False),
-      ("bfloat16 + adam(f32 moments) + stochastic rounding", BF16, "adam (f32 moments)",
-       optax.chain(with_float32_state(optax.adam(lr)), stochastic_rounding(0)), False),
-      ("bfloat16 + sgd + stochastic rounding", BF16, "sgd",
-       optax.chain(optax.sgd(lr), stochastic_rounding(0)), False),
-      ("bfloat16 + sgd + kahan", BF16, "sgd",
-       optax.chain(optax.sgd(lr), kahan_compensation()), False),
-      ("bfloat16 + adam_8bit + stochastic rounding", BF16, "adam_8bit",
-       optax.chain(adam_8bit(lr), stochastic_rounding(0)), False),
-      ("bfloat16 + adam_8bit (all leaves 8-bit) + stochastic rounding", BF16,
-       "adam_8bit(min_8bit_size=0)",
-       optax.chain(adam_8bit(lr, min_8bit_size=0), stochastic_rounding(0)), False),
-      ("bfloat16 + adam_8bit (all leaves 8-bit, blocks of 2048) + stochastic rounding", BF16,
-       "adam_8bit(block_size=2048, min_8bit_size=0)",
-       optax.chain(adam_8bit(lr, block_size=2048, min_8bit_size=0), stochastic_rounding(0)),
-       False),
-      ("bfloat16 + adam_8bit + kahan", BF16, "adam_8bit",
-       optax.chain(adam_8bit(lr), kahan_compensation()), False),
-      ("bfloat16 + adam(bf16 mu, f32 nu) + stochastic rounding", BF16,
-       "scale_by_narrow_adam(mu_dtype=bf16, nu_dtype=f32)",
-       optax.chain(scale_by_narrow_adam(mu_dtype="bfloat16", nu_dtype="float32"),
-                   optax.scale_by_learning_rate(lr), stochastic_rounding(0)), False),
-      ("bfloat16 + sgd_8bit + stochastic rounding", BF16, "sgd_8bit(0.9)",
-       optax.chain(sgd_8bit(lr, 0.9), stochastic_rounding(0)), False),
+    ("adam / float32 master", F32, "adam", optax.adam(lr), True),
+    ("momentum sgd / float32 master", F32, "sgd(0.9)", optax.sgd(lr, 0.9), True),
+    ("momentum sgd / float32 (no half copy)", F32, "sgd(0.9)", optax.sgd(lr, 0.9), False),
+    ("adam / bfloat16 (plain, bf16 moments)", BF16, "adam", optax.adam(lr), False),
+    (
+      "float16 + modified momentum (error feedback)",
+      F16,
+      "modified_momentum_sgd(0.9)",
+      modified_momentum_sgd(lr, 0.9),
+      False,
+    ),
+    (
+      "bfloat16 + modified momentum (no feedback) + kahan",
+      BF16,
+      "modified_momentum_sgd(0.9, error_feedback=False)",
+      optax.chain(modified_momentum_sgd(lr, 0.9, error_feedback=False), kahan_compensation()),
+      False,
+    ),
+    ("bfloat16 + adam + kahan", BF16, "adam (bf16 moments)", optax.chain(optax.adam(lr), kahan_compensation()), False),
+    (
+      "bfloat16 + adam(f32 moments) + kahan",
+      BF16,
+      "adam (f32 moments)",
+      optax.chain(with_float32_state(optax.adam(lr)), kahan_compensation()),
+      False,
+    ),
+    (
+      "bfloat16 + adam(f32 moments) + stochastic rounding",
+      BF16,
+      "adam (f32 moments)",
+      optax.chain(with_float32_state(optax.adam(lr)), stochastic_rounding(0)),
+      False,
+    ),
+    ("bfloat16 + sgd + stochastic rounding", BF16, "sgd", optax.chain(optax.sgd(lr), stochastic_rounding(0)), False),
+    ("bfloat16 + sgd + kahan", BF16, "sgd", optax.chain(optax.sgd(lr), kahan_compensation()), False),
+    (
+      "bfloat16 + adam_8bit + stochastic rounding",
+      BF16,
+      "adam_8bit",
+      optax.chain(adam_8bit(lr), stochastic_rounding(0)),
+      False,
+    ),
+    (
+      "bfloat16 + adam_8bit (all leaves 8-bit) + stochastic rounding",
+      BF16,
+      "adam_8bit(min_8bit_size=0)",
+      optax.chain(adam_8bit(lr, min_8bit_size=0), stochastic_rounding(0)),
+      False,
+    ),
+    (
+      "bfloat16 + adam_8bit (all leaves 8-bit, blocks of 2048) + stochastic rounding",
+      BF16,
+      "adam_8bit(block_size=2048, min_8bit_size=0)",
+      optax.chain(adam_8bit(lr, block_size=2048, min_8bit_size=0), stochastic_rounding(0)),
+      False,
+    ),
+    ("bfloat16 + adam_8bit + kahan", BF16, "adam_8bit", optax.chain(adam_8bit(lr), kahan_compensation()), False),
+    (
+      "bfloat16 + adam(bf16 mu, f32 nu) + stochastic rounding",
+      BF16,
+      "scale_by_narrow_adam(mu_dtype=bf16, nu_dtype=f32)",
+      optax.chain(
+        scale_by_narrow_adam(mu_dtype="bfloat16", nu_dtype="float32"),
+        optax.scale_by_learning_rate(lr),
+        stochastic_rounding(0),
+      ),
+      False,
+    ),
+    (
+      "bfloat16 + sgd_8bit + stochastic rounding",
+      BF16,
+      "sgd_8bit(0.9)",
+      optax.chain(sgd_8bit(lr, 0.9), stochastic_rounding(0)),
+      False,
+    ),
   ]
 
 
 def run(quick: bool) -> list[dict]:
   d_model, layers = (64, 1) if quick else (256, 2)
   model = models.TransformerBlock(
-      vocab_size=256, d_model=d_model, num_heads=4, mlp_dim=4 * d_model,
-      num_layers=layers, max_len=128,
+    vocab_size=256,
+    d_model=d_model,
+    num_heads=4,
+    mlp_dim=4 * d_model,
+    num_layers=layers,
+    max_len=128,
   )
   tokens = jnp.zeros((1, 16), jnp.int32)
   params32 = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
@@ -125,7 +174,8 @@ def run(quick: bool) -> list[dict]:
     total = params_bytes + copy_bytes + state_bytes
     if reference is None:
       reference = total
-    records.append({
+    records.append(
+      {
         "setup": setup,
         "weights": jnp.dtype(dtype).name,
         "optimizer": opt_name,
@@ -136,5 +186,6 @@ def run(quick: bool) -> list[dict]:
         "total_per_param": total / num_params,
         "vs_adam_master": total / reference,
         "num_params": num_params,
-    })
+      }
+    )
   return records

@@ -38,8 +38,9 @@ def settings(small: bool = False, steps: int = 200) -> DemoSettings:
   """The README's larger GPU size, or a tiny one (``small``)."""
   if small:
     return DemoSettings(d_model=16, seq_len=16, batch=8, steps=steps, plot=False, progress=False)
-  return DemoSettings(d_model=512, layers=6, seq_len=256, batch=64, steps=steps,
-                      learning_rate=0.05, plot=False, progress=False)
+  return DemoSettings(
+    d_model=512, layers=6, seq_len=256, batch=64, steps=steps, learning_rate=0.05, plot=False, progress=False
+  )
 
 
 def _compiled_step(name: str, s: DemoSettings):
@@ -50,8 +51,9 @@ def _compiled_step(name: str, s: DemoSettings):
   return task, step, state, compiled
 
 
-def window_times(name: str, steps: int = 200, window: int = 25,
-                 s: DemoSettings | None = None) -> tuple[list[float], float]:
+def window_times(
+  name: str, steps: int = 200, window: int = 25, s: DemoSettings | None = None
+) -> tuple[list[float], float]:
   """Milliseconds per step over each ``window`` steps, and the last train loss."""
   task, step, state, compiled = _compiled_step(name, s or settings(steps=steps))
   times, t0, metrics = [], time.perf_counter(), None
@@ -98,8 +100,13 @@ def _median_ms(compiled, state, batch, repeats: int) -> float:
   return statistics.median(times)
 
 
-def isolated_times(name: str, steps: int = 200, repeats: int = 20, s: DemoSettings | None = None,
-                   profile_dir: str | pathlib.Path | None = None) -> dict:
+def isolated_times(
+  name: str,
+  steps: int = 200,
+  repeats: int = 20,
+  s: DemoSettings | None = None,
+  profile_dir: str | pathlib.Path | None = None,
+) -> dict:
   """The step alone from the initial state and from the state after ``steps`` steps.
 
   Returns ``{"early_ms", "late_ms", "loss"}``, and with ``profile_dir``
@@ -113,9 +120,11 @@ def isolated_times(name: str, steps: int = 200, repeats: int = 20, s: DemoSettin
   for i in range(steps):
     state, metrics = compiled(state, step.shard_batch(task.train_batch(i)))
     jax.block_until_ready(state)
-  out = {"early_ms": _median_ms(compiled, early, batch, repeats),
-         "late_ms": _median_ms(compiled, state, batch, repeats),
-         "loss": float(metrics["loss"]) if metrics is not None else None}
+  out = {
+    "early_ms": _median_ms(compiled, early, batch, repeats),
+    "late_ms": _median_ms(compiled, state, batch, repeats),
+    "loss": float(metrics["loss"]) if metrics is not None else None,
+  }
   if profile_dir is not None:
     totals = {}
     for label, start in (("early", early), ("late", state)):
@@ -123,14 +132,12 @@ def isolated_times(name: str, steps: int = 200, repeats: int = 20, s: DemoSettin
         _median_ms(compiled, start, batch, 3)
       totals[label] = kernel_times(pathlib.Path(profile_dir) / label)
     names = set(totals["early"]) | set(totals["late"])
-    out["kernels"] = sorted(((k, totals["early"][k], totals["late"][k]) for k in names),
-                            key=lambda t: t[1] - t[2])
+    out["kernels"] = sorted(((k, totals["early"][k], totals["late"][k]) for k in names), key=lambda t: t[1] - t[2])
   return out
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.demo_step_time",
-                                   description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.demo_step_time", description=__doc__.split("\n\n")[0])
   parser.add_argument("config", choices=sorted(CONFIGS))
   parser.add_argument("steps", nargs="?", type=int, default=200)
   parser.add_argument("window", nargs="?", type=int, default=25)
@@ -145,12 +152,13 @@ def main(argv: list[str] | None = None) -> None:
   s = settings(args.small, args.steps)
   if not (args.isolated or args.profile):
     times, loss = window_times(args.config, args.steps, args.window, s)
-    print(f"{args.config}: ms/step per window: {' '.join(f'{t:.0f}' for t in times)}; "
-          f"loss {loss:.3f}")
+    print(f"{args.config}: ms/step per window: {' '.join(f'{t:.0f}' for t in times)}; loss {loss:.3f}")
     return
   r = isolated_times(args.config, args.steps, args.repeats, s, args.profile)
-  print(f"{args.config}: step alone {r['early_ms']:.2f} ms from the initial state, "
-        f"{r['late_ms']:.2f} ms after {args.steps} steps; loss {r['loss']:.3f}")
+  print(
+    f"{args.config}: step alone {r['early_ms']:.2f} ms from the initial state, "
+    f"{r['late_ms']:.2f} ms after {args.steps} steps; loss {r['loss']:.3f}"
+  )
   for name, early, late in r.get("kernels", [])[:15]:  # ns over 3 calls, in ms per step
     early, late = early / 3e6, late / 3e6
     print(f"  {late - early:+9.3f} ms/step  {early:9.3f} -> {late:9.3f}  {name}")

@@ -21,12 +21,12 @@ copyright = "The jmp_train Authors"
 version = release = jmp_train.__version__
 
 extensions = [
-    "myst_nb",  # Markdown (MyST) pages and notebooks; brings myst_parser.
-    "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
-    "sphinx.ext.napoleon",
-    "sphinx.ext.mathjax",
-    "jmp_api",  # docs/_ext: the API pages and the notebooks, at build time.
+  "myst_nb",  # Markdown (MyST) pages and notebooks; brings myst_parser.
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.mathjax",
+  "jmp_api",  # docs/_ext: the API pages and the notebooks, at build time.
 ]
 
 root_doc = "index"
@@ -59,29 +59,57 @@ add_module_names = False
 # own types are left as text.
 nitpicky = True
 _EXTERNAL = (
-    "jax", "jnp", "lax", "jaxlib", "np", "numpy", "optax", "flax", "nn", "nnx",
-    "linen", "chex", "orbax", "ocp", "typing", "typing_extensions",
-    "collections", "collections.abc", "abc", "dataclasses", "functools",
-    "enum", "types", "os", "pathlib", "matplotlib", "plt", "ml_dtypes", "tqdm",
+  "jax",
+  "jnp",
+  "lax",
+  "jaxlib",
+  "np",
+  "numpy",
+  "optax",
+  "flax",
+  "nn",
+  "nnx",
+  "linen",
+  "chex",
+  "orbax",
+  "ocp",
+  "typing",
+  "typing_extensions",
+  "collections",
+  "collections.abc",
+  "abc",
+  "dataclasses",
+  "functools",
+  "enum",
+  "types",
+  "os",
+  "pathlib",
+  "matplotlib",
+  "plt",
+  "ml_dtypes",
+  "tqdm",
 )
 nitpick_ignore_regex = [
-    (r"py:.*", r"(%s)(\..*)?" % "|".join(_EXTERNAL).replace(".", r"\.")),
-    # Python builtins and common informal type words in docstrings.
-    (r"py:.*", r"(None|True|False|Ellipsis|NotImplemented|callable|Callable|"
-     r"object|type|int|float|complex|bool|str|bytes|list|tuple|dict|set|"
-     r"frozenset|Any|Sequence|Mapping|Iterable|Iterator|Hashable|Literal|"
-     r"Optional|Union|NamedTuple|Protocol|TypeVar|Generic|ParamSpec|"
-     r"Exception|ValueError|TypeError|RuntimeError|KeyError|"
-     r"pytree|PyTree|PyTreeDef|Array|ArrayLike|DTypeLike|DType|dtype|"
-     r"ArrayTree|Params|Updates|Shape|PRNGKey|Pytree|optional)"),
+  (r"py:.*", r"(%s)(\..*)?" % "|".join(_EXTERNAL).replace(".", r"\.")),
+  # Python builtins and common informal type words in docstrings.
+  (
+    r"py:.*",
+    r"(None|True|False|Ellipsis|NotImplemented|callable|Callable|"
+    r"object|type|int|float|complex|bool|str|bytes|list|tuple|dict|set|"
+    r"frozenset|Any|Sequence|Mapping|Iterable|Iterator|Hashable|Literal|"
+    r"Optional|Union|NamedTuple|Protocol|TypeVar|Generic|ParamSpec|"
+    r"Exception|ValueError|TypeError|RuntimeError|KeyError|"
+    r"pytree|PyTree|PyTreeDef|Array|ArrayLike|DTypeLike|DType|dtype|"
+    r"ArrayTree|Params|Updates|Shape|PRNGKey|Pytree|optional)",
+  ),
 ]
 
 # Theme: the one optax, Flax and JAX use; search is Sphinx's own.
 html_theme = "sphinx_book_theme"
 html_title = "jmp_train"
 html_theme_options = {
-    "show_toc_level": 2,
-    "navigation_with_keys": False,
+  "show_toc_level": 2,
+  "navigation_with_keys": False,
 }
 html_static_path = []
 html_show_sourcelink = False

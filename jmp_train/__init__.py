@@ -83,7 +83,6 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train import flax as flax
 
 
-
 def _public_names() -> dict[str, str]:
   """Public name -> the module that defines it, read from the block above.
 

@@ -41,16 +41,16 @@ from jmp_train._src.fp8.flax_layers import NNXFp8ConvGeneralDilated
 from jmp_train._src.fp8.flax_layers import NNXFp8DotGeneral
 
 __all__ = (
-    "DEFAULT_FLOAT32_MODULES",
-    "FP8_COLLECTION",
-    "Float32LookupEmbed",
-    "Fp8ConvGeneralDilated",
-    "Fp8DotGeneral",
-    "Fp8Meta",
-    "NNXFp8ConvGeneralDilated",
-    "NNXFp8DotGeneral",
-    "LinenPolicyWrapper",
-    "NNXPolicyWrapper",
-    "apply_policy",
-    "dot_product_attention",
+  "DEFAULT_FLOAT32_MODULES",
+  "FP8_COLLECTION",
+  "Float32LookupEmbed",
+  "Fp8ConvGeneralDilated",
+  "Fp8DotGeneral",
+  "Fp8Meta",
+  "NNXFp8ConvGeneralDilated",
+  "NNXFp8DotGeneral",
+  "LinenPolicyWrapper",
+  "NNXPolicyWrapper",
+  "apply_policy",
+  "dot_product_attention",
 )

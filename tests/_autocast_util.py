@@ -25,12 +25,12 @@ TOKENS = (jnp.arange(2 * 8, dtype=jnp.int32).reshape(2, 8) * 7) % 32
 
 def _flax_cases():
   return {
-      "mlp": (models.MLP(features=(32, 32)), X_IMG),
-      "resnet": (models.ResNet(num_classes=8, stage_features=(8, 16)), X_IMG),
-      "transformer": (
-          models.TransformerBlock(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=8),
-          TOKENS,
-      ),
+    "mlp": (models.MLP(features=(32, 32)), X_IMG),
+    "resnet": (models.ResNet(num_classes=8, stage_features=(8, 16)), X_IMG),
+    "transformer": (
+      models.TransformerBlock(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=8),
+      TOKENS,
+    ),
   }
 
 
@@ -58,7 +58,7 @@ def _dtypes_of(fn, *args, names=MATMULS):
 def _matmul_signature(report):
   """The (phase, op, dtypes) counts of a ``diag.tensor_core_report``."""
   return collections.Counter(
-      (e.phase, e.op, e.lhs_dtype.name, e.rhs_dtype.name, e.out_dtype.name) for e in report.entries
+    (e.phase, e.op, e.lhs_dtype.name, e.rhs_dtype.name, e.out_dtype.name) for e in report.entries
   )
 
 

@@ -45,16 +45,16 @@ from flax import nnx
 from flax import struct
 
 __all__ = [
-    "CORPUS",
-    "CorpusModel",
-    "LinenResNet",
-    "LinenTransformerLM",
-    "NnxConvNet",
-    "NnxTransformerLM",
-    "TransformerConfig",
-    "image_batches",
-    "loss_fn",
-    "token_batches",
+  "CORPUS",
+  "CorpusModel",
+  "LinenResNet",
+  "LinenTransformerLM",
+  "NnxConvNet",
+  "NnxTransformerLM",
+  "TransformerConfig",
+  "image_batches",
+  "loss_fn",
+  "token_batches",
 ]
 
 IMAGE_SIZE = 8
@@ -82,8 +82,9 @@ def image_batches(num_batches: int, batch_size: int = 16, seed: int = 0):
   small conv net separates the classes within a few steps.
   """
   rng = np.random.default_rng(seed)
-  templates = (rng.normal(size=(NUM_CLASSES, 1, 1, CHANNELS))
-               + 0.5 * rng.normal(size=(NUM_CLASSES, IMAGE_SIZE, IMAGE_SIZE, CHANNELS)))
+  templates = rng.normal(size=(NUM_CLASSES, 1, 1, CHANNELS)) + 0.5 * rng.normal(
+    size=(NUM_CLASSES, IMAGE_SIZE, IMAGE_SIZE, CHANNELS)
+  )
   out = []
   for _ in range(num_batches):
     labels = rng.integers(0, NUM_CLASSES, batch_size).astype(np.int32)
@@ -143,11 +144,16 @@ class LinenResNet(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
-    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
-                             param_dtype=self.param_dtype)
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                             epsilon=1e-5, axis_name=AXIS, dtype=self.dtype,
-                             param_dtype=self.param_dtype)
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+    norm = functools.partial(
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=0.9,
+      epsilon=1e-5,
+      axis_name=AXIS,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+    )
     x = conv(self.width, (3, 3), name="conv_init")(x)
     x = nn.relu(norm(name="bn_init")(x))
     for i in range(self.num_blocks):
@@ -189,9 +195,14 @@ class DecoderBlock(nn.Module):
     dense = functools.partial(nn.Dense, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     y = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)(x)
     y = nn.MultiHeadDotProductAttention(
-        num_heads=cfg.num_heads, qkv_features=cfg.emb_dim, use_bias=False,
-        broadcast_dropout=False, dropout_rate=cfg.attention_dropout_rate,
-        deterministic=cfg.deterministic, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+      num_heads=cfg.num_heads,
+      qkv_features=cfg.emb_dim,
+      use_bias=False,
+      broadcast_dropout=False,
+      dropout_rate=cfg.attention_dropout_rate,
+      deterministic=cfg.deterministic,
+      dtype=cfg.dtype,
+      param_dtype=cfg.param_dtype,
     )(y, mask=mask)
     x = x + y
     z = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)(x)
@@ -209,18 +220,27 @@ class LinenTransformerLM(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, train: bool = True) -> jax.Array:
     cfg = self.config.replace(deterministic=not train)
-    embed = nn.Embed(cfg.vocab_size, cfg.emb_dim, dtype=cfg.dtype,
-                     param_dtype=cfg.param_dtype,
-                     embedding_init=nn.initializers.normal(stddev=1.0), name="embed")
+    embed = nn.Embed(
+      cfg.vocab_size,
+      cfg.emb_dim,
+      dtype=cfg.dtype,
+      param_dtype=cfg.param_dtype,
+      embedding_init=nn.initializers.normal(stddev=1.0),
+      name="embed",
+    )
     x = embed(tokens.astype("int32"))
-    pos = self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
-                     (1, cfg.max_len, cfg.emb_dim), cfg.param_dtype)
+    pos = self.param(
+      "pos_embedding", nn.initializers.normal(stddev=0.02), (1, cfg.max_len, cfg.emb_dim), cfg.param_dtype
+    )
     x = x + pos[:, : tokens.shape[1]]
     mask = nn.make_causal_mask(tokens, dtype=cfg.dtype)
     block = nn.remat(DecoderBlock, prevent_cse=False)
     x, _ = nn.scan(
-        block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-        in_axes=nn.broadcast, length=cfg.num_layers,
+      block,
+      variable_axes={"params": 0},
+      split_rngs={"params": True, "dropout": True},
+      in_axes=nn.broadcast,
+      length=cfg.num_layers,
     )(cfg, name="decoder")(x, mask)
     x = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="final_norm")(x)
     logits = embed.attend(x.astype(cfg.dtype))
@@ -234,12 +254,21 @@ class LinenTransformerLM(nn.Module):
 class NnxConvNet(nnx.Module):
   """Stem conv-bn-relu, one residual conv-bn, pool, dropout, Linear head."""
 
-  def __init__(self, width: int = 16, num_classes: int = NUM_CLASSES, *,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    conv = functools.partial(nnx.Conv, kernel_size=(3, 3), use_bias=False, dtype=dtype,
-                             param_dtype=param_dtype, rngs=rngs)
-    norm = functools.partial(nnx.BatchNorm, momentum=0.9, epsilon=1e-5, axis_name=AXIS,
-                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+  def __init__(
+    self,
+    width: int = 16,
+    num_classes: int = NUM_CLASSES,
+    *,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    conv = functools.partial(
+      nnx.Conv, kernel_size=(3, 3), use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
+    norm = functools.partial(
+      nnx.BatchNorm, momentum=0.9, epsilon=1e-5, axis_name=AXIS, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
     self.conv_init = conv(CHANNELS, width)
     self.bn_init = norm(width)
     self.conv1 = conv(width, width)
@@ -247,8 +276,7 @@ class NnxConvNet(nnx.Module):
     self.conv2 = conv(width, width)
     self.bn2 = norm(width, scale_init=nnx.initializers.zeros_init())
     self.dropout = nnx.Dropout(0.1, rngs=rngs)
-    self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype,
-                           rngs=rngs)
+    self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = nnx.relu(self.bn_init(self.conv_init(x)))
@@ -269,8 +297,14 @@ class NnxDecoderBlock(nnx.Module):
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
     self.ln1 = nnx.LayerNorm(cfg.emb_dim, **kw)
     self.attn = nnx.MultiHeadAttention(
-        num_heads=cfg.num_heads, in_features=cfg.emb_dim, qkv_features=cfg.emb_dim,
-        use_bias=False, dropout_rate=0.0, decode=False, **kw)
+      num_heads=cfg.num_heads,
+      in_features=cfg.emb_dim,
+      qkv_features=cfg.emb_dim,
+      use_bias=False,
+      dropout_rate=0.0,
+      decode=False,
+      **kw,
+    )
     self.ln2 = nnx.LayerNorm(cfg.emb_dim, **kw)
     self.mlp_in = nnx.Linear(cfg.emb_dim, cfg.mlp_dim, **kw)
     self.mlp_out = nnx.Linear(cfg.mlp_dim, cfg.emb_dim, **kw)
@@ -288,12 +322,17 @@ class NnxTransformerLM(nnx.Module):
   def __init__(self, cfg: TransformerConfig | None = None, *, rngs: nnx.Rngs):
     cfg = cfg or TransformerConfig()
     self.num_layers = cfg.num_layers
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, dtype=cfg.dtype,
-                           param_dtype=cfg.param_dtype,
-                           embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
+    self.embed = nnx.Embed(
+      cfg.vocab_size,
+      cfg.emb_dim,
+      dtype=cfg.dtype,
+      param_dtype=cfg.param_dtype,
+      embedding_init=nnx.initializers.normal(stddev=1.0),
+      rngs=rngs,
+    )
     self.pos_embedding = nnx.Param(
-        0.02 * jax.random.normal(rngs.params(), (1, cfg.max_len, cfg.emb_dim),
-                                 cfg.param_dtype))
+      0.02 * jax.random.normal(rngs.params(), (1, cfg.max_len, cfg.emb_dim), cfg.param_dtype)
+    )
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -301,8 +340,7 @@ class NnxTransformerLM(nnx.Module):
       return NnxDecoderBlock(cfg, rngs=rngs)
 
     self.blocks = create_block(rngs)
-    self.final_norm = nnx.LayerNorm(cfg.emb_dim, dtype=cfg.dtype,
-                                    param_dtype=cfg.param_dtype, rngs=rngs)
+    self.final_norm = nnx.LayerNorm(cfg.emb_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
     self.dtype = cfg.dtype
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -352,15 +390,14 @@ def _init_linen(model: nn.Module, inputs: np.ndarray) -> dict:
 
 
 CORPUS = {
-    "linen_resnet": CorpusModel("linen_resnet", "linen", LinenResNet, image_batches),
-    "linen_transformer": CorpusModel("linen_transformer", "linen", LinenTransformerLM,
-                                     token_batches),
-    "nnx_convnet": CorpusModel(
-        "nnx_convnet", "nnx", lambda: NnxConvNet(rngs=nnx.Rngs(params=0, dropout=1)),
-        image_batches),
-    "nnx_transformer": CorpusModel(
-        "nnx_transformer", "nnx",
-        lambda: NnxTransformerLM(rngs=nnx.Rngs(params=0, dropout=1)), token_batches),
+  "linen_resnet": CorpusModel("linen_resnet", "linen", LinenResNet, image_batches),
+  "linen_transformer": CorpusModel("linen_transformer", "linen", LinenTransformerLM, token_batches),
+  "nnx_convnet": CorpusModel(
+    "nnx_convnet", "nnx", lambda: NnxConvNet(rngs=nnx.Rngs(params=0, dropout=1)), image_batches
+  ),
+  "nnx_transformer": CorpusModel(
+    "nnx_transformer", "nnx", lambda: NnxTransformerLM(rngs=nnx.Rngs(params=0, dropout=1)), token_batches
+  ),
 }
 
 

@@ -62,7 +62,7 @@ def batch(i, pid, n, per_process=8):
   rng = np.random.default_rng(1000 + i)
   x = rng.normal(size=(n * per_process, 8)).astype(np.float32)
   y = np.tanh(x @ np.linspace(-1, 1, 8 * 4, dtype=np.float32).reshape(8, 4))
-  return x[pid * per_process:(pid + 1) * per_process], y[pid * per_process:(pid + 1) * per_process]
+  return x[pid * per_process : (pid + 1) * per_process], y[pid * per_process : (pid + 1) * per_process]
 
 
 def make_step(mesh=None):
@@ -75,20 +75,27 @@ def make_step(mesh=None):
     return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
 
   return jmp_train.make_train_step(
-      apply_fn, lambda out, y: jnp.mean((out - y) ** 2), None,
-      compression=jmp_train.one_bit_adam(3e-2, axis_name="batch", warmup_steps=WARMUP),
-      policy="mixed_float16", mode="shard_map", mesh=mesh,
-      # Grows every 4 good steps from 2^14: float16 overflows on the way.
-      loss_scale=jmp_train.DynamicLossScale(2.0**14, growth_interval=4))
+    apply_fn,
+    lambda out, y: jnp.mean((out - y) ** 2),
+    None,
+    compression=jmp_train.one_bit_adam(3e-2, axis_name="batch", warmup_steps=WARMUP),
+    policy="mixed_float16",
+    mode="shard_map",
+    mesh=mesh,
+    # Grows every 4 good steps from 2^14: float16 overflows on the way.
+    loss_scale=jmp_train.DynamicLossScale(2.0**14, growth_interval=4),
+  )
 
 
 def params():
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(0)
-  return {"w1": (rng.normal(size=(8, 16)) * 0.3).astype(np.float32),
-          "b1": np.zeros(16, np.float32),
-          "w2": (rng.normal(size=(16, 4)) * 0.3).astype(np.float32)}
+  return {
+    "w1": (rng.normal(size=(8, 16)) * 0.3).astype(np.float32),
+    "b1": np.zeros(16, np.float32),
+    "w2": (rng.normal(size=(16, 4)) * 0.3).astype(np.float32),
+  }
 
 
 def local_replicas(state) -> dict:
@@ -120,9 +127,13 @@ def main(argv) -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   # A peer that dies stops sending heartbeats: the others stop within
   # HEARTBEAT_S instead of waiting in a collective for ever.
-  jax.distributed.initialize(f"127.0.0.1:{a.port}", num_processes=a.n, process_id=a.pid,
-                             heartbeat_timeout_seconds=HEARTBEAT_S,
-                             shutdown_timeout_seconds=HEARTBEAT_S)
+  jax.distributed.initialize(
+    f"127.0.0.1:{a.port}",
+    num_processes=a.n,
+    process_id=a.pid,
+    heartbeat_timeout_seconds=HEARTBEAT_S,
+    shutdown_timeout_seconds=HEARTBEAT_S,
+  )
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import jmp_train  # pylint: disable=g-import-not-at-top
@@ -133,8 +144,9 @@ def main(argv) -> int:
   manager = None
   begin = 0
   if a.checkpointer == "manager":
-    manager = ocp.CheckpointManager(ckpt, options=ocp.CheckpointManagerOptions(
-        save_interval_steps=a.every, enable_async_checkpointing=True))
+    manager = ocp.CheckpointManager(
+      ckpt, options=ocp.CheckpointManagerOptions(save_interval_steps=a.every, enable_async_checkpointing=True)
+    )
     latest = manager.latest_step()
     if latest is not None:
       state = manager.restore(latest, args=ocp.args.StandardRestore(state))
@@ -168,8 +180,9 @@ def main(argv) -> int:
   jax.block_until_ready(metrics)
   if a.dump:
     np.savez(a.dir / f"state{a.pid}.npz", **local_replicas(state))
-    print(f"process {a.pid}: loss scale {float(metrics['loss_scale'])}, "
-          f"skipped {int(metrics['skipped_steps'])}", flush=True)
+    print(
+      f"process {a.pid}: loss scale {float(metrics['loss_scale'])}, skipped {int(metrics['skipped_steps'])}", flush=True
+    )
   jax.distributed.shutdown()
   return 0
 

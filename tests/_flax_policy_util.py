@@ -34,20 +34,16 @@ def _nnx_resnet():
 
 
 def _transformer():
-  return models.TransformerBlock(
-      vocab_size=32, d_model=32, num_heads=4, mlp_dim=64, max_len=8
-  )
+  return models.TransformerBlock(vocab_size=32, d_model=32, num_heads=4, mlp_dim=64, max_len=8)
 
 
 def _nnx_transformer():
-  return models.NNXTransformerBlock(
-      vocab_size=32, d_model=32, num_heads=4, mlp_dim=64, max_len=8, rngs=nnx.Rngs(0)
-  )
+  return models.NNXTransformerBlock(vocab_size=32, d_model=32, num_heads=4, mlp_dim=64, max_len=8, rngs=nnx.Rngs(0))
 
 
 MODELS = {
-    "resnet": (_resnet, _nnx_resnet, X_IMG),
-    "transformer": (_transformer, _nnx_transformer, TOKENS),
+  "resnet": (_resnet, _nnx_resnet, X_IMG),
+  "transformer": (_transformer, _nnx_transformer, TOKENS),
 }
 
 
@@ -75,21 +71,15 @@ def fill(shapes, seed=0):
   return jax.tree_util.tree_map_with_path(leaf, shapes)
 
 
-
-
 def make_linen_variables():
   """Float32 variables of each linen model (no compilation)."""
-  return {
-      name: fill(jax.eval_shape(make().init, jax.random.key(0), x))
-      for name, (make, _, x) in MODELS.items()
-  }
+  return {name: fill(jax.eval_shape(make().init, jax.random.key(0), x)) for name, (make, _, x) in MODELS.items()}
 
 
 def nnx_twin(name, variables):
   """The NNX twin holding the linen variables (built abstractly, no compile)."""
   abstract = nnx.eval_shape(MODELS[name][1])
   return models.nnx_with_linen_variables(abstract, variables)
-
 
 
 # --------------------------------------------------------------------------

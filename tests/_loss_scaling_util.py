@@ -25,8 +25,7 @@ def _params(dtype):
 
 def _np_grads(dtype, scale=1.0, bad=None):
   """Gradients scaled by ``scale``, optionally with one non-finite entry."""
-  g = {"w": (np.array(_GW, np.float32) * scale).astype(dtype),
-       "b": (np.array(_GB, np.float32) * scale).astype(dtype)}
+  g = {"w": (np.array(_GW, np.float32) * scale).astype(dtype), "b": (np.array(_GB, np.float32) * scale).astype(dtype)}
   if bad is not None:
     g["w"][1, 0] = bad
   return g
@@ -43,8 +42,7 @@ def _grads(dtype, scale=1.0, bad=None):
 
 def _bits(tree):
   """Leaves as raw bytes: equality is bit-for-bit (NaN payloads, -0.0)."""
-  return [(np.asarray(x).dtype, np.asarray(x).tobytes())
-          for x in jax.tree.leaves(tree)]
+  return [(np.asarray(x).dtype, np.asarray(x).tobytes()) for x in jax.tree.leaves(tree)]
 
 
 def _assert_bitwise_equal(a, b):

@@ -15,10 +15,7 @@ import sys
 
 if __name__ == "__main__":
   # Before jax is imported: 2 CPU devices in this process.
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " "
-      "--xla_force_host_platform_device_count=2"
-  )
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -37,9 +34,9 @@ def initial_params(rng: np.random.Generator | None = None) -> dict[str, np.ndarr
   """The MLP's initial parameters (drawn first from ``rng``, seed 0 by default)."""
   rng = np.random.default_rng(0) if rng is None else rng
   return {
-      "w1": (rng.normal(size=(6, 16)) * 0.3).astype(np.float32),
-      "b1": np.zeros((16,), np.float32),
-      "w2": (rng.normal(size=(16, 3)) * 0.3).astype(np.float32),
+    "w1": (rng.normal(size=(6, 16)) * 0.3).astype(np.float32),
+    "b1": np.zeros((16,), np.float32),
+    "w2": (rng.normal(size=(16, 3)) * 0.3).astype(np.float32),
   }
 
 
@@ -63,9 +60,7 @@ def train(devices, steps: int = STEPS, collectives: dict | None = None) -> dict[
   tx = optax.chain(sign_compression(AXIS, scale="column"), optax.sgd(0.1, momentum=0.9))
 
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  state_shapes = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params
-  )
+  state_shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
   specs = sign_compression_specs(state_shapes, AXIS)
   opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
 
@@ -83,17 +78,12 @@ def train(devices, steps: int = STEPS, collectives: dict | None = None) -> dict[
     updates, s = tx.update(grads, s, p)
     return optax.apply_updates(p, updates), s
 
-  step = jax.jit(
-      jax.shard_map(
-          local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)
-      )
-  )
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
   batch_sharding = NamedSharding(mesh, P(AXIS))
   for t in range(steps):
     # Each process builds only the shards of its own devices.
     batch = tuple(
-        jax.make_array_from_callback(a.shape, batch_sharding, lambda i, a=a: a[i])
-        for a in (x_all[t], y_all[t])
+      jax.make_array_from_callback(a.shape, batch_sharding, lambda i, a=a: a[i]) for a in (x_all[t], y_all[t])
     )
     if collectives is not None and t == 0:
       collectives.update(collective_bytes(step.lower(params, opt_state, batch).compile()))
@@ -106,9 +96,9 @@ def main(argv: list[str]) -> int:
   process_id, num_processes, port, out = int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{port}",
-      num_processes=num_processes,
-      process_id=process_id,
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
   )
   assert jax.process_count() == num_processes
   assert jax.local_device_count() == 2

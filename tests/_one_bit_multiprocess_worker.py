@@ -27,10 +27,7 @@ import sys
 
 if __name__ == "__main__":
   # Before jax is imported: 2 CPU devices in this process.
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " "
-      f"--xla_force_host_platform_device_count={sys.argv[6]}"
-  )
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={sys.argv[6]}"
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -50,9 +47,9 @@ def initial_params(rng: np.random.Generator | None = None) -> dict[str, np.ndarr
   """The MLP's initial parameters (drawn first from ``rng``, seed 0 by default)."""
   rng = np.random.default_rng(0) if rng is None else rng
   return {
-      "w1": (rng.normal(size=(6, 16)) * 0.3).astype(np.float32),
-      "b1": np.zeros((16,), np.float32),
-      "w2": (rng.normal(size=(16, 3)) * 0.3).astype(np.float32),
+    "w1": (rng.normal(size=(6, 16)) * 0.3).astype(np.float32),
+    "b1": np.zeros((16,), np.float32),
+    "w2": (rng.normal(size=(16, 3)) * 0.3).astype(np.float32),
   }
 
 
@@ -74,15 +71,14 @@ def train(devices, optimizer: str, steps: int = STEPS) -> dict[str, np.ndarray]:
   y_all = np.tanh(x_all @ rng.normal(size=(6, 3))).astype(np.float32)
   if optimizer == "adam":
     # rescale_variance adds a float all-reduce to every step after warm-up.
-    tx = one_bit_adam(1e-2, weight_decay=0.01, axis_name=AXIS, warmup_steps=WARMUP,
-                      rescale_variance=True, clip_step=True)
+    tx = one_bit_adam(
+      1e-2, weight_decay=0.01, axis_name=AXIS, warmup_steps=WARMUP, rescale_variance=True, clip_step=True
+    )
   else:
     tx = one_bit_momentum(0.1, 0.9, axis_name=AXIS, nesterov=True)
 
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  state_shapes = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params
-  )
+  state_shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
   specs = sign_compression_specs(state_shapes, AXIS)
   opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
 
@@ -97,14 +93,11 @@ def train(devices, optimizer: str, steps: int = STEPS) -> dict[str, np.ndarray]:
     updates, s = tx.update(grads, s, p)
     return optax.apply_updates(p, updates), s
 
-  step = jax.jit(
-      jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
-  )
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
   batch_sharding = NamedSharding(mesh, P(AXIS))
   for t in range(steps):
     batch = tuple(
-        jax.make_array_from_callback(a.shape, batch_sharding, lambda i, a=a: a[i])
-        for a in (x_all[t], y_all[t])
+      jax.make_array_from_callback(a.shape, batch_sharding, lambda i, a=a: a[i]) for a in (x_all[t], y_all[t])
     )
     params, opt_state = jax.block_until_ready(step(params, opt_state, batch))
   out = {name: np.asarray(v.addressable_data(0)) for name, v in params.items()}
@@ -123,9 +116,9 @@ def main(argv: list[str]) -> int:
   optimizer, devices = argv[5], int(argv[6])
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{port}",
-      num_processes=num_processes,
-      process_id=process_id,
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
   )
   assert jax.process_count() == num_processes
   assert jax.local_device_count() == devices

@@ -16,7 +16,6 @@ SHAPES = {"b": (5,), "conv": (2, 2, 3, 4), "w": (6, 3)}
 B1, B2, EPS = 0.9, 0.999, 1e-8
 
 
-
 def make_tree(k, seed, dtype=jnp.float32, scale=1.0):
   rng = np.random.default_rng(seed)
   return {n: jnp.asarray(rng.normal(size=(k,) + s) * scale, dtype) for n, s in SHAPES.items()}
@@ -31,9 +30,9 @@ def pmapped(k, factory, **kwargs):
   tx = factory(axis_name=AXIS, **kwargs)
   devices = jax.devices()[:k]
   return (
-      tx,
-      jax.pmap(tx.init, axis_name=AXIS, devices=devices),
-      jax.pmap(tx.update, axis_name=AXIS, devices=devices),
+    tx,
+    jax.pmap(tx.init, axis_name=AXIS, devices=devices),
+    jax.pmap(tx.update, axis_name=AXIS, devices=devices),
   )
 
 

@@ -35,8 +35,7 @@ def run_workers(script: str, argv_per_process: list[list[str]], timeout: float) 
   running after ``timeout`` seconds, or after another failed, is killed.
   """
   port = str(free_port())
-  commands = [[sys.executable, str(HERE / script), *(a.format(port=port) for a in argv)]
-              for argv in argv_per_process]
+  commands = [[sys.executable, str(HERE / script), *(a.format(port=port) for a in argv)] for argv in argv_per_process]
   for code, log in run_processes(commands, worker_env(), timeout=timeout):
     assert code == 0, log[-4000:]
 

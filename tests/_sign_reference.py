@@ -31,8 +31,15 @@ MIXED_DTYPES = {"conv": jnp.float32, "dense": jnp.bfloat16, "bias": jnp.float16,
 # boundaries for K = 3 and 8, a chunk boundary on a column start (K = 8) and
 # columns longer than a chunk ("i", K = 8).
 WIDE_SHAPES = {
-    "a": (64, 24), "b": (8,), "c": (4, 8, 6), "d": (3,), "e": (48, 5), "f": (5,),
-    "g": (48, 40), "h": (24, 3), "i": (1024, 2),
+  "a": (64, 24),
+  "b": (8,),
+  "c": (4, 8, 6),
+  "d": (3,),
+  "e": (48, 5),
+  "f": (5,),
+  "g": (48, 40),
+  "h": (24, 3),
+  "i": (1024, 2),
 }
 
 
@@ -224,8 +231,7 @@ def make_grads(k, seed, dtypes=None, shapes=SHAPES):
   rng = np.random.default_rng(seed)
   dtypes = dtypes or {}
   return {
-      name: jnp.asarray(rng.normal(size=(k,) + shape), dtypes.get(name, jnp.float32))
-      for name, shape in shapes.items()
+    name: jnp.asarray(rng.normal(size=(k,) + shape), dtypes.get(name, jnp.float32)) for name, shape in shapes.items()
   }
 
 

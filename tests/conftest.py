@@ -10,9 +10,7 @@ import os
 # skipping LLVM's optimization passes (XLA's HLO passes, fusion included,
 # still run) cuts the suite's compile time by about a quarter.
 os.environ["XLA_FLAGS"] = (
-    "--xla_backend_optimization_level=0 "
-    + os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
+  "--xla_backend_optimization_level=0 " + os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No persistent compilation cache by default: CI starts from a clean clone,
@@ -31,9 +29,7 @@ NUM_DEVICES = 8
 def pytest_configure(config):
   del config
   # Fail loudly (not skip) when the simulated devices are missing.
-  assert jax.device_count() == NUM_DEVICES, (
-      f"expected {NUM_DEVICES} simulated CPU devices, got {jax.devices()}"
-  )
+  assert jax.device_count() == NUM_DEVICES, f"expected {NUM_DEVICES} simulated CPU devices, got {jax.devices()}"
 
 
 # The longest tests (notebooks, the demo, the benchmarks' quick runs) go

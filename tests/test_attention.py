@@ -29,13 +29,13 @@ def _masks(q_len, kv_len):
   rng = np.random.default_rng(1)
   padding = jnp.asarray(rng.random((2, 1, 1, kv_len)) > 0.3).at[..., 0].set(True)
   return {
-      "none": {},
-      "causal": {"is_causal": True},
-      "tril_mask": {"mask": jnp.tril(jnp.ones((q_len, kv_len), bool))},
-      "padding_mask": {"mask": padding},
-      "float_mask": {"mask": padding.astype(F32)},  # nn.make_attention_mask's
-      "bias": {"bias": jnp.asarray(rng.standard_normal((4, q_len, kv_len)), F32)},
-      "causal_and_mask": {"is_causal": True, "mask": padding},
+    "none": {},
+    "causal": {"is_causal": True},
+    "tril_mask": {"mask": jnp.tril(jnp.ones((q_len, kv_len), bool))},
+    "padding_mask": {"mask": padding},
+    "float_mask": {"mask": padding.astype(F32)},  # nn.make_attention_mask's
+    "bias": {"bias": jnp.asarray(rng.standard_normal((4, q_len, kv_len)), F32)},
+    "causal_and_mask": {"is_causal": True, "mask": padding},
   }
 
 
@@ -49,17 +49,17 @@ def test_fused_and_explicit_paths_agree(dtype, q_len):
   def both(q, k, v):
     out = {}
     for name, kw in _masks(q_len, 8).items():
-      out[name] = [
-          attention.dot_product_attention(q, k, v, implementation=impl, **kw)
-          for impl in ("xla", "explicit")
-      ]
+      out[name] = [attention.dot_product_attention(q, k, v, implementation=impl, **kw) for impl in ("xla", "explicit")]
     return out
 
   for name, (fused, explicit) in both(q, k, v).items():
     assert fused.dtype == explicit.dtype == dtype, name
     np.testing.assert_allclose(
-        np.asarray(fused, F32), np.asarray(explicit, F32),
-        atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype], err_msg=name,
+      np.asarray(fused, F32),
+      np.asarray(explicit, F32),
+      atol=TOLERANCE[dtype],
+      rtol=TOLERANCE[dtype],
+      err_msg=name,
     )
 
 
@@ -70,8 +70,9 @@ def test_causal_is_aligned_bottom_right_like_flax():
   @jax.jit  # one program for the reference and both paths
   def outputs(q, k, v):
     ref = nn.dot_product_attention(q, k, v, mask=mask)
-    return ref, [attention.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-                 for impl in ("xla", "explicit")]
+    return ref, [
+      attention.dot_product_attention(q, k, v, is_causal=True, implementation=impl) for impl in ("xla", "explicit")
+    ]
 
   ref, outs = outputs(q, k, v)
   for out in outs:
@@ -79,14 +80,14 @@ def test_causal_is_aligned_bottom_right_like_flax():
 
 
 @pytest.mark.parametrize(
-    "kwargs, reason",
-    [
-        ({"dropout": True}, "dropout"),
-        ({"sow": True}, "sown"),
-        ({"precision": jax.lax.Precision.HIGHEST}, "precision"),
-        ({"force_fp32_for_softmax": False}, "half-precision softmax"),
-        ({"dtype": jnp.float64}, "float64"),
-    ],
+  "kwargs, reason",
+  [
+    ({"dropout": True}, "dropout"),
+    ({"sow": True}, "sown"),
+    ({"precision": jax.lax.Precision.HIGHEST}, "precision"),
+    ({"force_fp32_for_softmax": False}, "half-precision softmax"),
+    ({"dtype": jnp.float64}, "float64"),
+  ],
 )
 def test_what_rules_out_the_fused_path(kwargs, reason):
   q, k, v = _qkv(BF16)
@@ -97,13 +98,16 @@ def test_what_rules_out_the_fused_path(kwargs, reason):
   assert "head sizes" in attention.fused_attention_unsupported(q, k, v[..., :8])
 
 
-@pytest.mark.parametrize("shapes, message", [
+@pytest.mark.parametrize(
+  "shapes, message",
+  [
     (((2, 8, 4, 16), (2, 8, 4, 15), (2, 8, 4, 16)), "query and key head_dim must match"),
     (((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)), "num_heads must match"),
     (((2, 8, 4, 16), (2, 8, 4, 16), (2, 9, 4, 16)), "key and value lengths must match"),
     (((2, 8, 4, 16), (3, 8, 4, 16), (3, 8, 4, 16)), "batch dimensions must match"),
     (((8, 16), (8, 16), (8, 16)), "same rank, at least 3"),
-])
+  ],
+)
 def test_shapes_that_do_not_fit_are_named(shapes, message):
   q, k, v = (jnp.ones(s, BF16) for s in shapes)
   with pytest.raises(ValueError, match=message):
@@ -117,16 +121,14 @@ def test_fallbacks_still_compute_and_explicit_choices_raise():
   dropped = attention.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=key)
   assert dropped.dtype == BF16
   with pytest.raises(ValueError, match="dropout"):
-    attention.dot_product_attention(
-        q, k, v, dropout_rate=0.5, dropout_rng=key, implementation="xla")
+    attention.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=key, implementation="xla")
   with pytest.raises(ValueError, match="implementation must be one of"):
     attention.dot_product_attention(q, k, v, implementation="flash")
   if cuda_versions is None:
     # No CUDA plugin, so no cuDNN: "cudnn" raises cuDNN's own error. (Where
     # cuDNN is installed, tracing it succeeds even on the CPU backend.)
     with pytest.raises(attention._CUDNN_REFUSALS):
-      jax.eval_shape(lambda *a: attention.dot_product_attention(*a, implementation="cudnn"),
-                     q, k, v)
+      jax.eval_shape(lambda *a: attention.dot_product_attention(*a, implementation="cudnn"), q, k, v)
 
 
 def test_auto_keeps_every_matmul_in_half_precision_off_gpu():
@@ -136,8 +138,9 @@ def test_auto_keeps_every_matmul_in_half_precision_off_gpu():
   q, k, v = _qkv(BF16)
 
   def loss(impl):
-    return lambda q, k, v: jnp.sum(attention.dot_product_attention(
-        q, k, v, is_causal=True, implementation=impl).astype(F32))
+    return lambda q, k, v: jnp.sum(
+      attention.dot_product_attention(q, k, v, is_causal=True, implementation=impl).astype(F32)
+    )
 
   diagnostics.precision_audit(loss("auto"), q, k, v, backward=True).assert_clean()
   xla = diagnostics.precision_audit(loss("xla"), q, k, v, backward=True)
@@ -158,8 +161,7 @@ def pretend_cudnn(monkeypatch):
 
 
 def _transformer_loss(policy):
-  model = jmp_train.flax.apply_policy(
-      nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32), policy)
+  model = jmp_train.flax.apply_policy(nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32), policy)
   x = jnp.ones((2, 16, 32), F32)
   variables = jax.eval_shape(model.init, jax.random.key(0), x)
 
@@ -176,8 +178,7 @@ def test_policy_routes_attention_through_cudnn_and_the_audit_knows_it(pretend_cu
   report = diagnostics.precision_audit(loss, variables, x, backward=True)
   report.assert_clean()
   assert report.fused_attention == 2  # the forward and the backward kernel
-  assert "dot_product_attention_bwd" in str(
-      jax.make_jaxpr(jax.grad(loss))(variables, x))
+  assert "dot_product_attention_bwd" in str(jax.make_jaxpr(jax.grad(loss))(variables, x))
 
 
 def test_cudnn_refusal_falls_back_to_the_explicit_path(pretend_cudnn, monkeypatch):

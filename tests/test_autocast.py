@@ -16,8 +16,20 @@ import jmp_train.flax as jflax
 from jmp_train._src.autocast.transform import autocast
 
 from _autocast_util import (
-    BF16, F16, F32, HALF, POLICIES, TOKENS, X_IMG, _dtypes_of, _eqns, _flax_cases,
-    _flax_variables, _matmul_signature, _rel_err, _xent,
+  BF16,
+  F16,
+  F32,
+  HALF,
+  POLICIES,
+  TOKENS,
+  X_IMG,
+  _dtypes_of,
+  _eqns,
+  _flax_cases,
+  _flax_variables,
+  _matmul_signature,
+  _rel_err,
+  _xent,
 )
 
 
@@ -27,9 +39,9 @@ from _autocast_util import (
 
 # float16 is slow to compile on XLA:CPU: the larger models' float16 cases are slow tests.
 _FLAX_PARAMS = [
-    pytest.param(name, half, id=f"{name}-{half.name}",
-                 marks=[pytest.mark.slow] if name != "mlp" and half == F16 else [])
-    for name in ("mlp", "resnet", "transformer") for half in HALF
+  pytest.param(name, half, id=f"{name}-{half.name}", marks=[pytest.mark.slow] if name != "mlp" and half == F16 else [])
+  for name in ("mlp", "resnet", "transformer")
+  for half in HALF
 ]
 
 
@@ -54,8 +66,7 @@ def test_flax_models_match_apply_policy(name, half):
 
   # The same matmuls in the same dtypes, forward and backward.
   report = diag.tensor_core_report(cast, variables, x, backward=True)
-  assert _matmul_signature(report) == _matmul_signature(
-      diag.tensor_core_report(reference, variables, x, backward=True))
+  assert _matmul_signature(report) == _matmul_signature(diag.tensor_core_report(reference, variables, x, backward=True))
   assert _dtypes_of(cast, variables, x) == {half}
   # Float32 regions: both audits clean (exp, log, rsqrt, large sums in
   # float32; no float32 matmul; float32 outputs).
@@ -66,8 +77,7 @@ def test_flax_models_match_apply_policy(name, half):
 
   # Outputs and gradients within half-precision rounding of each other and
   # of float32.
-  (out, g), (out_ref, g_ref) = jax.jit(
-      lambda v: [_out_and_grad(a, v, x) for a in (cast, reference)])(variables)
+  (out, g), (out_ref, g_ref) = jax.jit(lambda v: [_out_and_grad(a, v, x) for a in (cast, reference)])(variables)
   out32, g32 = _float32_out_and_grad(name)
   assert out.dtype == F32
   tol = 8 * float(jnp.finfo(half).eps)
@@ -84,11 +94,10 @@ def test_flax_models_match_apply_policy(name, half):
 def test_resnet_train_mode_keeps_batch_stats_float32():
   model, x = _flax_cases()["resnet"]
   variables = _flax_variables("resnet")
-  fn = autocast(
-      functools.partial(model.apply, train=True, mutable=["batch_stats"]), "mixed_float16"
+  fn = autocast(functools.partial(model.apply, train=True, mutable=["batch_stats"]), "mixed_float16")
+  (out, state), (_, state32) = jax.jit(lambda v: (fn(v, x), model.apply(v, x, train=True, mutable=["batch_stats"])))(
+    variables
   )
-  (out, state), (_, state32) = jax.jit(lambda v: (
-      fn(v, x), model.apply(v, x, train=True, mutable=["batch_stats"])))(variables)
   assert out.dtype == F32
   for leaf, leaf32 in zip(jax.tree.leaves(state), jax.tree.leaves(state32)):
     assert leaf.dtype == F32
@@ -102,8 +111,7 @@ def test_resnet_train_mode_keeps_batch_stats_float32():
 def _mlp_params(key, sizes=(64, 32, 16)):
   keys = jax.random.split(key, len(sizes))
   return [
-      {"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
-      for k, m, n in zip(keys, sizes[:-1], sizes[1:])
+    {"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)} for k, m, n in zip(keys, sizes[:-1], sizes[1:])
   ]
 
 
@@ -123,9 +131,15 @@ def _transformer_params(key, vocab=32, d=16, mlp=32):
   k = jax.random.split(key, 6)
   init = lambda kk, shape: jax.random.normal(kk, shape) / np.sqrt(shape[0])
   return {
-      "embed": init(k[0], (vocab, d)), "qkv": init(k[1], (d, 3 * d)), "out": init(k[2], (d, d)),
-      "mlp_in": init(k[3], (d, mlp)), "mlp_out": init(k[4], (mlp, d)),
-      "head": init(k[5], (d, vocab)), "ln1": jnp.ones(d), "ln2": jnp.ones(d), "bias": jnp.zeros(mlp),
+    "embed": init(k[0], (vocab, d)),
+    "qkv": init(k[1], (d, 3 * d)),
+    "out": init(k[2], (d, d)),
+    "mlp_in": init(k[3], (d, mlp)),
+    "mlp_out": init(k[4], (mlp, d)),
+    "head": init(k[5], (d, vocab)),
+    "ln1": jnp.ones(d),
+    "ln2": jnp.ones(d),
+    "bias": jnp.zeros(mlp),
   }
 
 
@@ -173,12 +187,16 @@ def test_plain_jax_models(name, half):
   # parameter is cast down, the activation is not promoted.
   eqns = list(_eqns(jaxpr))
   produced_by_dot = {e.outvars[0] for e in eqns if e.primitive.name == "dot_general"}
-  adds = [e for e in eqns if e.primitive.name == "add"
-          and any(v in produced_by_dot for v in e.invars if isinstance(v, jax.extend.core.Var))]
+  adds = [
+    e
+    for e in eqns
+    if e.primitive.name == "add" and any(v in produced_by_dot for v in e.invars if isinstance(v, jax.extend.core.Var))
+  ]
   assert adds and all(np.dtype(e.outvars[0].aval.dtype) == half for e in adds)
   assert abs(float(value) - float(v32)) < 16 * float(jnp.finfo(half).eps) * abs(float(v32))
-  assert _rel_err(jax.flatten_util.ravel_pytree(grads)[0],
-                  jax.flatten_util.ravel_pytree(g32)[0]) < 32 * float(jnp.finfo(half).eps)
+  assert _rel_err(jax.flatten_util.ravel_pytree(grads)[0], jax.flatten_util.ravel_pytree(g32)[0]) < 32 * float(
+    jnp.finfo(half).eps
+  )
 
 
 def test_softmax_and_variance_patterns_run_in_float32():
@@ -205,8 +223,7 @@ def test_params_stay_in_param_dtype_and_inputs_in_compute_dtype():
     return (x @ p) * 2 + p[0] + n
 
   policy = jmp_train.Policy("bfloat16", "float16", "float32")
-  jaxpr = jax.make_jaxpr(autocast(f, policy))(
-      jnp.ones((4, 4)), jnp.ones((2, 4)), jnp.ones((), jnp.int32)).jaxpr
+  jaxpr = jax.make_jaxpr(autocast(f, policy))(jnp.ones((4, 4)), jnp.ones((2, 4)), jnp.ones((), jnp.int32)).jaxpr
   ins = [np.dtype(e.outvars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
   assert BF16 in ins and F16 in ins  # params to bfloat16 storage, input to float16
   assert jaxpr.outvars[0].aval.dtype == F32
@@ -218,13 +235,11 @@ def test_params_argnums():
     return x * w
 
   for argnums, expect in (((1,), F16), (None, F16), (0, F16)):
-    jaxpr = jax.make_jaxpr(autocast(f, "mixed_float16", params_argnums=argnums))(
-        jnp.ones(4), jnp.ones(4)).jaxpr
+    jaxpr = jax.make_jaxpr(autocast(f, "mixed_float16", params_argnums=argnums))(jnp.ones(4), jnp.ones(4)).jaxpr
     (mul,) = [e for e in jaxpr.eqns if e.primitive.name == "mul"]
     assert mul.outvars[0].aval.dtype == expect
   # Both parameters: nothing in half precision (no matmul), all float32.
-  jaxpr = jax.make_jaxpr(autocast(f, "mixed_float16", params_argnums=(0, 1)))(
-      jnp.ones(4), jnp.ones(4)).jaxpr
+  jaxpr = jax.make_jaxpr(autocast(f, "mixed_float16", params_argnums=(0, 1)))(jnp.ones(4), jnp.ones(4)).jaxpr
   (mul,) = [e for e in jaxpr.eqns if e.primitive.name == "mul"]
   assert mul.outvars[0].aval.dtype == F32
 

@@ -20,8 +20,7 @@ from _flax_policy_util import fill
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 POLICIES = {F16: "mixed_float16", BF16: "mixed_bfloat16"}
 TOKENS = (jnp.arange(2 * 8, dtype=jnp.int32).reshape(2, 8) * 7) % 32
-_CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call", "remat2",
-          "checkpoint")
+_CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call", "remat2", "checkpoint")
 
 
 def _flat_eqns(jaxpr):
@@ -75,8 +74,7 @@ def test_embedding_lookup_returns_compute_dtype_and_float32_gradient(half):
 def test_lookup_list_is_data():
   embed, params, ids = _embed_table_and_lookup()
   assert "gather" in DEFAULT_LOOKUP_OPS
-  kept = autocast(lambda p, i: embed(p, i), "params=float32,compute=bfloat16,output=float32",
-                  lookup_ops=())
+  kept = autocast(lambda p, i: embed(p, i), "params=float32,compute=bfloat16,output=float32", lookup_ops=())
   jaxpr = jax.make_jaxpr(kept)(params, ids).jaxpr
   muls = [e for e in _flat_eqns(jaxpr) if e.primitive.name == "mul"]
   assert {np.dtype(e.outvars[0].aval.dtype) for e in muls} == {F32}
@@ -110,7 +108,6 @@ def test_resnet_module_dtypes_match_apply_policy():
   x = jnp.linspace(0.0, 1.0, 8 * 64, dtype=jnp.float32).reshape(8, 64)
   variables = fill(jax.eval_shape(model.init, jax.random.key(0), x))
   got = _module_dtypes(autocast(model.apply, "mixed_bfloat16"), variables, x, root="ResNet")
-  want = _module_dtypes(jflax.apply_policy(model, "mixed_bfloat16", recompute=None).apply,
-                        variables, x, root="ResNet")
+  want = _module_dtypes(jflax.apply_policy(model, "mixed_bfloat16", recompute=None).apply, variables, x, root="ResNet")
   assert got == want
   assert F32 in got.values() and BF16 in got.values()

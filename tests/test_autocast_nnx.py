@@ -41,8 +41,8 @@ def _model():
 
 
 _BATCH = {
-    "image": jnp.sin(jnp.arange(8 * 6 * 6, dtype=jnp.float32)).reshape(8, 6, 6, 1),
-    "label": jnp.arange(8) % 10,
+  "image": jnp.sin(jnp.arange(8 * 6 * 6, dtype=jnp.float32)).reshape(8, 6, 6, 1),
+  "label": jnp.arange(8) % 10,
 }
 
 

@@ -21,7 +21,16 @@ from jmp_train._src.autocast.lists import DEFAULT_HALF_OPS
 from jmp_train_examples import models
 
 from _autocast_util import (
-    BF16, F16, F32, TOKENS, X_IMG, _dtypes_of, _eqns, _flax_variables, _rel_err, _xent,
+  BF16,
+  F16,
+  F32,
+  TOKENS,
+  X_IMG,
+  _dtypes_of,
+  _eqns,
+  _flax_variables,
+  _rel_err,
+  _xent,
 )
 
 
@@ -29,9 +38,11 @@ from _autocast_util import (
 # custom_jvp, custom_vjp, control flow, opaque calls.
 
 
-@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.gelu, jax.nn.silu, jax.nn.softplus,
-                                 functools.partial(jax.nn.softmax, axis=-1)],
-                         ids=["relu", "gelu", "silu", "softplus", "softmax"])
+@pytest.mark.parametrize(
+  "act",
+  [jax.nn.relu, jax.nn.gelu, jax.nn.silu, jax.nn.softplus, functools.partial(jax.nn.softmax, axis=-1)],
+  ids=["relu", "gelu", "silu", "softplus", "softmax"],
+)
 def test_custom_jvp_activations(act):
   w = jax.random.normal(jax.random.key(0), (8, 8))
   x = jax.random.normal(jax.random.key(1), (4, 8))
@@ -109,8 +120,7 @@ def test_control_flow_and_nested_jit():
   assert _dtypes_of(cast, w, x) == {F16}
   assert _dtypes_of(cast, w, x, names=("exp",)) == {F32}
   # Forward mode (reverse mode does not go through while_loop).
-  jvp = jax.jit(lambda fn, w, x: jax.jvp(fn, (w, x), (jnp.ones_like(w), jnp.ones_like(x))),
-                static_argnums=0)
+  jvp = jax.jit(lambda fn, w, x: jax.jvp(fn, (w, x), (jnp.ones_like(w), jnp.ones_like(x))), static_argnums=0)
   v, t = jvp(cast, w, x)
   v32, t32 = jvp(f, w, x)
   assert abs(float(v - v32)) < 2e-2 * abs(float(v32))
@@ -154,18 +164,19 @@ def _loss32():
   return jax.jit(jax.value_and_grad(_loss))(W, X)
 
 
-@pytest.mark.parametrize("order", ["jit_outside", "jit_inside", "vmap_outside", "vmap_inside",
-                                   "checkpoint_outside", "checkpoint_inside"])
+@pytest.mark.parametrize(
+  "order", ["jit_outside", "jit_inside", "vmap_outside", "vmap_inside", "checkpoint_outside", "checkpoint_inside"]
+)
 def test_composes_with_transformations(order):
   cast = functools.partial(autocast, policy="mixed_bfloat16")
   saveable = jmp_train.half_precision_saveable
   fns = {
-      "jit_outside": jax.jit(cast(_loss)),
-      "jit_inside": cast(jax.jit(_loss)),
-      "vmap_outside": lambda w, x: jax.vmap(cast(_loss), (None, 0))(w, x[:, None]).mean(),
-      "vmap_inside": cast(lambda w, x: jax.vmap(_loss, (None, 0))(w, x[:, None]).mean()),
-      "checkpoint_outside": jax.checkpoint(cast(_loss), policy=saveable),
-      "checkpoint_inside": cast(jax.checkpoint(_loss, policy=saveable)),
+    "jit_outside": jax.jit(cast(_loss)),
+    "jit_inside": cast(jax.jit(_loss)),
+    "vmap_outside": lambda w, x: jax.vmap(cast(_loss), (None, 0))(w, x[:, None]).mean(),
+    "vmap_inside": cast(lambda w, x: jax.vmap(_loss, (None, 0))(w, x[:, None]).mean()),
+    "checkpoint_outside": jax.checkpoint(cast(_loss), policy=saveable),
+    "checkpoint_inside": cast(jax.checkpoint(_loss, policy=saveable)),
   }
   fn = fns[order]
   # Under an outer jit: one compile instead of one per eager op (the
@@ -187,8 +198,7 @@ def test_composes_with_shard_map(inside):
     return jax.lax.pmean(_loss(w, x), "batch")
 
   smap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P())
-  fn = autocast(smap(per_shard), "mixed_bfloat16") if inside else smap(
-      autocast(per_shard, "mixed_bfloat16"))
+  fn = autocast(smap(per_shard), "mixed_bfloat16") if inside else smap(autocast(per_shard, "mixed_bfloat16"))
   v, g = jax.jit(jax.value_and_grad(fn))(W, X)
   jax.block_until_ready((v, g))
   v32, g32 = _loss32()
@@ -199,8 +209,7 @@ def test_composes_with_shard_map(inside):
 def test_composes_with_pmap():
   # Two replicas: the composition does not depend on how many.
   replicas = 2
-  fn = jax.pmap(jax.grad(autocast(_loss, "mixed_float16")), in_axes=(None, 0),
-                devices=jax.devices()[:replicas])
+  fn = jax.pmap(jax.grad(autocast(_loss, "mixed_float16")), in_axes=(None, 0), devices=jax.devices()[:replicas])
   g = fn(W, X.reshape(replicas, -1, 8))
   jax.block_until_ready(g)
   assert g.dtype == F32 and g.shape == (replicas, 8, 8)
@@ -212,9 +221,12 @@ def test_with_make_train_step_and_loss_scaling():
   model = models.MLP(features=(32,))
   variables = jax.jit(model.init)(jax.random.key(0), X_IMG)
   step = jmp_train.make_train_step(
-      autocast(model.apply, "mixed_float16"), _xent, optax.sgd(0.1),
-      policy="mixed_float16", loss_scale=jmp_train.DynamicLossScale(2.0 ** 15),
-      cast_params=False,
+    autocast(model.apply, "mixed_float16"),
+    _xent,
+    optax.sgd(0.1),
+    policy="mixed_float16",
+    loss_scale=jmp_train.DynamicLossScale(2.0**15),
+    cast_params=False,
   )
   state = step.init(variables["params"])
   labels = jnp.arange(8) % 10
@@ -233,16 +245,16 @@ def test_with_make_train_step_and_loss_scaling():
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _out_ref_and_grads(cast, apply, params, x, labels):
   """``cast``'s output and loss gradients and ``apply``'s output, in one program."""
-  (_, out), grads = jax.value_and_grad(
-      lambda p: (lambda o: (_xent(o, labels), o))(cast(p, x)), has_aux=True)(params)
+  (_, out), grads = jax.value_and_grad(lambda p: (lambda o: (_xent(o, labels), o))(cast(p, x)), has_aux=True)(params)
   return out, apply(params, x), grads
 
 
 def test_nnx_model_through_split_and_merge():
   # The NNX twin of the linen Transformer of _flax_cases(), built abstractly
   # and given its (NumPy-filled) variables: no initializer runs.
-  abstract = nnx.eval_shape(lambda: models.NNXTransformerBlock(
-      vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=8, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(
+    lambda: models.NNXTransformerBlock(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=8, rngs=nnx.Rngs(0))
+  )
   model = models.nnx_with_linen_variables(abstract, _flax_variables("transformer"))
   graphdef, params = nnx.split(model)
 
@@ -294,15 +306,11 @@ def test_lists_are_extendable_and_overridable():
   args = (jnp.ones((4, 4)), jnp.ones((2, 4)))
   default = autocast(f, "mixed_float16")
   assert _dtypes_of(default, *args, names=("tanh",)) == {F16}
-  more = autocast(f, "mixed_float16",
-                            float32_ops=(*DEFAULT_FLOAT32_OPS, "tanh"))
+  more = autocast(f, "mixed_float16", float32_ops=(*DEFAULT_FLOAT32_OPS, "tanh"))
   assert _dtypes_of(more, *args, names=("tanh",)) == {F32}
-  fewer = autocast(
-      f, "mixed_float16",
-      float32_ops=tuple(o for o in DEFAULT_FLOAT32_OPS if o != "exp"))
+  fewer = autocast(f, "mixed_float16", float32_ops=tuple(o for o in DEFAULT_FLOAT32_OPS if o != "exp"))
   assert _dtypes_of(fewer, *args, names=("exp",)) == {F16}
-  f32_matmul = autocast(f, "mixed_float16", half_ops=(),
-                        float32_ops=(*DEFAULT_FLOAT32_OPS, "dot_general"))
+  f32_matmul = autocast(f, "mixed_float16", half_ops=(), float32_ops=(*DEFAULT_FLOAT32_OPS, "dot_general"))
   assert _dtypes_of(f32_matmul, *args) == {F32}
   assert "dot_general" in DEFAULT_HALF_OPS
 
@@ -315,14 +323,14 @@ def test_scopes_by_named_scope_and_function_name():
 
   args = (jnp.ones((4, 4)), jnp.ones((2, 4)))
   cast = autocast(
-      f, "mixed_float16",
-      float32_ops=(*DEFAULT_FLOAT32_OPS, "scope:head"),
+    f,
+    "mixed_float16",
+    float32_ops=(*DEFAULT_FLOAT32_OPS, "scope:head"),
   )
   jaxpr = jax.make_jaxpr(cast)(*args).jaxpr
   dots = [np.dtype(e.outvars[0].aval.dtype) for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
   assert sorted(d.name for d in dots) == ["float16", "float32"]
-  half_softmax = autocast(
-      f, "mixed_float16", half_ops=(*DEFAULT_HALF_OPS, "scope:log_softmax"))
+  half_softmax = autocast(f, "mixed_float16", half_ops=(*DEFAULT_HALF_OPS, "scope:log_softmax"))
   assert _dtypes_of(half_softmax, *args, names=("exp", "log")) == {F16}
 
 
@@ -331,25 +339,33 @@ def test_scopes_by_named_scope_and_function_name():
 
 
 @pytest.mark.parametrize(
-    "call, error, words",
-    [
-        (lambda: autocast("not a function", "mixed_float16"), TypeError, ["callable", "str"]),
-        (lambda: autocast(_loss, "mixed_float4"), ValueError, ["mixed_float4"]),
-        (lambda: autocast(_loss, 16), ValueError, ["Policy", "16"]),
-        (lambda: autocast(_loss, "mixed_float16", float32_ops=("softmax",)), ValueError,
-         ["'softmax'", "not a JAX primitive", "scope:softmax", "dot_general"]),
-        (lambda: autocast(_loss, "mixed_float16", half_ops=("dot",)), ValueError,
-         ["'dot'", "dot_general"]),
-        (lambda: autocast(_loss, "mixed_float16", half_ops=(3,)), TypeError, ["strings", "3"]),
-        (lambda: autocast(_loss, "mixed_float16", half_ops=("exp",)), ValueError,
-         ["exp", "both"]),
-        (lambda: autocast(_loss, "mixed_float16", params_argnums="w"), TypeError,
-         ["params_argnums"]),
-        (lambda: autocast(_loss, "mixed_float16", params_argnums=2)(W, X), ValueError,
-         ["params_argnums", "2"]),
-    ],
-    ids=["not_callable", "unknown_policy", "policy_type", "not_a_primitive", "close_match",
-         "not_a_string", "in_both", "argnums_type", "argnums_range"],
+  "call, error, words",
+  [
+    (lambda: autocast("not a function", "mixed_float16"), TypeError, ["callable", "str"]),
+    (lambda: autocast(_loss, "mixed_float4"), ValueError, ["mixed_float4"]),
+    (lambda: autocast(_loss, 16), ValueError, ["Policy", "16"]),
+    (
+      lambda: autocast(_loss, "mixed_float16", float32_ops=("softmax",)),
+      ValueError,
+      ["'softmax'", "not a JAX primitive", "scope:softmax", "dot_general"],
+    ),
+    (lambda: autocast(_loss, "mixed_float16", half_ops=("dot",)), ValueError, ["'dot'", "dot_general"]),
+    (lambda: autocast(_loss, "mixed_float16", half_ops=(3,)), TypeError, ["strings", "3"]),
+    (lambda: autocast(_loss, "mixed_float16", half_ops=("exp",)), ValueError, ["exp", "both"]),
+    (lambda: autocast(_loss, "mixed_float16", params_argnums="w"), TypeError, ["params_argnums"]),
+    (lambda: autocast(_loss, "mixed_float16", params_argnums=2)(W, X), ValueError, ["params_argnums", "2"]),
+  ],
+  ids=[
+    "not_callable",
+    "unknown_policy",
+    "policy_type",
+    "not_a_primitive",
+    "close_match",
+    "not_a_string",
+    "in_both",
+    "argnums_type",
+    "argnums_range",
+  ],
 )
 def test_errors(call, error, words):
   with pytest.raises(error) as info:

@@ -36,8 +36,17 @@ from jmp_train import get_policy  # noqa: E402
 
 BENCHMARKS = [m.removeprefix("bench_") for m in bench_main.discover()]
 MACHINE_KEYS = {
-    "date", "platform", "processor", "cpu_count", "python", "backend",
-    "device_kind", "device_count", "device_memory_bytes", "xla_flags", "versions",
+  "date",
+  "platform",
+  "processor",
+  "cpu_count",
+  "python",
+  "backend",
+  "device_kind",
+  "device_count",
+  "device_memory_bytes",
+  "xla_flags",
+  "versions",
 }
 
 
@@ -97,11 +106,9 @@ def test_benchmark_runs_quick(name, quick_run):
   for record in records:
     assert columns[0] in record, f"record lacks {columns[0]!r}: {record}"
   present = set().union(*(r.keys() for r in records))
-  assert not set(columns) - present, (
-      f"columns in no record: {sorted(set(columns) - present)}")
+  assert not set(columns) - present, f"columns in no record: {sorted(set(columns) - present)}"
   header = "| " + " | ".join(columns)
-  assert any(line.replace(" ", "").startswith(header.replace(" ", ""))
-             for line in output.splitlines()), output[-2000:]
+  assert any(line.replace(" ", "").startswith(header.replace(" ", "")) for line in output.splitlines()), output[-2000:]
   # What a benchmark's quick records show, checked here rather than in a
   # test of its own (under pytest-xdist that could run the benchmark again).
   _QUICK_RECORD_CHECKS.get(name, lambda records: None)(records)
@@ -173,9 +180,9 @@ def _check_compression_records(records):
 
 
 _QUICK_RECORD_CHECKS = {
-    "activation_memory": _check_activation_memory_records,
-    "compression": _check_compression_records,
-    "multiprocess": _check_multiprocess_records,
+  "activation_memory": _check_activation_memory_records,
+  "compression": _check_compression_records,
+  "multiprocess": _check_multiprocess_records,
 }
 
 
@@ -209,6 +216,7 @@ def test_main_lists_benchmarks(capsys):
 
 def test_summary_renders_stored_results_and_skips_quick_ones(tmp_path, capsys):
   from benchmarks import _harness
+
   _harness.save_results("weight_memory", [{"setup": "a", "total_per_param": 14.0}], tmp_path)
   _harness.save_results("weight_memory-quick", [{"setup": "q", "total_per_param": 1.0}], tmp_path)
   assert bench_main.main(["--summary", "--out", str(tmp_path)]) == 0
@@ -220,9 +228,11 @@ def test_summary_renders_stored_results_and_skips_quick_ones(tmp_path, capsys):
   empty.mkdir()
   assert "no results" in bench_main.summary(empty)
   # Records labelled by the run that made them show the label.
-  _harness.save_results("weight_memory", [{"setup": "a", "total_per_param": 14.0},
-                                          {"setup": "a", "total_per_param": 15.0, "run": "old"}],
-                        empty)
+  _harness.save_results(
+    "weight_memory",
+    [{"setup": "a", "total_per_param": 14.0}, {"setup": "a", "total_per_param": 15.0, "run": "old"}],
+    empty,
+  )
   table = bench_main.summary(empty)
   assert "| run" in table.splitlines()[4] and "| old" in table
 
@@ -233,15 +243,13 @@ def test_main_rejects_unknown_benchmark(capsys):
   assert "no_such_benchmark" in capsys.readouterr().err
 
 
-def test_main_reports_a_failing_benchmark_and_runs_the_rest(
-    monkeypatch, tmp_path, capsys):
+def test_main_reports_a_failing_benchmark_and_runs_the_rest(monkeypatch, tmp_path, capsys):
   def failing_run(quick):
     raise RuntimeError("boom in the benchmark")
 
   fake = {
-      "bench_zz_fails": types.SimpleNamespace(NAME="zz_fails", run=failing_run),
-      "bench_zz_works": types.SimpleNamespace(
-          NAME="zz_works", COLUMNS=("a",), run=lambda quick: [{"a": 1.5, "b": None}]),
+    "bench_zz_fails": types.SimpleNamespace(NAME="zz_fails", run=failing_run),
+    "bench_zz_works": types.SimpleNamespace(NAME="zz_works", COLUMNS=("a",), run=lambda quick: [{"a": 1.5, "b": None}]),
   }
   for module_name, module in fake.items():
     monkeypatch.setitem(sys.modules, f"benchmarks.{module_name}", module)
@@ -250,8 +258,7 @@ def test_main_reports_a_failing_benchmark_and_runs_the_rest(
   out = capsys.readouterr()
   assert rc == 1
   assert "boom in the benchmark" in out.err and "FAILED: zz_fails" in out.err
-  assert [p.name for p in tmp_path.glob("*.json")] == [
-      f"zz_works-quick-{_harness.device_tag()}.json"]
+  assert [p.name for p in tmp_path.glob("*.json")] == [f"zz_works-quick-{_harness.device_tag()}.json"]
   assert "| 1.5 |" in out.out
 
 
@@ -262,8 +269,7 @@ def test_main_reports_a_failing_benchmark_and_runs_the_rest(
 
 def test_median_seconds_calls_warmup_plus_repeats():
   calls = []
-  t = _harness.median_seconds(lambda x: calls.append(x) or jnp.ones(2), 7,
-                              warmup=2, repeats=5)
+  t = _harness.median_seconds(lambda x: calls.append(x) or jnp.ones(2), 7, warmup=2, repeats=5)
   assert calls == [7] * 7
   assert t >= 0.0
 
@@ -284,15 +290,14 @@ def test_timing_rejects_bad_counts(warmup, repeats):
   with pytest.raises(ValueError, match="warmup|repeats"):
     _harness.median_seconds(lambda: None, warmup=warmup, repeats=repeats)
   with pytest.raises(ValueError, match="warmup|repeats"):
-    _harness.interleaved_median_seconds({"f": lambda: None}, warmup=warmup,
-                                        repeats=repeats)
+    _harness.interleaved_median_seconds({"f": lambda: None}, warmup=warmup, repeats=repeats)
 
 
 def test_format_table():
   table = _harness.format_table(
-      [{"name": "x", "v": 1.234567, "ok": True, "n": None},
-       {"name": "longer", "v": 2.0, "ok": False}],
-      ["name", "v", "ok", "n"])
+    [{"name": "x", "v": 1.234567, "ok": True, "n": None}, {"name": "longer", "v": 2.0, "ok": False}],
+    ["name", "v", "ok", "n"],
+  )
   lines = table.splitlines()
   assert lines[0].split("|")[1:-1] == [" name   ", " v     ", " ok  ", " n "]
   assert lines[2] == "| x      | 1.235 | yes | - |"
@@ -301,12 +306,10 @@ def test_format_table():
 
 
 def test_tree_bytes_and_compiled_analysis():
-  tree = {"a": jnp.ones((3, 4), jnp.bfloat16), "b": jax.ShapeDtypeStruct((5,), jnp.float32),
-          "c": None}
+  tree = {"a": jnp.ones((3, 4), jnp.bfloat16), "b": jax.ShapeDtypeStruct((5,), jnp.float32), "c": None}
   assert _harness.tree_bytes(tree) == 3 * 4 * 2 + 5 * 4
   n = 8
-  compiled = jax.jit(lambda a, b: a @ b).lower(
-      jnp.ones((n, n)), jnp.ones((n, n))).compile()
+  compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((n, n)), jnp.ones((n, n))).compile()
   memory = _harness.compiled_memory(compiled)
   assert memory["argument_bytes"] == 2 * n * n * 4
   assert memory["output_bytes"] == n * n * 4
@@ -332,8 +335,12 @@ def test_env_int_reads_a_positive_integer(monkeypatch):
 
 
 def test_selected_rows_follow_the_environment(monkeypatch):
-  rows = [("adam", "adam_float32", 1), ("adam", "one_bit_adam", 2),
-          ("sgdm", "sgdm_float32", 3), ("sgdm", "one_bit_momentum", 4)]
+  rows = [
+    ("adam", "adam_float32", 1),
+    ("adam", "one_bit_adam", 2),
+    ("sgdm", "sgdm_float32", 3),
+    ("sgdm", "one_bit_momentum", 4),
+  ]
   monkeypatch.delenv("BENCH_ROWS", raising=False)
   assert _harness.selected_rows(rows, "BENCH_ROWS") == rows
   monkeypatch.setenv("BENCH_ROWS", "adam_float32,one_bit_adam")
@@ -357,8 +364,11 @@ def test_multiprocess_names_from_the_environment(monkeypatch):
   assert names("BENCH_MULTIPROCESS_SIZES", ("1M",), tuple(bench.SIZES)) == ("8M", "32M")
   for bad, shown in (("8M,16M", r"\['16M'\]"), (",", "empty list")):
     monkeypatch.setenv("BENCH_MULTIPROCESS_SIZES", bad)
-    with pytest.raises(ValueError, match=rf"BENCH_MULTIPROCESS_SIZES='{bad}': unknown {shown}; "
-                                         r"valid: tiny, 1M, 8M, 32M\."):
+    with pytest.raises(
+      ValueError,
+      match=rf"BENCH_MULTIPROCESS_SIZES='{bad}': unknown {shown}; "
+      r"valid: tiny, 1M, 8M, 32M\.",
+    ):
       names("BENCH_MULTIPROCESS_SIZES", ("1M",), tuple(bench.SIZES))
 
 
@@ -370,8 +380,9 @@ def test_one_bit_optimizers_rejects_a_warmup_of_the_whole_run(monkeypatch):
     bench.run(quick=False)
 
 
-@pytest.mark.parametrize("value, seeds", [
-    ("", (0, 1, 2)), ("5", (0, 1, 2, 3, 4)), ("3-6", (3, 4, 5, 6)), (" 2-2 ", (2,))])
+@pytest.mark.parametrize(
+  "value, seeds", [("", (0, 1, 2)), ("5", (0, 1, 2, 3, 4)), ("3-6", (3, 4, 5, 6)), (" 2-2 ", (2,))]
+)
 def test_one_bit_optimizers_seeds_from_the_environment(value, seeds):
   from benchmarks import bench_one_bit_optimizers as bench
 
@@ -393,12 +404,10 @@ def test_one_bit_wire_ratio_counts_every_step_but_the_exact_branch():
   from jmp_train import one_bit_adam
 
   params = {"b": jnp.zeros((256,)), "w": jnp.zeros((64, 256))}
-  make = lambda **kw: one_bit_adam(1e-3, axis_name=bench.AXIS, warmup_steps=2,
-                                   **{"rescale_variance": False, **kw})
+  make = lambda **kw: one_bit_adam(1e-3, axis_name=bench.AXIS, warmup_steps=2, **{"rescale_variance": False, **kw})
   # 4 replicas (the benchmark uses 8): the ring's factor 2 * (K - 1) / K is
   # not 1, and each compile is cheaper than with 8.
-  plain, rescaled = bench.wire_ratio(make(), params, 4), bench.wire_ratio(
-      make(rescale_variance=True), params, 4)
+  plain, rescaled = bench.wire_ratio(make(), params, 4), bench.wire_ratio(make(rescale_variance=True), params, 4)
   n = 64 * 256 + 256
   assert 1 / 32 < plain < 1 / 28
   # Two float32 scalars in a ring all-reduce: 2 * (K - 1) / K * 8 bytes.
@@ -432,7 +441,9 @@ def gpu_bench():
   return importlib.import_module("benchmarks.bench_gpu")
 
 
-@pytest.mark.parametrize("kind,mode,peak", [
+@pytest.mark.parametrize(
+  "kind,mode,peak",
+  [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
     ("NVIDIA H100 PCIe", "fp16", 756.0),
     ("NVIDIA H200", "bf16", 989.4),
@@ -442,7 +453,8 @@ def gpu_bench():
     ("NVIDIA L4", "fp16", 121.0),
     ("NVIDIA L40S", "bf16", None),
     ("cpu", "bf16", None),
-])
+  ],
+)
 def test_peak_tflops(gpu_bench, kind, mode, peak):
   assert gpu_bench.peak_tflops(kind, mode) == peak
 
@@ -469,8 +481,7 @@ def test_gpu_benchmark_code_path_on_cpu(gpu_bench):
   assert steps[0]["speedup"] == 1.0
   for r in steps:
     assert r["median_ms"] > 0 and r["items_per_s"] > 0 and r["tflops"] > 0
-  assert [r["policy"] for r in matmuls] == [
-      "float32 (highest)", "float32 (default/TF32)", "bfloat16", "float16"]
+  assert [r["policy"] for r in matmuls] == ["float32 (highest)", "float32 (default/TF32)", "bfloat16", "float16"]
   for r in matmuls:
     assert r["tflops"] > 0
     assert r["peak_tflops"] is None and r["peak_source"] == "unknown"
@@ -504,8 +515,7 @@ def test_demo_step_time_isolated_and_profiled(tmp_path, capsys, monkeypatch):
   growth = [late - early for _, early, late in r["kernels"]]
   assert growth and growth == sorted(growth, reverse=True)
   assert all(e >= 0 and t >= 0 for _, e, t in r["kernels"])
-  assert sum(demo_step_time.kernel_times(tmp_path / "late").values()) == sum(
-      t for _, _, t in r["kernels"])
+  assert sum(demo_step_time.kernel_times(tmp_path / "late").values()) == sum(t for _, _, t in r["kernels"])
   demo_step_time.main(["f16", "4", "2", "--small"])
   assert re.match(r"f16: ms/step per window: \d+ \d+; loss \d", capsys.readouterr().out)
   with pytest.raises(SystemExit):

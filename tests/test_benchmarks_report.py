@@ -21,9 +21,7 @@ from benchmarks import __main__ as bench_main  # noqa: E402
 
 RESULTS = _ROOT / "benchmarks" / "results"
 REPORT = _ROOT / "docs" / "benchmarks_report.md"
-RESULT_FILES = sorted(
-    p for p in RESULTS.rglob("*.json") if "-quick-" not in p.name
-)
+RESULT_FILES = sorted(p for p in RESULTS.rglob("*.json") if "-quick-" not in p.name)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +31,7 @@ def report() -> str:
 
 def test_committed_report_is_current(report):
   assert REPORT.is_file(), f"run `{bench_main.REPORT_COMMAND}` to write {REPORT}"
-  assert REPORT.read_text() == report, (
-      f"{REPORT.relative_to(_ROOT)} is stale: run `{bench_main.REPORT_COMMAND}`")
+  assert REPORT.read_text() == report, f"{REPORT.relative_to(_ROOT)} is stale: run `{bench_main.REPORT_COMMAND}`"
 
 
 def test_report_is_deterministic(report):
@@ -50,8 +47,9 @@ def test_report_says_it_is_generated(report):
 def test_report_names_each_file_with_its_machine(report, path):
   payload = json.loads(path.read_text())
   name = path.relative_to(RESULTS).as_posix()
-  heading = next((i for i, line in enumerate(report.splitlines())
-                  if line.startswith("### ") and f"`{name}`" in line), None)
+  heading = next(
+    (i for i, line in enumerate(report.splitlines()) if line.startswith("### ") and f"`{name}`" in line), None
+  )
   assert heading is not None, f"no section for {name}"
   machine_line = report.splitlines()[heading + 2]
   m = payload["machine"]
@@ -84,17 +82,27 @@ def test_report_headlines(report):
 
 
 def test_report_of_a_folder_of_its_own(tmp_path):
-  records = [{"setup": "a", "total_per_param": 14.0, "run": "first"},
-             {"setup": "b", "total_per_param": 4.5, "date": "2030-01-02T00:00:00+00:00"}]
-  machine = {"date": "2030-01-01T00:00:00+00:00", "backend": "cpu", "device_kind": "cpu",
-             "device_count": 8, "cpu_count": 2, "versions": {"jax": "0.0.1"}}
-  (tmp_path / "weight_memory-cpu.json").write_text(json.dumps(
-      {"benchmark": "weight_memory", "machine": machine, "records": records}))
-  (tmp_path / "weight_memory-quick-cpu.json").write_text(json.dumps(
-      {"benchmark": "weight_memory-quick", "machine": machine, "records": records}))
-  (tmp_path / "gpu-cpu.json").write_text(json.dumps(
-      {"benchmark": "gpu", "machine": machine,
-       "records": [{"skipped": True, "reason": "needs a GPU"}]}))
+  records = [
+    {"setup": "a", "total_per_param": 14.0, "run": "first"},
+    {"setup": "b", "total_per_param": 4.5, "date": "2030-01-02T00:00:00+00:00"},
+  ]
+  machine = {
+    "date": "2030-01-01T00:00:00+00:00",
+    "backend": "cpu",
+    "device_kind": "cpu",
+    "device_count": 8,
+    "cpu_count": 2,
+    "versions": {"jax": "0.0.1"},
+  }
+  (tmp_path / "weight_memory-cpu.json").write_text(
+    json.dumps({"benchmark": "weight_memory", "machine": machine, "records": records})
+  )
+  (tmp_path / "weight_memory-quick-cpu.json").write_text(
+    json.dumps({"benchmark": "weight_memory-quick", "machine": machine, "records": records})
+  )
+  (tmp_path / "gpu-cpu.json").write_text(
+    json.dumps({"benchmark": "gpu", "machine": machine, "records": [{"skipped": True, "reason": "needs a GPU"}]})
+  )
   text = bench_main.report(tmp_path)
   assert text.endswith("\n") and "weight_memory-quick" not in text
   assert "Run: first." in text and "Date: 2030-01-02T00:00:00+00:00." in text

@@ -34,8 +34,8 @@ _RECORD = {"loss": [0.5, 0.25], "note": "the curves so far"}
 
 def _step():
   return jmp_train.make_train_step(
-      lambda v, x: x @ v["params"]["w"], lambda out, y: jnp.mean((out - y) ** 2),
-      optax.adam(0.1))
+    lambda v, x: x @ v["params"]["w"], lambda out, y: jnp.mean((out - y) ** 2), optax.adam(0.1)
+  )
 
 
 def _state(step, seed):
@@ -64,8 +64,12 @@ def saved(tmp_path_factory):
     for n, state in states.items():
       manager.save(n, args=jmp_train.checkpoint_save_args(state, record={**_RECORD, "step": n}))
     manager.wait_until_finished()
-  return {"ckpt": ckpt, "run": root / "run", "states": {n: _host(s) for n, s in states.items()},
-          "like": _state(step, 0)}
+  return {
+    "ckpt": ckpt,
+    "run": root / "run",
+    "states": {n: _host(s) for n, s in states.items()},
+    "like": _state(step, 0),
+  }
 
 
 def _largest(folder):
@@ -81,8 +85,9 @@ def _flip(nbytes):
     if nbytes == 0:
       raw[middle] ^= 0b1000  # one bit
     else:
-      raw[middle:middle + nbytes] = bytes(b ^ 0xFF for b in raw[middle:middle + nbytes])
+      raw[middle : middle + nbytes] = bytes(b ^ 0xFF for b in raw[middle : middle + nbytes])
     data.write_bytes(bytes(raw))
+
   return damage
 
 
@@ -96,6 +101,7 @@ def _edit_checksums(edit):
     metadata = json.loads((item / "_METADATA").read_text())
     edit(metadata["custom_metadata"]["jmp_train_checksums"]["leaves"])
     (item / "_METADATA").write_text(json.dumps(metadata))
+
   return damage
 
 
@@ -107,15 +113,17 @@ def _change_checksum(leaves):
 # Damage to the array item (save_checkpoint's folder, or a step's "state"),
 # and a fragment of the one-line error that names it.
 _ARRAY_DAMAGE = {
-    "one_bit": (_flip(0), r"the data of the leaf .params['w'] (in ocdbt.process_0/d/"),
-    "64_bytes": (_flip(64), r"does not match the checksum saved with it in _METADATA"),
-    "truncated_data_file": (_truncate, "is truncated"),
-    "missing_data_file": (lambda item: _largest(item).unlink(), "is missing (it holds 'params.w/0.0')"),
-    "missing_metadata": (lambda item: (item / "_METADATA").unlink(), "it has no _METADATA file"),
-    # The checksums live in _METADATA: an edited or a lost one.
-    "changed_checksum": (_edit_checksums(_change_checksum), "does not match the checksum"),
-    "missing_checksum": (_edit_checksums(lambda leaves: leaves.pop("params/w")),
-                         "its _METADATA lists the leaf ['params']['w'], which its checksums do not"),
+  "one_bit": (_flip(0), r"the data of the leaf .params['w'] (in ocdbt.process_0/d/"),
+  "64_bytes": (_flip(64), r"does not match the checksum saved with it in _METADATA"),
+  "truncated_data_file": (_truncate, "is truncated"),
+  "missing_data_file": (lambda item: _largest(item).unlink(), "is missing (it holds 'params.w/0.0')"),
+  "missing_metadata": (lambda item: (item / "_METADATA").unlink(), "it has no _METADATA file"),
+  # The checksums live in _METADATA: an edited or a lost one.
+  "changed_checksum": (_edit_checksums(_change_checksum), "does not match the checksum"),
+  "missing_checksum": (
+    _edit_checksums(lambda leaves: leaves.pop("params/w")),
+    "its _METADATA lists the leaf ['params']['w'], which its checksums do not",
+  ),
 }
 
 
@@ -131,13 +139,16 @@ def _change_record(step):
 
 # Damage to the JSON files of a manager step: the record beside its state, its metadata.
 _RECORD_DAMAGE = {
-    "truncated_record": (_truncate_record, "its file record/metadata does not parse as JSON"),
-    "changed_record": (_change_record, "its file record/metadata does not match the checksum"),
-    "missing_record": (lambda step: (step / "record" / "metadata").unlink(),
-                       "its JSON item 'record' has no file record/metadata"),
-    "truncated_step_metadata": (
-        lambda step: (step / "_CHECKPOINT_METADATA").write_text('{"item_handlers": {"st'),
-        "its file _CHECKPOINT_METADATA does not parse as JSON"),
+  "truncated_record": (_truncate_record, "its file record/metadata does not parse as JSON"),
+  "changed_record": (_change_record, "its file record/metadata does not match the checksum"),
+  "missing_record": (
+    lambda step: (step / "record" / "metadata").unlink(),
+    "its JSON item 'record' has no file record/metadata",
+  ),
+  "truncated_step_metadata": (
+    lambda step: (step / "_CHECKPOINT_METADATA").write_text('{"item_handlers": {"st'),
+    "its file _CHECKPOINT_METADATA does not parse as JSON",
+  ),
 }
 
 
@@ -146,8 +157,7 @@ def _one_line_error(call):
     call()
   message = str(info.value)
   assert "\n" not in message, message
-  assert info.value.__cause__ is None and (
-      info.value.__context__ is None or info.value.__suppress_context__)
+  assert info.value.__cause__ is None and (info.value.__context__ is None or info.value.__suppress_context__)
   return message
 
 
@@ -214,8 +224,7 @@ def test_no_intact_step_and_no_step_raise(saved, tmp_path):
     _flip(64)(run / str(n) / "state")
   with pytest.warns(UserWarning) as record:
     message = _one_line_error(lambda: jmp_train.restore_latest_checkpoint(run, saved["like"]))
-  assert [str(w.message).split(",")[0] for w in record] == [
-      f"Passing over step {n} of {run}" for n in (2, 1)]
+  assert [str(w.message).split(",")[0] for w in record] == [f"Passing over step {n} of {run}" for n in (2, 1)]
   assert message.startswith(f"No intact checkpoint in {run}: all 2 step(s)"), message
   assert "step 2: the data of the leaf .params['w']" in message, message
   (tmp_path / "empty").mkdir()
@@ -267,8 +276,10 @@ def test_checksums_do_not_depend_on_the_sharding(saved, tmp_path):
   restored = jmp_train.restore_checkpoint(path, like)
   assert restored.params["w"].sharding == replicated
   _assert_equal(restored, saved["states"][2])
-  assert (json.loads((path / "_METADATA").read_text())["custom_metadata"]
-          == json.loads((saved["ckpt"] / "_METADATA").read_text())["custom_metadata"])
+  assert (
+    json.loads((path / "_METADATA").read_text())["custom_metadata"]
+    == json.loads((saved["ckpt"] / "_METADATA").read_text())["custom_metadata"]
+  )
 
 
 def test_force_replaces_only_a_checkpoint_folder(saved, tmp_path):
@@ -335,15 +346,17 @@ def test_a_failed_save_lets_the_interpreter_exit_at_once(tmp_path):
   script.write_text(_FAILED_SAVES)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run([sys.executable, str(script), str(tmp_path), str(ROOT)], env=env,
-                          capture_output=True, text=True, timeout=60)
+  result = subprocess.run(
+    [sys.executable, str(script), str(tmp_path), str(ROOT)], env=env, capture_output=True, text=True, timeout=60
+  )
   exited = time.monotonic()
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
-  assert f"refused: NotADirectoryError Cannot write a checkpoint at {tmp_path}/file/ckpt: " \
-         f"{tmp_path}/file is a file, not a folder." in lines, result.stdout
-  assert any(line.startswith("refused: ") and "/proc/jmp_train_ckpt" in line
-             for line in lines), result.stdout
+  assert (
+    f"refused: NotADirectoryError Cannot write a checkpoint at {tmp_path}/file/ckpt: "
+    f"{tmp_path}/file is a file, not a folder." in lines
+  ), result.stdout
+  assert any(line.startswith("refused: ") and "/proc/jmp_train_ckpt" in line for line in lines), result.stdout
   assert "failed inside orbax: NotADirectoryError" in lines, result.stdout
   # Orbax's threads used to keep the interpreter for five minutes.
   done = float(lines[-1].split()[1])
@@ -377,8 +390,7 @@ def test_the_demo_resumes_from_its_newest_intact_step(saved, tmp_path, kind):
   assert n == 1 and run_record["loss"] == [1.0]
   _assert_equal(state, saved["states"][1])
   # The step passed over is gone: the resumed run saves it again.
-  checkpoints.save(2, state, {"loss": [1.0, 2.0], "loss_scale": [1.0, 1.0]},
-                   {"loss_scale": 1.0, "skipped_steps": 0})
+  checkpoints.save(2, state, {"loss": [1.0, 2.0], "loss_scale": [1.0, 1.0]}, {"loss_scale": 1.0, "skipped_steps": 0})
   checkpoints.close()
   with warnings.catch_warnings():
     warnings.simplefilter("error")

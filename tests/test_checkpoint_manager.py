@@ -20,9 +20,14 @@ ocp = pytest.importorskip("orbax.checkpoint")
 def _step(mode):
   compression = jmp_train.sign_compression("batch") if mode == "shard_map" else None
   return jmp_train.make_train_step(
-      lambda v, x, **_: x @ v["params"]["w"], lambda out, y: jnp.mean((out - y) ** 2),
-      optax.sgd(0.1, momentum=0.9), policy="mixed_float16", mode=mode,
-      compression=compression, loss_scale=jmp_train.DynamicLossScale(2.0**4))
+    lambda v, x, **_: x @ v["params"]["w"],
+    lambda out, y: jnp.mean((out - y) ** 2),
+    optax.sgd(0.1, momentum=0.9),
+    policy="mixed_float16",
+    mode=mode,
+    compression=compression,
+    loss_scale=jmp_train.DynamicLossScale(2.0**4),
+  )
 
 
 def _batch(i):
@@ -63,14 +68,18 @@ def test_async_saves_every_n_steps_keep_the_last_and_restore_bit_for_bit(tmp_pat
   chex.assert_trees_all_equal(_host(restored), saved[6], strict=True)
   if mode == "shard_map":
     # Each replica's 1-bit residual (error feedback) came back, per device.
-    residuals = [x for path, x in jax.tree_util.tree_leaves_with_path(restored.opt_state)
-                 if "residual" in jax.tree_util.keystr(path)]
+    residuals = [
+      x
+      for path, x in jax.tree_util.tree_leaves_with_path(restored.opt_state)
+      if "residual" in jax.tree_util.keystr(path)
+    ]
     assert residuals and all(r.shape[0] == jax.device_count() for r in residuals)
     assert restored.params["w"].sharding == state.params["w"].sharding
   # The loss scale too.
   np.testing.assert_array_equal(
-      np.asarray(jmp_train.get_loss_scale(restored.opt_state).loss_scale),
-      np.asarray(jmp_train.get_loss_scale(saved[6].opt_state).loss_scale))
+    np.asarray(jmp_train.get_loss_scale(restored.opt_state).loss_scale),
+    np.asarray(jmp_train.get_loss_scale(saved[6].opt_state).loss_scale),
+  )
   # Training continues from it as the uninterrupted run did (its step 7).
   resumed, _ = step(restored, step.shard_batch(_batch(6)))
   chex.assert_trees_all_equal(_host(resumed), _host(state), strict=True)

@@ -31,9 +31,7 @@ def make_grads(k, seed, dtype=jnp.float32):
 def pmapped(k, **kwargs):
   tx = compressed_mean(AXIS, **kwargs)
   devices = jax.devices()[:k]
-  return jax.pmap(tx.init, axis_name=AXIS, devices=devices), jax.pmap(
-      tx.update, axis_name=AXIS, devices=devices
-  )
+  return jax.pmap(tx.init, axis_name=AXIS, devices=devices), jax.pmap(tx.update, axis_name=AXIS, devices=devices)
 
 
 def flat(tree, j):
@@ -83,9 +81,7 @@ def test_float8_matches_reference_and_conserves(fmt):
     g = np.stack([np.pad(flat(grads, j), (0, n_pad - n)) for j in range(k)])
     v = (g + r_old).reshape(k, k, n_pad // k)  # replica, chunk, element
     dec = ref_fp8(v, fmt)
-    np.testing.assert_allclose(
-        np.asarray(state.worker_residual), (v - dec).reshape(k, -1), rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(state.worker_residual), (v - dec).reshape(k, -1), rtol=1e-5, atol=1e-6)
     u = dec.sum(axis=0) / np.float32(k) + e_old.reshape(k, -1)
     expected = ref_fp8(u, fmt).reshape(-1)
     for j in range(k):
@@ -108,16 +104,13 @@ def float32_mean_wire_bytes(mode):
     base = jax.pmap(lambda g: jax.lax.pmean(g, AXIS), axis_name=AXIS).lower(grads).compile()
   else:
     mesh = jax.make_mesh((k,), (AXIS,))
-    grads = {n: jax.device_put(jnp.zeros((k * s[0],) + s[1:]), NamedSharding(mesh, P(AXIS)))
-             for n, s in shapes.items()}
+    grads = {n: jax.device_put(jnp.zeros((k * s[0],) + s[1:]), NamedSharding(mesh, P(AXIS))) for n, s in shapes.items()}
     mean = jax.shard_map(lambda g: jax.lax.pmean(g, AXIS), mesh=mesh, in_specs=P(AXIS), out_specs=P())
     base = jax.jit(mean).lower(grads).compile()
   return collective_bytes(base, wire=True)["total"]
 
 
-@pytest.mark.parametrize(
-    "wire, ratio", [("bfloat16", 2), ("float8_e4m3", 4), ("float8_e5m2", 4)]
-)
+@pytest.mark.parametrize("wire, ratio", [("bfloat16", 2), ("float8_e4m3", 4), ("float8_e5m2", 4)])
 @pytest.mark.parametrize("mode", ["pmap", "shard_map"])
 def test_moves_the_promised_bytes(wire, ratio, mode):
   k, shapes = BYTES_K, BYTES_SHAPES
@@ -133,9 +126,7 @@ def test_moves_the_promised_bytes(wire, ratio, mode):
     state = tx.init({n: jnp.zeros(s) for n, s in shapes.items()})
     specs = sign_compression_specs(state, AXIS)
     state = jax.tree.map(lambda x, sp: put(jnp.tile(x, k) if x.ndim else x, sp), state, specs)
-    update = jax.shard_map(
-        tx.update, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs)
-    )
+    update = jax.shard_map(tx.update, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs))
     compiled = jax.jit(update).lower(grads, state).compile()
   got = collective_bytes(compiled, wire=True)
   f32 = float32_mean_wire_bytes(mode)
@@ -181,9 +172,7 @@ def test_dtypes_are_kept(dtype):
   state = init(grads)
   out, new_state = update(grads, state)
   assert all(out[n].dtype == dtype for n in SHAPES)
-  assert jax.tree.map(lambda x: (x.shape, x.dtype), new_state) == jax.tree.map(
-      lambda x: (x.shape, x.dtype), state
-  )
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), new_state) == jax.tree.map(lambda x: (x.shape, x.dtype), state)
   assert new_state.count.dtype == jnp.int32
 
 
@@ -196,9 +185,7 @@ def test_non_finite_gradient_keeps_residuals_and_reaches_output(fmt, value):
   bad = dict(grads, w=grads["w"].at[1, 0, 0].set(value))
   out, new_state = update(bad, state)
   assert not np.isfinite(np.asarray(out["w"])).all()
-  np.testing.assert_array_equal(
-      np.asarray(new_state.worker_residual)[1], np.asarray(state.worker_residual)[1]
-  )
+  np.testing.assert_array_equal(np.asarray(new_state.worker_residual)[1], np.asarray(state.worker_residual)[1])
   assert np.isfinite(np.asarray(new_state.server_residual)).all()
 
 
@@ -207,9 +194,7 @@ def test_local_quantization_without_axis():
   g = {"w": jnp.linspace(-1.0, 1.0, 16)}
   state = tx.init(g)
   out, state = jax.jit(tx.update)(g, state)
-  np.testing.assert_allclose(
-      np.asarray(out["w"]) + np.asarray(state.worker_residual), np.asarray(g["w"]), rtol=1e-6
-  )
+  np.testing.assert_allclose(np.asarray(out["w"]) + np.asarray(state.worker_residual), np.asarray(g["w"]), rtol=1e-6)
   assert isinstance(state, CompressedMeanState)
 
 
@@ -240,7 +225,7 @@ def test_errors():
   state = tx.init({"w": jnp.ones(8)})
   with pytest.raises(ValueError, match="replica"):
     jax.pmap(tx.update, axis_name=AXIS, devices=jax.devices()[:2])(
-        {"w": jnp.ones((2, 8))}, jax.tree.map(lambda x: jnp.stack([x, x]), state)
+      {"w": jnp.ones((2, 8))}, jax.tree.map(lambda x: jnp.stack([x, x]), state)
     )
 
 

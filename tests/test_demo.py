@@ -36,9 +36,28 @@ def quick_run(tmp_path_factory):
   """
   out = tmp_path_factory.mktemp("demo")
   done = subprocess.run(
-      [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-progress",
-       "--configs", ",".join(demo_configs.CONFIGS), "--steps", "24", "--out", str(out)],
-      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    [
+      sys.executable,
+      "-m",
+      "jmp_train_examples",
+      "--quick",
+      "--task",
+      "digits",
+      "--no-progress",
+      "--configs",
+      ",".join(demo_configs.CONFIGS),
+      "--steps",
+      "24",
+      "--out",
+      str(out),
+    ],
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   return out, done
 
 
@@ -47,9 +66,19 @@ def test_quick_demo_writes_table_json_and_png(quick_run):
   assert done.returncode == 0, done.stderr[-3000:]
   payload = json.loads((out / "results.json").read_text())
   rows = {r["config"]: r for r in payload["rows"]}
-  assert list(rows) == ["f32", "f16", "f16-dls", "bf16", "f16w-sgd", "f16w-mmsgd",
-                        "8dev-f32", "8dev-1bit-noef", "8dev-1bit", "8dev-diloco",
-                        "8dev-diloco-1bit"]
+  assert list(rows) == [
+    "f32",
+    "f16",
+    "f16-dls",
+    "bf16",
+    "f16w-sgd",
+    "f16w-mmsgd",
+    "8dev-f32",
+    "8dev-1bit-noef",
+    "8dev-1bit",
+    "8dev-diloco",
+    "8dev-diloco-1bit",
+  ]
   for name, row in rows.items():
     for column in payload["columns"]:
       assert column in row, (name, column)
@@ -59,10 +88,10 @@ def test_quick_demo_writes_table_json_and_png(quick_run):
     assert len(payload["curves"][name]["loss_scale"]) == payload["settings"]["steps"]
   # Each row's gap is relative to its comparison's reference.
   assert rows["f32"]["val_loss_gap"] == rows["8dev-f32"]["val_loss_gap"] == 0.0
-  assert rows["f16"]["val_loss_gap"] == pytest.approx(
-      rows["f16"]["val_loss"] / rows["f32"]["val_loss"] - 1)
+  assert rows["f16"]["val_loss_gap"] == pytest.approx(rows["f16"]["val_loss"] / rows["f32"]["val_loss"] - 1)
   assert rows["8dev-1bit"]["val_loss_gap"] == pytest.approx(
-      rows["8dev-1bit"]["val_loss"] / rows["8dev-f32"]["val_loss"] - 1)
+    rows["8dev-1bit"]["val_loss"] / rows["8dev-f32"]["val_loss"] - 1
+  )
   assert set(payload["comparisons"]) == {"loss scaling", "weight updates", "compression"}
   assert payload["timing"]["wall_s"] > 0 and payload["timing"]["cpu_s"] > 0
   # The printed table has one line per configuration plus header and rule.
@@ -82,8 +111,7 @@ def test_quick_text_demo_in_process_without_matplotlib(tmp_path, capsys, monkeyp
   exit status is 0.
   """
   monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-  assert cli.main(["--quick", "--configs", "f16-dls", "--no-progress",
-                   "--out", str(tmp_path)]) == 0
+  assert cli.main(["--quick", "--configs", "f16-dls", "--no-progress", "--out", str(tmp_path)]) == 0
   out = capsys.readouterr().out
   assert "| f16-dls" in out and "pip install 'jmp_train[plot]'" in out
   assert not (tmp_path / "results.png").exists()
@@ -122,20 +150,20 @@ def test_quick_demo_figures_make_sense(quick_run):
 
 
 @pytest.mark.parametrize(
-    "argv, fragment",
-    [
-        (["--steps", "0"], "--steps: expected a positive integer, got 0"),
-        (["--batch", "12"], "--batch 12 must be a multiple of 8"),
-        (["--configs", "f32,f99"], "unknown configuration(s) 'f99'"),
-        (["--configs", "f32,f32"], "lists a configuration twice"),
-        (["--num-processes", "3"], "must divide 8: 1, 2, 4 or 8"),
-        (["--task", "mnist"], "invalid choice: 'mnist'"),
-        (["--d-model", "24"], "--d-model 24 must be a multiple of 16"),
-        (["--lr", "-1"], "--lr: expected a positive number"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
-        (["--seed", "-1"], "--seed: expected a non-negative integer, got -1"),
-        (["--final-lr", "2"], "--final-lr: expected a number in (0, 1]"),
-    ],
+  "argv, fragment",
+  [
+    (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["--batch", "12"], "--batch 12 must be a multiple of 8"),
+    (["--configs", "f32,f99"], "unknown configuration(s) 'f99'"),
+    (["--configs", "f32,f32"], "lists a configuration twice"),
+    (["--num-processes", "3"], "must divide 8: 1, 2, 4 or 8"),
+    (["--task", "mnist"], "invalid choice: 'mnist'"),
+    (["--d-model", "24"], "--d-model 24 must be a multiple of 16"),
+    (["--lr", "-1"], "--lr: expected a positive number"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--seed", "-1"], "--seed: expected a non-negative integer, got -1"),
+    (["--final-lr", "2"], "--final-lr: expected a number in (0, 1]"),
+  ],
 )
 def test_bad_flags_one_line_and_exit_2(capsys, argv, fragment):
   assert cli.main(argv) == 2
@@ -170,8 +198,7 @@ def test_text_sequence_longer_than_the_validation_text_one_line_and_exit_1(capsy
 def test_out_that_cannot_be_written_fails_before_training(tmp_path, capsys):
   a_file = tmp_path / "a_file"
   a_file.write_text("")
-  for out, fragment in ((a_file, "exists and is not a folder"),
-                        (a_file / "sub", "cannot write there")):
+  for out, fragment in ((a_file, "exists and is not a folder"), (a_file / "sub", "cannot write there")):
     assert cli.main(["--quick", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--out {out}: {fragment}" in err, err
@@ -187,14 +214,13 @@ def test_out_is_created(tmp_path):
 def test_help_is_plain_text_and_needs_no_jax():
   """The CLI module answers --help without importing JAX, in plain text."""
   code = (
-      "import importlib.util, sys\n"
-      f"spec = importlib.util.spec_from_file_location('cli', {str(ROOT / 'examples/jmp_train_examples/cli.py')!r})\n"
-      "cli = importlib.util.module_from_spec(spec); spec.loader.exec_module(cli)\n"
-      "try:\n  cli.main(['--help'])\nexcept SystemExit as e:\n  assert e.code == 0\n"
-      "print('JAX IMPORTED' if 'jax' in sys.modules else 'NO JAX')\n"
+    "import importlib.util, sys\n"
+    f"spec = importlib.util.spec_from_file_location('cli', {str(ROOT / 'examples/jmp_train_examples/cli.py')!r})\n"
+    "cli = importlib.util.module_from_spec(spec); spec.loader.exec_module(cli)\n"
+    "try:\n  cli.main(['--help'])\nexcept SystemExit as e:\n  assert e.code == 0\n"
+    "print('JAX IMPORTED' if 'jax' in sys.modules else 'NO JAX')\n"
   )
-  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        timeout=60, check=True)
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
   assert done.stdout.strip().endswith("NO JAX"), done.stdout
   text = done.stdout
   assert "usage: jmp-train" in text and "--out" in text
@@ -220,8 +246,7 @@ def test_demo_uses_the_public_api():
 def test_schedule_warms_up_and_decays_to_the_final_rate():
   from jmp_train_examples import demo  # pylint: disable=g-import-not-at-top
 
-  s = demo.DemoSettings(steps=100, learning_rate=0.2, warmup_fraction=0.1,
-                        final_lr_fraction=0.01)
+  s = demo.DemoSettings(steps=100, learning_rate=0.2, warmup_fraction=0.1, final_lr_fraction=0.01)
   lr = np.asarray([float(demo.learning_rate_schedule(s)(i)) for i in range(101)])
   assert lr[0] == 0.0 and lr.argmax() == 10 and lr.max() == pytest.approx(0.2)
   assert np.all(np.diff(lr[10:]) <= 0)
@@ -276,9 +301,23 @@ def test_console_script_is_declared_by_the_examples_not_the_library():
 
 def test_two_processes_run_the_data_parallel_configs(tmp_path, capsys):
   """``--num-processes 2``: 1-bit SGD over 2 worker processes x 4 devices (gloo)."""
-  status = cli.main(["--quick", "--task", "digits", "--no-progress", "--no-plot",
-                     "--steps", "4", "--configs", "8dev-1bit", "--num-processes", "2",
-                     "--out", str(tmp_path)])
+  status = cli.main(
+    [
+      "--quick",
+      "--task",
+      "digits",
+      "--no-progress",
+      "--no-plot",
+      "--steps",
+      "4",
+      "--configs",
+      "8dev-1bit",
+      "--num-processes",
+      "2",
+      "--out",
+      str(tmp_path),
+    ]
+  )
   assert status == 0, capsys.readouterr().err
   (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
   assert row["config"] == "8dev-1bit" and row["processes"] == 2 and row["devices"] == 8
@@ -293,9 +332,17 @@ def _readme_quick_start() -> str:
 
 def test_readme_has_the_sections_a_newcomer_needs():
   text = (ROOT / "README.md").read_text()
-  for heading in ("## Installation", "## Quick start", "## What's inside", "## The demo",
-                  "## Headline results", "## Two commands", "## Data parallelism",
-                  "## Layout", "## Citing"):
+  for heading in (
+    "## Installation",
+    "## Quick start",
+    "## What's inside",
+    "## The demo",
+    "## Headline results",
+    "## Two commands",
+    "## Data parallelism",
+    "## Layout",
+    "## Citing",
+  ):
     assert heading in text, heading
   assert "make test" in text and "make demo" in text
   assert "jax.block_until_ready" in text  # the CPU data-parallelism note
@@ -315,8 +362,7 @@ def test_readme_quick_start_runs_as_written(capsys):
   exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
   assert "'loss_scale'" in capsys.readouterr().out
   metrics = {k: float(v) for k, v in namespace["metrics"].items()}
-  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "consecutive_skipped_steps",
-                          "grad_norm"}
+  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "consecutive_skipped_steps", "grad_norm"}
   # Each skipped (overflowing) step halved the scale from its 2**15 start.
   assert metrics["loss_scale"] * 2 ** metrics["skipped_steps"] == 2.0**15
   assert np.isfinite(metrics["loss"]) and metrics["skipped_steps"] < 3
@@ -325,31 +371,49 @@ def test_readme_quick_start_runs_as_written(capsys):
 def test_a_failed_worker_process_reports_its_error_line(tmp_path, capsys, monkeypatch):
   # A process that aborts prints a native stack after its error: the
   # message names the error, not the last stack frame.
-  script = ("print('starting'); print('F1124 00:00:00.1 x.cc:1] Check failed: peer lost'); "
-            "print('*** Check failure stack trace: ***'); "
-            "print('    @     0x7f893cf58ba3  PyObject_Vectorcall'); raise SystemExit(1)")
-  popen = subprocess.Popen
-  monkeypatch.setattr(
-      subprocess, "Popen", lambda cmd, **kw: popen([sys.executable, "-c", script], **kw)
+  script = (
+    "print('starting'); print('F1124 00:00:00.1 x.cc:1] Check failed: peer lost'); "
+    "print('*** Check failure stack trace: ***'); "
+    "print('    @     0x7f893cf58ba3  PyObject_Vectorcall'); raise SystemExit(1)"
   )
-  status = cli.main(["--quick", "--task", "digits", "--no-progress", "--no-plot",
-                     "--steps", "2", "--configs", "8dev-1bit", "--num-processes", "2",
-                     "--out", str(tmp_path)])
+  popen = subprocess.Popen
+  monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: popen([sys.executable, "-c", script], **kw))
+  status = cli.main(
+    [
+      "--quick",
+      "--task",
+      "digits",
+      "--no-progress",
+      "--no-plot",
+      "--steps",
+      "2",
+      "--configs",
+      "8dev-1bit",
+      "--num-processes",
+      "2",
+      "--out",
+      str(tmp_path),
+    ]
+  )
   err = capsys.readouterr().err
   assert status != 0
   assert "process 0 of 2 failed: F1124 00:00:00.1 x.cc:1] Check failed: peer lost" in err, err
   assert "PyObject_Vectorcall" not in err
 
 
-@pytest.mark.parametrize("log, line", [
-    ("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad size\n",
-     "ValueError: bad size"),
-    ("terminate called after throwing an instance of 'gloo::IoException'\n"
-     "  what():  Connection closed by peer\n*** SIGABRT received ***\n",
-     "what():  Connection closed by peer"),
+@pytest.mark.parametrize(
+  "log, line",
+  [
+    ('Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad size\n', "ValueError: bad size"),
+    (
+      "terminate called after throwing an instance of 'gloo::IoException'\n"
+      "  what():  Connection closed by peer\n*** SIGABRT received ***\n",
+      "what():  Connection closed by peer",
+    ),
     ("step 1\nstep 2\n", "step 2"),
     ("", "(no output)"),
-])
+  ],
+)
 def test_failure_line_prefers_the_last_error_line(log, line):
   assert demo._failure_line(log) == line
 
@@ -357,9 +421,10 @@ def test_failure_line_prefers_the_last_error_line(log, line):
 def test_worker_processes_keep_every_xla_flag_but_the_device_count():
   # Each worker sets its own device count; a GPU flag or a collective
   # timeout set by the user must reach it.
-  flags = ("--xla_gpu_ftz=true --xla_force_host_platform_device_count=8 "
-           "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+  flags = (
+    "--xla_gpu_ftz=true --xla_force_host_platform_device_count=8 "
+    "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+  )
   kept = demo._worker_xla_flags(flags)  # pylint: disable=protected-access
-  assert kept.split() == ["--xla_gpu_ftz=true",
-                          "--xla_cpu_collective_call_terminate_timeout_seconds=600"]
+  assert kept.split() == ["--xla_gpu_ftz=true", "--xla_cpu_collective_call_terminate_timeout_seconds=600"]
   assert demo._worker_xla_flags("") == ""  # pylint: disable=protected-access

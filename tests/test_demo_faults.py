@@ -70,9 +70,14 @@ RPC: /xla.coordination.CoordinationService/Heartbeat
 def test_a_stopped_process_is_killed_soon_after_its_peer_failed():
   started = time.monotonic()
   results = run_processes(
-      [[sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"],
-       [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"]],
-      os.environ, timeout=30, grace_s=1)
+    [
+      [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"],
+      [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"],
+    ],
+    os.environ,
+    timeout=30,
+    grace_s=1,
+  )
   assert time.monotonic() - started < 10
   assert results == [(3, ""), (-signal.SIGKILL, "")]
   assert [r.ended for r in results] == [False, True]
@@ -87,20 +92,23 @@ def test_the_unresponsive_process_is_named_in_one_line_without_stack_frames(monk
     monkeypatch.setattr(demo, "run_processes", lambda commands, env, r=results, **kw: r)
     with pytest.raises(demo.DemoError) as e:
       demo._run_processes(  # pylint: disable=protected-access
-          demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
+        demo.DemoSettings(num_processes=2), ["8dev-f32"], []
+      )
     assert str(e.value) == (
-        f"process {named} of 2 stopped responding (alive but not answering: process "
-        f"{survivor} gave up on its heartbeats and stopped, it did not); the launcher "
-        "killed it")
+      f"process {named} of 2 stopped responding (alive but not answering: process "
+      f"{survivor} gave up on its heartbeats and stopped, it did not); the launcher "
+      "killed it"
+    )
     # One line per process, from its output.
-    lines = {survivor: "aborted (SIGABRT): jax.distributed lost its heartbeats from process "
-                       f"{named}",
-             named: "still running after another process had stopped: killed by the launcher"}
-    assert capsys.readouterr().err.splitlines() == [
-        f"process {pid} of 2: {lines[pid]}" for pid in range(2)]
+    lines = {
+      survivor: f"aborted (SIGABRT): jax.distributed lost its heartbeats from process {named}",
+      named: "still running after another process had stopped: killed by the launcher",
+    }
+    assert capsys.readouterr().err.splitlines() == [f"process {pid} of 2: {lines[pid]}" for pid in range(2)]
   # A failure of its own is its error line, never a stack frame.
   assert demo._failure_line(_PEER_STOPPED_LOG) == (  # pylint: disable=protected-access
-      "TimeoutError: Timed out while waiting for async_write_complete barrier.")
+    "TimeoutError: Timed out while waiting for async_write_complete barrier."
+  )
 
 
 # --- the checkpoint folder's lock -----------------------------------------------------
@@ -120,11 +128,14 @@ def test_a_stale_lock_is_taken_over_and_one_from_another_host_is_not(tmp_path, c
     assert checkpoint_lock.held_fd(tmp_path) == fd
     assert json.loads(lock.read_text())["pid"] == os.getpid()
   assert f"the run that held it (pid {pid} on host {socket.gethostname()}) is no longer running" in (
-      capsys.readouterr().err)
+    capsys.readouterr().err
+  )
   assert not lock.exists() and checkpoint_lock.held_fd(tmp_path) is None
   lock.write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
-  with pytest.raises(checkpoint_lock.CheckpointDirBusy, match=(
-      f"locked by a run on another host .pid 1 on host elsewhere.*delete {lock}")):
+  with pytest.raises(
+    checkpoint_lock.CheckpointDirBusy,
+    match=(f"locked by a run on another host .pid 1 on host elsewhere.*delete {lock}"),
+  ):
     with checkpoint_lock.hold(tmp_path):
       pass
 
@@ -134,8 +145,23 @@ def test_a_stale_lock_is_taken_over_and_one_from_another_host_is_not(tmp_path, c
 
 def test_a_row_whose_loss_is_not_finite_fails_the_run_after_everything_is_written(tmp_path, capsys):
   pytest.importorskip("sklearn")
-  code = cli.main(["--quick", "--task", "digits", "--no-progress", "--no-plot", "--configs",
-                   "f16", "--lr", "1e8", "--steps", "2", "--out", str(tmp_path)])
+  code = cli.main(
+    [
+      "--quick",
+      "--task",
+      "digits",
+      "--no-progress",
+      "--no-plot",
+      "--configs",
+      "f16",
+      "--lr",
+      "1e8",
+      "--steps",
+      "2",
+      "--out",
+      str(tmp_path),
+    ]
+  )
   out, err = capsys.readouterr()
   assert code == 1, err
   (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
@@ -143,7 +169,8 @@ def test_a_row_whose_loss_is_not_finite_fails_the_run_after_everything_is_writte
   header, _, line = out.splitlines()[:3]
   assert header.rstrip(" |").endswith("failed") and "loss is not finite" in line
   assert err.splitlines()[-1].startswith(
-      "jmp-train: error: configuration 'f16' failed: loss is not finite (train_loss nan")
+    "jmp-train: error: configuration 'f16' failed: loss is not finite (train_loss nan"
+  )
 
 
 def test_results_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
@@ -157,8 +184,9 @@ def test_results_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     raise OSError(errno.ENOSPC, "No space left on device")
 
   monkeypatch.setattr(os, "fsync", full_disk)
-  with pytest.raises(demo.DemoError, match=(
-      f"cannot write {path}: No space left on device; the previous file is unchanged")):
+  with pytest.raises(
+    demo.DemoError, match=(f"cannot write {path}: No space left on device; the previous file is unchanged")
+  ):
     demo.write_atomic(path, '{"new": 2, "much": "' + "x" * 100_000 + '"}\n')
   assert path.read_text() == '{"old": 1}\n'
   assert os.listdir(tmp_path) == ["results.json"]
@@ -173,16 +201,35 @@ def _jmp_train(tmp: pathlib.Path, *flags: str) -> subprocess.Popen:
   env["TMPDIR"] = str(tmp / "tmp")  # the launcher's folder for its workers goes there
   (tmp / "tmp").mkdir(exist_ok=True)
   return subprocess.Popen(
-      [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-progress",
-       "--no-plot", "--configs", "8dev-f32", "--num-processes", "2", *flags],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    [
+      sys.executable,
+      "-m",
+      "jmp_train_examples",
+      "--quick",
+      "--task",
+      "digits",
+      "--no-progress",
+      "--no-plot",
+      "--configs",
+      "8dev-f32",
+      "--num-processes",
+      "2",
+      *flags,
+    ],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
 
 
 def _alive(pid: int) -> bool:
   """Whether ``pid`` runs: a zombie whose threads have all ended does not."""
   try:
-    status = dict(line.split(":", 1) for line in
-                  pathlib.Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    status = dict(
+      line.split(":", 1) for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
   except OSError:
     return False
   return not (status["State"].strip().startswith("Z") and int(status["Threads"]) <= 1)
@@ -224,11 +271,21 @@ def faults(tmp_path_factory):
   try:
     for name, every in (("stopped", "2"), ("killed", "5")):
       tmp = tmp_path_factory.mktemp(name)
-      runs[name] = (tmp, _jmp_train(tmp, "--steps", "3000", "--checkpoint-dir",
-                                    str(tmp / "ckpt"), "--checkpoint-every", every,
-                                    "--out", str(tmp / "out")))
-    workers = {name: _wait_for_training(launcher, tmp / "ckpt")
-               for name, (tmp, launcher) in runs.items()}
+      runs[name] = (
+        tmp,
+        _jmp_train(
+          tmp,
+          "--steps",
+          "3000",
+          "--checkpoint-dir",
+          str(tmp / "ckpt"),
+          "--checkpoint-every",
+          every,
+          "--out",
+          str(tmp / "out"),
+        ),
+      )
+    workers = {name: _wait_for_training(launcher, tmp / "ckpt") for name, (tmp, launcher) in runs.items()}
     tmp, launcher = runs["stopped"]
     second = _jmp_train(tmp, "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out2"))
     try:
@@ -282,9 +339,10 @@ def test_a_second_run_on_the_same_checkpoint_folder_is_refused_at_once(faults):
   assert code == 2, err[-3000:]
   since = err.split(", since ")[1].split(")")[0]
   assert err.strip() == (
-      f"jmp-train: error: --checkpoint-dir {tmp / 'ckpt'} is in use by another jmp-train run "
-      f"(pid {launcher.pid} on host {socket.gethostname()}, since {since}); wait for it to "
-      "finish, or pass another --checkpoint-dir")
+    f"jmp-train: error: --checkpoint-dir {tmp / 'ckpt'} is in use by another jmp-train run "
+    f"(pid {launcher.pid} on host {socket.gethostname()}, since {since}); wait for it to "
+    "finish, or pass another --checkpoint-dir"
+  )
 
 
 @pytest.mark.slow
@@ -296,8 +354,9 @@ def test_a_stopped_worker_ends_the_run_within_a_minute_named_in_one_line(faults)
   assert elapsed < 60, elapsed
   lines = err.strip().splitlines()
   assert lines[-1] == (
-      "jmp-train: error: process 1 of 2 stopped responding (alive but not answering: process 0 "
-      "gave up on its heartbeats and stopped, it did not); the launcher killed it"), err[-3000:]
+    "jmp-train: error: process 1 of 2 stopped responding (alive but not answering: process 0 "
+    "gave up on its heartbeats and stopped, it did not); the launcher killed it"
+  ), err[-3000:]
   assert len(lines) <= 3 and not [line for line in lines if "@ 0x" in line], err[-3000:]
   assert seen["stopped_workers_gone_s"] is not None
   assert not list((tmp / "tmp").glob("jmp_train_mp_*"))
@@ -308,13 +367,28 @@ def test_a_stopped_worker_ends_the_run_within_a_minute_named_in_one_line(faults)
 def test_a_checkpoint_of_two_processes_is_not_resumed_by_one(faults, capsys):
   runs, _ = faults
   ckpt = runs["stopped"][0] / "ckpt"
-  code = cli.main(["--quick", "--task", "digits", "--no-progress", "--no-plot", "--configs",
-                   "8dev-f32", "--steps", "3000", "--checkpoint-dir", str(ckpt),
-                   "--out", str(runs["stopped"][0] / "out3")])
+  code = cli.main(
+    [
+      "--quick",
+      "--task",
+      "digits",
+      "--no-progress",
+      "--no-plot",
+      "--configs",
+      "8dev-f32",
+      "--steps",
+      "3000",
+      "--checkpoint-dir",
+      str(ckpt),
+      "--out",
+      str(runs["stopped"][0] / "out3"),
+    ]
+  )
   err = capsys.readouterr().err
   assert code == 1, err
   assert err.strip().splitlines()[-1] == (
-      f"jmp-train: error: the checkpoint of '8dev-f32' in {ckpt / '8dev-f32'} was written by "
-      "2 process(es) (--num-processes 2); this run has 1, and would not continue bit for bit "
-      "(the cross-process sums add in another order); rerun with --num-processes 2, or pass "
-      "another --checkpoint-dir.")
+    f"jmp-train: error: the checkpoint of '8dev-f32' in {ckpt / '8dev-f32'} was written by "
+    "2 process(es) (--num-processes 2); this run has 1, and would not continue bit for bit "
+    "(the cross-process sums add in another order); rerun with --num-processes 2, or pass "
+    "another --checkpoint-dir."
+  )

@@ -21,21 +21,22 @@ def test_a_killed_worker_is_named_not_the_one_that_stopped_after_it(monkeypatch)
   # Process 0 aborted (SIGABRT: jax.distributed found its peer gone);
   # process 1 was killed from outside.
   aborted = "F1127 client.h:80] Terminating process because ... Task 1 heartbeat timeout\n"
-  monkeypatch.setattr(demo, "run_processes",
-                      lambda commands, env: [(-signal.SIGABRT, aborted), (-signal.SIGKILL, "")])
+  monkeypatch.setattr(demo, "run_processes", lambda commands, env: [(-signal.SIGABRT, aborted), (-signal.SIGKILL, "")])
   with pytest.raises(demo.DemoError) as e:
     demo._run_processes(  # pylint: disable=protected-access
-        demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
-  assert str(e.value) == (
-      "process 1 of 2 was lost (killed by SIGKILL); the others stopped without it")
+      demo.DemoSettings(num_processes=2), ["8dev-f32"], []
+    )
+  assert str(e.value) == ("process 1 of 2 was lost (killed by SIGKILL); the others stopped without it")
 
 
 def test_a_worker_that_failed_on_its_own_is_reported_with_its_error(monkeypatch):
-  monkeypatch.setattr(demo, "run_processes", lambda commands, env: [
-      (0, ""), (-signal.SIGABRT, "F1127 x.cc:1] Check failed: bad\n")])
+  monkeypatch.setattr(
+    demo, "run_processes", lambda commands, env: [(0, ""), (-signal.SIGABRT, "F1127 x.cc:1] Check failed: bad\n")]
+  )
   with pytest.raises(demo.DemoError, match=r"process 1 of 2 failed: F1127 x.cc:1\] Check failed"):
     demo._run_processes(  # pylint: disable=protected-access
-        demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
+      demo.DemoSettings(num_processes=2), ["8dev-f32"], []
+    )
 
 
 @pytest.mark.slow
@@ -45,10 +46,34 @@ def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
   env = _processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   launcher = subprocess.Popen(
-      [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-progress",
-       "--no-plot", "--configs", "8dev-f32", "--num-processes", "2", "--steps", "100000",
-       "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--out", str(tmp_path / "out")],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    [
+      sys.executable,
+      "-m",
+      "jmp_train_examples",
+      "--quick",
+      "--task",
+      "digits",
+      "--no-progress",
+      "--no-plot",
+      "--configs",
+      "8dev-f32",
+      "--num-processes",
+      "2",
+      "--steps",
+      "100000",
+      "--checkpoint-dir",
+      str(ckpt),
+      "--checkpoint-every",
+      "1",
+      "--out",
+      str(tmp_path / "out"),
+    ],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   workers = {}
   try:
     # Training has begun once a checkpoint is written.
@@ -74,5 +99,5 @@ def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
   assert launcher.returncode == 1
   assert elapsed < 60, elapsed
   assert err.strip().splitlines()[-1] == (
-      "jmp-train: error: process 1 of 2 was lost (killed by SIGKILL); "
-      "the others stopped without it"), err[-2000:]
+    "jmp-train: error: process 1 of 2 was lost (killed by SIGKILL); the others stopped without it"
+  ), err[-2000:]

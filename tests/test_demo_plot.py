@@ -40,13 +40,18 @@ def _synthetic():
     cfg = demo_configs.CONFIGS[name]
     loss = factor.get(name, 1.0) * base
     scaled = cfg.loss_scale == "dynamic"
-    curves[name] = {"loss": loss.tolist(),
-                    "loss_scale": [2.0**15 if scaled else 1.0] * STEPS}
-    rows.append({
-        "config": name, "reference": cfg.reference, "val_loss": float(loss[-1]),
-        "val_loss_gap": factor.get(name, 1.0) - 1.0, "loss_scale": 2.0**15 if scaled else 1.0,
-        "underflow_f16": 0.0, "underflow_f16_logits": 0.0,
-    })
+    curves[name] = {"loss": loss.tolist(), "loss_scale": [2.0**15 if scaled else 1.0] * STEPS}
+    rows.append(
+      {
+        "config": name,
+        "reference": cfg.reference,
+        "val_loss": float(loss[-1]),
+        "val_loss_gap": factor.get(name, 1.0) - 1.0,
+        "loss_scale": 2.0**15 if scaled else 1.0,
+        "underflow_f16": 0.0,
+        "underflow_f16_logits": 0.0,
+      }
+    )
   return rows, curves
 
 
@@ -112,7 +117,7 @@ def test_final_validation_gaps_are_written_and_do_not_overlap(figure):
   # The text alone, not the connector line each annotation draws to its value.
   boxes = [text.Text.get_window_extent(t) for t in zeros]
   for i, a in enumerate(boxes):
-    for b in boxes[i + 1:]:
+    for b in boxes[i + 1 :]:
       assert not a.overlaps(b)
 
 

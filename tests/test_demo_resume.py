@@ -50,8 +50,7 @@ def _steps_saved(directory: pathlib.Path) -> list[int]:
 
 def _interrupt(command, directory, after, sig):
   """Runs ``command`` until a checkpoint past step ``after`` is written, then sends ``sig``."""
-  proc = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.monotonic() + 240
     while not [n for n in _steps_saved(directory) if n > after]:
@@ -83,20 +82,29 @@ def test_jmp_train_stopped_by_sigterm_then_sigkill_resumes_to_the_uninterrupted_
   uninterrupted run's row and curves.
   """
   name = "f16-dls"
-  flags = ["--configs", name, "--steps", "100", "--checkpoint-dir", str(tmp_path / "ckpt"),
-           "--checkpoint-every", "5"]
+  flags = ["--configs", name, "--steps", "100", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "5"]
   s = _settings(*flags)
-  want = demo_training.run_configs(dataclasses.replace(s, checkpoint_dir=None), [name],
-                                   task=TASKS[s.task](s))
-  command = [sys.executable, "-m", "jmp_train_examples", "--quick", "--task", "digits", "--no-plot",
-             "--no-progress", *flags, "--out", str(tmp_path / "out")]
+  want = demo_training.run_configs(dataclasses.replace(s, checkpoint_dir=None), [name], task=TASKS[s.task](s))
+  command = [
+    sys.executable,
+    "-m",
+    "jmp_train_examples",
+    "--quick",
+    "--task",
+    "digits",
+    "--no-plot",
+    "--no-progress",
+    *flags,
+    "--out",
+    str(tmp_path / "out"),
+  ]
   directory = tmp_path / "ckpt" / name
 
   code, err = _interrupt(command, directory, 10, signal.SIGTERM)
   assert code == 128 + signal.SIGTERM, err[-3000:]
   assert err.strip().splitlines()[-1] == (
-      "jmp-train: terminated (SIGTERM); run the same command again to resume from the "
-      "latest checkpoint")
+    "jmp-train: terminated (SIGTERM); run the same command again to resume from the latest checkpoint"
+  )
   # Nothing half written: the save in flight was completed.
   assert all(p.name.isdigit() for p in directory.iterdir()), os.listdir(directory)
   resumed_from = _steps_saved(directory)[-1]
@@ -105,14 +113,12 @@ def test_jmp_train_stopped_by_sigterm_then_sigkill_resumes_to_the_uninterrupted_
   code, err = _interrupt(command, directory, resumed_from + 10, signal.SIGKILL)
   assert code == -signal.SIGKILL, err[-3000:]
 
-  done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                        timeout=240, check=False)
+  done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
   payload = json.loads((tmp_path / "out" / "results.json").read_text())
   (row,) = payload["rows"]
   (want_row,), want_curves = want
-  assert {k: row[k] for k in want_row if k not in _TIMINGS} == {
-      k: v for k, v in want_row.items() if k not in _TIMINGS}
+  assert {k: row[k] for k in want_row if k not in _TIMINGS} == {k: v for k, v in want_row.items() if k not in _TIMINGS}
   assert payload["curves"][name]["loss"] == want_curves[name]["loss"]
   assert payload["curves"][name]["loss_scale"] == want_curves[name]["loss_scale"]
   # The last two checkpoints are kept.
@@ -123,5 +129,4 @@ def test_jmp_train_stopped_by_sigterm_then_sigkill_resumes_to_the_uninterrupted_
   assert rows[0]["val_loss"] == want_row["val_loss"] and np.isnan(rows[0]["steps_per_s"])
   # Under other settings the checkpoint is refused, not mixed in.
   with pytest.raises(DemoError, match=rf"'{name}' .* other settings \(learning_rate differ\)"):
-    demo_training.run_configs(dataclasses.replace(s, learning_rate=0.3), [name],
-                              task=TASKS[s.task](s))
+    demo_training.run_configs(dataclasses.replace(s, learning_rate=0.3), [name], task=TASKS[s.task](s))

@@ -53,8 +53,10 @@ def test_preempted_is_false_outside_a_multi_process_job():
 def test_workers_that_stopped_on_sigterm_make_the_launcher_stop_too(monkeypatch):
   # Every worker saved the step they agreed on and exited with 128 + SIGTERM
   # (or had already finished).
-  monkeypatch.setattr(demo, "run_processes", lambda commands, env: [
-      (128 + signal.SIGTERM, "jmp-train: terminated (SIGTERM)\n"), (0, "")])
+  monkeypatch.setattr(
+    demo, "run_processes", lambda commands, env: [(128 + signal.SIGTERM, "jmp-train: terminated (SIGTERM)\n"), (0, "")]
+  )
   with pytest.raises(stopping.Terminated):
     demo._run_processes(  # pylint: disable=protected-access
-        demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
+      demo.DemoSettings(num_processes=2), ["8dev-f32"], []
+    )

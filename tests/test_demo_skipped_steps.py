@@ -27,8 +27,8 @@ def _mse(out, y):
 
 def _step(apply_fn, scale=2.0**15):
   return jmp_train.make_train_step(
-      apply_fn, _mse, optax.sgd(0.1), policy="mixed_float16",
-      loss_scale=jmp_train.DynamicLossScale(scale))
+    apply_fn, _mse, optax.sgd(0.1), policy="mixed_float16", loss_scale=jmp_train.DynamicLossScale(scale)
+  )
 
 
 def _batch(value=1.0):
@@ -83,7 +83,8 @@ def test_demo_loop_stops_after_max_skipped_steps():
   reached = []
   with pytest.raises(DemoError, match=r"'nan-model' cannot learn: the last 20 steps") as e:
     demo_training._train(  # pylint: disable=protected-access
-        step, compiled, state, _Task(), s, lambda i, _: reached.append(i), "nan-model")
+      step, compiled, state, _Task(), s, lambda i, _: reached.append(i), "nan-model"
+    )
   assert "--max-skipped-steps 20" in str(e.value)
   assert reached == [10, 20]  # checked when the progress fetches the metrics
 
@@ -94,14 +95,16 @@ def test_demo_loop_runs_on_below_the_limit():
   compiled = step.lower(state, _batch()).compile()
   s = DemoSettings(steps=10, max_skipped_steps=11)
   state, metrics, _, _ = demo_training._train(  # pylint: disable=protected-access
-      step, compiled, state, _Task(), s, lambda i, _: None, "nan-model")
+    step, compiled, state, _Task(), s, lambda i, _: None, "nan-model"
+  )
   assert int(metrics["consecutive_skipped_steps"]) == 10 and int(state.step) == 10
 
 
 def test_max_skipped_steps_flag_reaches_the_settings():
   parser = cli.build_parser()
   settings = cli._settings(  # pylint: disable=protected-access
-      parser.parse_args(["--max-skipped-steps", "7"]), parser.config_names)
+    parser.parse_args(["--max-skipped-steps", "7"]), parser.config_names
+  )
   assert settings["max_skipped_steps"] == 7
   default = cli._settings(parser.parse_args([]), parser.config_names)  # pylint: disable=protected-access
   assert default["max_skipped_steps"] == DemoSettings().max_skipped_steps == 100

@@ -28,14 +28,28 @@ def _edge_values():
   """Values at the float16 and bfloat16 rounding boundaries."""
   f16_tie = 2.0**-25  # halfway to the smallest subnormal: rounds to even 0.
   return np.array(
-      [
-          f16_tie, np.nextafter(np.float32(f16_tie), np.float32(1)), 2.0**-24,
-          2.0**-14, np.nextafter(np.float32(2.0**-14), np.float32(0)),
-          65504.0, 65519.99, 65520.0, 65536.0, -65520.0,
-          3.38e38, 3.3895e38, 3.3961e38, 3.4e38,  # bfloat16's largest ~3.3895e38
-          0.0, -0.0, np.inf, -np.inf, np.nan,
-      ],
-      np.float32,
+    [
+      f16_tie,
+      np.nextafter(np.float32(f16_tie), np.float32(1)),
+      2.0**-24,
+      2.0**-14,
+      np.nextafter(np.float32(2.0**-14), np.float32(0)),
+      65504.0,
+      65519.99,
+      65520.0,
+      65536.0,
+      -65520.0,
+      3.38e38,
+      3.3895e38,
+      3.3961e38,
+      3.4e38,  # bfloat16's largest ~3.3895e38
+      0.0,
+      -0.0,
+      np.inf,
+      -np.inf,
+      np.nan,
+    ],
+    np.float32,
   )
 
 
@@ -55,9 +69,9 @@ def spread():
 @functools.lru_cache(maxsize=None)
 def _jitted_histogram(target, min_exponent=-40, max_exponent=20):
   return jax.jit(
-      lambda t, s: diag.gradient_histogram(
-          t, target_dtype=target, scale=s, min_exponent=min_exponent, max_exponent=max_exponent
-      )
+    lambda t, s: diag.gradient_histogram(
+      t, target_dtype=target, scale=s, min_exponent=min_exponent, max_exponent=max_exponent
+    )
   )
 
 
@@ -87,14 +101,14 @@ def _reference(x: np.ndarray, target: np.dtype, scale: float, lo: int, hi: int) 
     else:
       counts[e - lo] += 1
   return {
-      "zeros": int(np.sum(finite & ~nonzero)),
-      "nonfinite": int(np.sum(~finite)),
-      "underflow": int(np.sum(nonzero & (y == 0))),
-      "subnormal": int(np.sum(nonzero & (y != 0) & (np.abs(y) < tiny))),
-      "overflow": int(np.sum(nonzero & np.isinf(y))),
-      "counts": counts,
-      "below": below,
-      "above": above,
+    "zeros": int(np.sum(finite & ~nonzero)),
+    "nonfinite": int(np.sum(~finite)),
+    "underflow": int(np.sum(nonzero & (y == 0))),
+    "subnormal": int(np.sum(nonzero & (y != 0) & (np.abs(y) < tiny))),
+    "overflow": int(np.sum(nonzero & np.isinf(y))),
+    "counts": counts,
+    "below": below,
+    "above": above,
   }
 
 
@@ -187,9 +201,9 @@ def test_histogram_jit_pmap_and_eager_agree(num_devices):
   def per_device(shard):
     # Each replica sees its 64 values; axis_name combines all replicas.
     return (
-        diag.gradient_histogram({"g": shard}, scale=4.0, axis_name="d"),
-        diag.underflow_fraction(shard, "float16", 4.0, axis_name="d"),
-        diag.suggest_loss_scale(shard, axis_name="d"),
+      diag.gradient_histogram({"g": shard}, scale=4.0, axis_name="d"),
+      diag.underflow_fraction(shard, "float16", 4.0, axis_name="d"),
+      diag.suggest_loss_scale(shard, axis_name="d"),
     )
 
   hist, under, suggestion = per_device(jnp.asarray(x))
@@ -328,30 +342,32 @@ def test_suggest_loss_scale_bounds():
 
 
 @pytest.mark.parametrize(
-    "call, fragments",
-    [
-        (lambda: diag.gradient_histogram({"i": jnp.arange(3)}), ["floating-point", "int32"]),
-        (lambda: diag.underflow_fraction({}), ["floating-point", "empty"]),
-        (lambda: diag.suggest_loss_scale([None, "x"]), ["floating-point", "str"]),
-        (lambda: diag.underflow_fraction(jnp.ones(2), "float32"), ["'float32'", "bfloat16"]),
-        (lambda: diag.overflow_fraction(jnp.ones(2), "int8"), ["'int8'", "float16"]),
-        (lambda: diag.gradient_histogram(jnp.ones(2), target_dtype="float17"), ["'float17'", "bf16"]),
-        (lambda: diag.underflow_fraction(jnp.ones(2), "float16", 0.0), ["scale", "> 0"]),
-        (lambda: diag.gradient_histogram(jnp.ones(2), scale=float("nan")), ["scale", "nan"]),
-        (lambda: diag.gradient_histogram(jnp.ones(2), min_exponent=5, max_exponent=5), ["min_exponent=5"]),
-        (lambda: diag.gradient_histogram(jnp.ones(2), min_exponent=-200), ["-149"]),
-        (lambda: diag.suggest_loss_scale(jnp.ones(2), headroom=0.5), ["headroom", ">= 1"]),
-        (lambda: diag.suggest_loss_scale(jnp.ones(2), min_scale=4.0, max_scale=2.0), ["min_scale"]),
-        (lambda: diag.tensor_core_report("not a function", jnp.ones(2)), ["callable", "str"]),
-        (lambda: diag.precision_audit(None), ["callable", "NoneType"]),
-        (lambda: diag.tensor_core_report(jnp.dot, jnp.ones(2), jnp.ones(2), tensor_core_speedup=0),
-         ["tensor_core_speedup"]),
-        (lambda: diag.precision_audit(jnp.sum, jnp.ones(2), reduction_threshold=0), ["reduction_threshold"]),
-        (lambda: diag.tensor_core_report(lambda i: i * 2, jnp.arange(3), backward=True), ["floating-point"]),
-        (lambda: diag.pad_to_multiple(-1), ["n must be >= 0", "-1"]),
-        (lambda: diag.pad_to_multiple(3.5), ["n must be an int", "3.5"]),
-        (lambda: diag.pad_to_multiple(10, 0), ["multiple must be >= 1"]),
-    ],
+  "call, fragments",
+  [
+    (lambda: diag.gradient_histogram({"i": jnp.arange(3)}), ["floating-point", "int32"]),
+    (lambda: diag.underflow_fraction({}), ["floating-point", "empty"]),
+    (lambda: diag.suggest_loss_scale([None, "x"]), ["floating-point", "str"]),
+    (lambda: diag.underflow_fraction(jnp.ones(2), "float32"), ["'float32'", "bfloat16"]),
+    (lambda: diag.overflow_fraction(jnp.ones(2), "int8"), ["'int8'", "float16"]),
+    (lambda: diag.gradient_histogram(jnp.ones(2), target_dtype="float17"), ["'float17'", "bf16"]),
+    (lambda: diag.underflow_fraction(jnp.ones(2), "float16", 0.0), ["scale", "> 0"]),
+    (lambda: diag.gradient_histogram(jnp.ones(2), scale=float("nan")), ["scale", "nan"]),
+    (lambda: diag.gradient_histogram(jnp.ones(2), min_exponent=5, max_exponent=5), ["min_exponent=5"]),
+    (lambda: diag.gradient_histogram(jnp.ones(2), min_exponent=-200), ["-149"]),
+    (lambda: diag.suggest_loss_scale(jnp.ones(2), headroom=0.5), ["headroom", ">= 1"]),
+    (lambda: diag.suggest_loss_scale(jnp.ones(2), min_scale=4.0, max_scale=2.0), ["min_scale"]),
+    (lambda: diag.tensor_core_report("not a function", jnp.ones(2)), ["callable", "str"]),
+    (lambda: diag.precision_audit(None), ["callable", "NoneType"]),
+    (
+      lambda: diag.tensor_core_report(jnp.dot, jnp.ones(2), jnp.ones(2), tensor_core_speedup=0),
+      ["tensor_core_speedup"],
+    ),
+    (lambda: diag.precision_audit(jnp.sum, jnp.ones(2), reduction_threshold=0), ["reduction_threshold"]),
+    (lambda: diag.tensor_core_report(lambda i: i * 2, jnp.arange(3), backward=True), ["floating-point"]),
+    (lambda: diag.pad_to_multiple(-1), ["n must be >= 0", "-1"]),
+    (lambda: diag.pad_to_multiple(3.5), ["n must be an int", "3.5"]),
+    (lambda: diag.pad_to_multiple(10, 0), ["multiple must be >= 1"]),
+  ],
 )
 def test_bad_input_is_explained(call, fragments):
   with pytest.raises(ValueError) as info:

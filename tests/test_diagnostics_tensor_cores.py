@@ -34,17 +34,15 @@ def test_dot_general_dims_flops_and_alignment():
 
 
 @pytest.mark.parametrize(
-    "dtype, multiple",
-    [(F16, 8), (BF16, 8), (F32, None), (np.dtype(jnp.int8), 16)],
-    ids=lambda v: getattr(v, "name", str(v)),
+  "dtype, multiple",
+  [(F16, 8), (BF16, 8), (F32, None), (np.dtype(jnp.int8), 16)],
+  ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_required_multiple_by_dtype(dtype, multiple):
   x = jax.ShapeDtypeStruct((16, 8), dtype)  # no arrays needed
   w = jax.ShapeDtypeStruct((8, 32), dtype)
   pref = jnp.int32 if dtype == np.dtype(jnp.int8) else None
-  dot = lambda a, b: lax.dot_general(
-      a, b, (((1,), (0,)), ((), ())), preferred_element_type=pref
-  )
+  dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=pref)
   r = diag.tensor_core_report(dot, x, w)
   (e,) = r.entries
   assert e.required_multiple == multiple
@@ -57,9 +55,7 @@ def test_required_multiple_by_dtype(dtype, multiple):
 def test_convolution_channels_and_flops():
   x = jnp.ones((2, 9, 9, 3), jnp.bfloat16)  # NHWC, 3 input channels (RGB)
   k = jnp.ones((3, 3, 3, 16), jnp.bfloat16)  # HWIO
-  conv = lambda a, b: lax.conv_general_dilated(
-      a, b, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-  )
+  conv = lambda a, b: lax.conv_general_dilated(a, b, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
   (e,) = diag.tensor_core_report(conv, x, k).entries
   assert e.op == "conv" and e.checked == {"C_in": 3, "C_out": 16}
   assert e.misaligned == ("C_in",)
@@ -72,7 +68,8 @@ def test_convolution_channels_and_flops():
   assert diag.tensor_core_report(conv, x8, k8).tensor_core_fraction == 1.0
   # A depthwise convolution has one channel per group.
   dw = lambda a, b: lax.conv_general_dilated(
-      a, b, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=8)
+    a, b, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=8
+  )
   (e,) = diag.tensor_core_report(dw, x8, jnp.ones((3, 3, 1, 8), jnp.bfloat16)).entries
   assert e.batch == 8 and e.checked == {"C_in": 1, "C_out": 1}
   assert e.flops == 2 * (2 * 9 * 9 * 8) * 9 == 2 * e.batch * e.m * e.n * e.k
@@ -180,15 +177,13 @@ def test_nnx_modules_and_states():
   assert e.lhs_dtype == F16 and (e.m, e.n, e.k) == (8, 12, 16) and e.misaligned == ("N",)
 
 
-
-
 # ---------------------------------------------------------------------------
 # Padding.
 
 
 @pytest.mark.parametrize(
-    "n, multiple, expected",
-    [(0, 8, 0), (1, 8, 8), (8, 8, 8), (30, 8, 32), (50257, 64, 50304), (3, 16, 16), (7, 1, 7)],
+  "n, multiple, expected",
+  [(0, 8, 0), (1, 8, 8), (8, 8, 8), (30, 8, 32), (50257, 64, 50304), (3, 16, 16), (7, 1, 7)],
 )
 def test_pad_to_multiple(n, multiple, expected):
   assert diag.pad_to_multiple(n, multiple) == expected
@@ -197,6 +192,7 @@ def test_pad_to_multiple(n, multiple, expected):
 
 def test_public_module_reexports_collective_bytes():
   import jmp_train  # pylint: disable=g-import-not-at-top
+
   assert diag.collective_bytes is jmp_train.diagnostics.collective_bytes
   assert diag.collective_ops is jmp_train.diagnostics.collective_ops
   assert set(diag.__all__) >= {"collective_bytes", "collective_ops", "saved_residuals"}

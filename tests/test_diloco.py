@@ -20,8 +20,7 @@ K = 8
 
 
 def _tree(rng, k=K):
-  return {"w": rng.normal(size=(k, 16, 4)).astype(np.float32),
-          "b": rng.normal(size=(k, 4)).astype(np.float32)}
+  return {"w": rng.normal(size=(k, 16, 4)).astype(np.float32), "b": rng.normal(size=(k, 4)).astype(np.float32)}
 
 
 def _replicated(tree, k=K):
@@ -52,8 +51,9 @@ def test_sync_every_step_with_unit_outer_sgd_is_synchronous_sgd():
     p, state = step(p, state, g)
     expected = jax.tree.map(lambda e, g: e - 0.1 * g.mean(0), expected, g)
   for name in expected:
-    np.testing.assert_allclose(np.asarray(p[name]), np.broadcast_to(expected[name], p[name].shape),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(p[name]), np.broadcast_to(expected[name], p[name].shape), rtol=1e-5, atol=1e-6
+    )
   assert int(state.count[0]) == 3
 
 
@@ -68,15 +68,13 @@ def test_replicas_move_apart_between_synchronisations_and_meet_at_them(compressi
   for t in range(1, 7):
     p, state = step(p, state, _tree(rng))
     spread = max(float(np.abs(np.asarray(x) - np.asarray(x)[:1]).max()) for x in jax.tree.leaves(p))
-    anchor_spread = max(float(np.abs(np.asarray(x) - np.asarray(x)[:1]).max())
-                        for x in jax.tree.leaves(state.anchor))
+    anchor_spread = max(float(np.abs(np.asarray(x) - np.asarray(x)[:1]).max()) for x in jax.tree.leaves(state.anchor))
     assert anchor_spread == 0.0  # the shared weights are the same everywhere, always
     if t % 3:
       assert spread > 1e-4, t  # local steps: each replica its own way
     else:
       assert spread < 1e-6, t  # synchronised (up to params + (anchor - params))
-      np.testing.assert_allclose(np.asarray(p["w"][0]), np.asarray(state.anchor["w"][0]),
-                                 atol=1e-6)
+      np.testing.assert_allclose(np.asarray(p["w"][0]), np.asarray(state.anchor["w"][0]), atol=1e-6)
   if compression:
     assert int(state.compression_state.count[0]) == 2  # the compressor ran at the 2 syncs only
     assert float(np.abs(np.asarray(state.compression_state.worker_residual[0])).max()) > 0
@@ -102,8 +100,9 @@ def test_outer_updates_exact_or_1_bit_train_a_regression(compression):
   rng = np.random.default_rng(3)
   w_true = rng.normal(size=(16, 4)).astype(np.float32)
   comp = jmp_train.sign_compression(AXIS) if compression else None
-  tx = diloco(optax.adam(3e-2), optax.sgd(0.7, momentum=0.5, nesterov=True), sync_every=4,
-              axis_name=AXIS, compression=comp)
+  tx = diloco(
+    optax.adam(3e-2), optax.sgd(0.7, momentum=0.5, nesterov=True), sync_every=4, axis_name=AXIS, compression=comp
+  )
 
   def loss(p, x):
     return jnp.mean((x @ p["w"] + p["b"] - x @ w_true) ** 2)
@@ -132,8 +131,9 @@ def _train_step(compression, loss_scale=None):
   def apply_fn(variables, x):
     return x @ variables["params"]["w"] + variables["params"]["b"]
 
-  return jmp_train.make_train_step(apply_fn, lambda out, y: jnp.mean((out - y) ** 2), None,
-                                   mode="shard_map", compression=tx, loss_scale=loss_scale)
+  return jmp_train.make_train_step(
+    apply_fn, lambda out, y: jnp.mean((out - y) ** 2), None, mode="shard_map", compression=tx, loss_scale=loss_scale
+  )
 
 
 def _batches(n, seed=4):
@@ -144,8 +144,11 @@ def _batches(n, seed=4):
 
 
 def _diloco_state(state):
-  found = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: isinstance(s, DiLoCoState))
-           if isinstance(s, DiLoCoState)]
+  found = [
+    s
+    for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: isinstance(s, DiLoCoState))
+    if isinstance(s, DiLoCoState)
+  ]
   assert len(found) == 1
   return found[0]
 
@@ -173,8 +176,7 @@ def test_make_train_step_resumes_bit_for_bit(tmp_path, compression):
 
 
 def test_a_skipped_step_leaves_every_state_bit_for_bit():
-  step = _train_step(jmp_train.sign_compression("batch"),
-                     loss_scale=jmp_train.DynamicLossScale(2.0**15))
+  step = _train_step(jmp_train.sign_compression("batch"), loss_scale=jmp_train.DynamicLossScale(2.0**15))
   state = step.init(_init_params())
   batches = list(_batches(3))
   for batch in batches[:2]:

@@ -68,8 +68,8 @@ def test_top_level_names_are_grouped_by_concern():
     for name, origin in jmp_api.source_modules(namespace).items():
       section = jmp_api._section(origin, sections[namespace])
       assert section != "Other", (
-          f"{namespace}.{name} comes from {origin!r}, which no section of "
-          f"NAMESPACES in docs/_ext/jmp_api.py names: add it there."
+        f"{namespace}.{name} comes from {origin!r}, which no section of "
+        f"NAMESPACES in docs/_ext/jmp_api.py names: add it there."
       )
 
 

@@ -18,8 +18,8 @@ import pytest
 import jmp_train._src
 
 MODULES = sorted(
-    [m.name for m in pkgutil.walk_packages(jmp_train._src.__path__, "jmp_train._src.")]
-    + ["jmp_train.flax", "jmp_train.diagnostics"]
+  [m.name for m in pkgutil.walk_packages(jmp_train._src.__path__, "jmp_train._src.")]
+  + ["jmp_train.flax", "jmp_train.diagnostics"]
 )
 
 
@@ -27,25 +27,28 @@ MODULES = sorted(
 def test_docstring_examples(name):
   module = importlib.import_module(name)
   result = doctest.testmod(
-      module,
-      # The names the examples take for granted, as in the module sources.
-      extraglobs={"jax": jax, "jnp": jnp, "np": np},
-      optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
-      report=False,
+    module,
+    # The names the examples take for granted, as in the module sources.
+    extraglobs={"jax": jax, "jnp": jnp, "np": np},
+    optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+    report=False,
   )
   assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
 
 
 def test_the_public_modules_have_examples():
   attempted = {
-      name: doctest.DocTestFinder().find(importlib.import_module(name))
-      for name in ("jmp_train._src.loss_scaling.wrapper", "jmp_train._src.policy.remat",
-                   "jmp_train._src.policy.policy", "jmp_train._src.diagnostics.histograms",
-                   "jmp_train._src.diagnostics.precision_audit")
+    name: doctest.DocTestFinder().find(importlib.import_module(name))
+    for name in (
+      "jmp_train._src.loss_scaling.wrapper",
+      "jmp_train._src.policy.remat",
+      "jmp_train._src.policy.policy",
+      "jmp_train._src.diagnostics.histograms",
+      "jmp_train._src.diagnostics.precision_audit",
+    )
   }
   for name, tests in attempted.items():
     assert sum(len(t.examples) for t in tests) > 0, name
-
 
 
 PUBLIC_MODULES = ("jmp_train", "jmp_train.flax", "jmp_train.diagnostics")
@@ -95,8 +98,7 @@ def test_public_examples_use_public_names():
 
 def test_public_examples_are_found():
   names = {name for name, _ in _public_examples()}
-  assert {"jmp_train.loss_scaled", "jmp_train.DynamicLossScale",
-          "jmp_train.scale_by_narrow_adam"} <= names
+  assert {"jmp_train.loss_scaled", "jmp_train.DynamicLossScale", "jmp_train.scale_by_narrow_adam"} <= names
 
 
 def _source_docstrings(path):
@@ -106,8 +108,9 @@ def _source_docstrings(path):
       yield getattr(node, "name", "module"), ast.get_docstring(node) or ""
 
 
-LIBRARY_FILES = sorted(p for p in pathlib.Path(jmp_train._src.__file__).parent.parent.rglob("*.py")
-                       if "examples" not in p.parts)
+LIBRARY_FILES = sorted(
+  p for p in pathlib.Path(jmp_train._src.__file__).parent.parent.rglob("*.py") if "examples" not in p.parts
+)
 
 
 @pytest.mark.parametrize("path", LIBRARY_FILES, ids=lambda p: str(p).split("jmp_train/", 1)[-1])

@@ -35,9 +35,7 @@ def linen_variables():
 @pytest.mark.parametrize("style", ["linen", "nnx"])
 @pytest.mark.parametrize("name", ["resnet", "transformer"])
 @pytest.mark.parametrize("compute", [F16, BF16, F32], ids=str)
-def test_matmuls_in_compute_dtype_fragile_ops_in_float32(
-    style, name, compute, linen_variables
-):
+def test_matmuls_in_compute_dtype_fragile_ops_in_float32(style, name, compute, linen_variables):
   policy = jmp_train.Policy(F32, compute, F32)
   fwd, grad = _forward_and_grad_jaxprs(style, name, policy, linen_variables[name])
   for jaxpr in (fwd, grad):
@@ -59,8 +57,7 @@ def test_matmuls_in_compute_dtype_fragile_ops_in_float32(
 @pytest.mark.parametrize("style", ["linen", "nnx"])
 def test_float32_paths_keep_stem_and_head_in_float32(style, linen_variables):
   fwd, grad = _forward_and_grad_jaxprs(
-      style, "resnet", "mixed_float16", linen_variables["resnet"],
-      float32_paths=("stem", "head")
+    style, "resnet", "mixed_float16", linen_variables["resnet"], float32_paths=("stem", "head")
   )
   fwd_counts = _operand_dtypes(fwd, MATMULS)
   # Exactly the stem convolution and the head matmul run in float32.
@@ -77,16 +74,22 @@ def test_float32_paths_keep_stem_and_head_in_float32(style, linen_variables):
 
 def test_float32_paths_glob_covers_submodules(linen_variables):
   fwd, _ = _forward_and_grad_jaxprs(
-      "linen", "resnet", "mixed_bfloat16", linen_variables["resnet"],
-      float32_paths=("block1",),
+    "linen",
+    "resnet",
+    "mixed_bfloat16",
+    linen_variables["resnet"],
+    float32_paths=("block1",),
   )
   counts = _operand_dtypes(fwd, MATMULS)
   # block1 holds conv1, conv2 and proj: all in float32; stem + block0 in bf16.
   assert counts[("conv_general_dilated", (F32, F32))] == 3
   assert counts[("conv_general_dilated", (BF16, BF16))] == 3
   fwd_nnx, _ = _forward_and_grad_jaxprs(
-      "nnx", "resnet", "mixed_bfloat16", linen_variables["resnet"],
-      float32_paths=("block*/conv1",),
+    "nnx",
+    "resnet",
+    "mixed_bfloat16",
+    linen_variables["resnet"],
+    float32_paths=("block*/conv1",),
   )
   counts = _operand_dtypes(fwd_nnx, MATMULS)
   assert counts[("conv_general_dilated", (F32, F32))] == 2
@@ -94,22 +97,23 @@ def test_float32_paths_glob_covers_submodules(linen_variables):
 
 @pytest.mark.parametrize("style", ["linen", "nnx"])
 @pytest.mark.parametrize(
-    "classes, n_f32, n_half",
-    [
-        # Dense/Linear by class: mlp_in, mlp_out, head (norms no longer listed).
-        ((nn.Dense, nnx.Linear), 3, 6),
-        # Attention by class covers its submodules: q, k, v, out and the two
-        # attention matmuls.
-        ((nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention), 6, 3),
-    ],
-    ids=["dense", "attention"],
+  "classes, n_f32, n_half",
+  [
+    # Dense/Linear by class: mlp_in, mlp_out, head (norms no longer listed).
+    ((nn.Dense, nnx.Linear), 3, 6),
+    # Attention by class covers its submodules: q, k, v, out and the two
+    # attention matmuls.
+    ((nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention), 6, 3),
+  ],
+  ids=["dense", "attention"],
 )
-def test_float32_modules_override_by_class(
-    style, classes, n_f32, n_half, linen_variables
-):
+def test_float32_modules_override_by_class(style, classes, n_f32, n_half, linen_variables):
   fwd, _ = _forward_and_grad_jaxprs(
-      style, "transformer", "mixed_bfloat16", linen_variables["transformer"],
-      float32_modules=classes,
+    style,
+    "transformer",
+    "mixed_bfloat16",
+    linen_variables["transformer"],
+    float32_modules=classes,
   )
   counts = _operand_dtypes(fwd, MATMULS)
   assert counts[("dot_general", (F32, F32))] == n_f32
@@ -118,8 +122,7 @@ def test_float32_modules_override_by_class(
 
 
 def test_default_float32_modules_keep_the_norms_in_float32(linen_variables):
-  for cls in (nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nnx.BatchNorm, nnx.LayerNorm,
-              nnx.RMSNorm):
+  for cls in (nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm):
     assert cls in jflax.DEFAULT_FLOAT32_MODULES
   assert nn.Dense not in jflax.DEFAULT_FLOAT32_MODULES
   variables = linen_variables["transformer"]
@@ -130,8 +133,7 @@ def test_default_float32_modules_keep_the_norms_in_float32(linen_variables):
     model = jflax.apply_policy(_transformer(), "mixed_bfloat16", float32_modules=modules)
     assert isinstance(model, jflax.LinenPolicyWrapper)
     assert model.float32_modules == tuple(modules)
-    apply = functools.partial(
-        model.apply, capture_intermediates=True, mutable=["intermediates"])
+    apply = functools.partial(model.apply, capture_intermediates=True, mutable=["intermediates"])
     out, state = jax.eval_shape(apply, variables, TOKENS)
     assert out.dtype == F32
     seen = state["intermediates"]
@@ -141,8 +143,7 @@ def test_default_float32_modules_keep_the_norms_in_float32(linen_variables):
     fwd = jax.make_jaxpr(model.apply)(variables, TOKENS)
     assert set(_operand_dtypes(fwd, ("rsqrt",))) == {("rsqrt", (F32,))}
 
-    nnx_model = jflax.apply_policy(
-        nnx_twin("transformer", variables), "mixed_bfloat16", float32_modules=modules)
+    nnx_model = jflax.apply_policy(nnx_twin("transformer", variables), "mixed_bfloat16", float32_modules=modules)
     assert isinstance(nnx_model, jflax.NNXPolicyWrapper)
     assert nnx_model.policy == jmp_train.get_policy("mixed_bfloat16")
     layer = nnx_model.module.layer0
@@ -162,9 +163,7 @@ def test_why_not_flax_default_attention():
   q = jnp.ones((1, 8, 2, 8), BF16)
   default = jax.make_jaxpr(nn.dot_product_attention)(q, q, q)
   assert _operand_dtypes(default, ("exp",)) == {("exp", (BF16,)): 1}
-  forced = jax.make_jaxpr(
-      functools.partial(nn.dot_product_attention, force_fp32_for_softmax=True)
-  )(q, q, q)
+  forced = jax.make_jaxpr(functools.partial(nn.dot_product_attention, force_fp32_for_softmax=True))(q, q, q)
   # A dot_general with a float32 operand: a float32 matmul.
   assert any(F32 in dtypes for _, dtypes in _operand_dtypes(forced, MATMULS))
   ours = jax.make_jaxpr(jflax.dot_product_attention)(q, q, q)
@@ -187,16 +186,15 @@ def test_custom_attention_is_left_alone():
   # Custom (e.g. quantized) einsums only work with Flax's own function: kept,
   # with force_fp32_for_softmax=True, so a float32 matmul appears.
   custom_einsum = nn.MultiHeadDotProductAttention(
-      num_heads=2,
-      qk_attn_weights_einsum_cls=lambda: jnp.einsum,
-      attn_weights_value_einsum_cls=lambda: jnp.einsum,
+    num_heads=2,
+    qk_attn_weights_einsum_cls=lambda: jnp.einsum,
+    attn_weights_value_einsum_cls=lambda: jnp.einsum,
   )
   model = jflax.apply_policy(custom_einsum, "mixed_bfloat16")
   variables = jax.eval_shape(model.init, jax.random.key(0), x)
   counts = _operand_dtypes(jax.make_jaxpr(model.apply)(variables, x), MATMULS)
   assert any(F32 in dtypes for _, dtypes in counts)
-  assert _operand_dtypes(
-      jax.make_jaxpr(model.apply)(variables, x), ("exp",)) == {("exp", (F32,)): 1}
+  assert _operand_dtypes(jax.make_jaxpr(model.apply)(variables, x), ("exp",)) == {("exp", (F32,)): 1}
 
 
 def test_attention_masks_dropout_and_bias():
@@ -208,11 +206,11 @@ def test_attention_masks_dropout_and_bias():
   @jax.jit  # one compilation for all of it
   def outputs(q, k, v):
     return dict(
-        ref=nn.dot_product_attention(q, k, v, mask=causal),
-        masked=ours(q, k, v, bias=jnp.zeros((8, 8)), mask=causal),
-        causal=ours(q, k, v, is_causal=True),
-        dropped=ours(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(1)),
-        half=ours(q, k, v, dtype=F16, mask=causal),
+      ref=nn.dot_product_attention(q, k, v, mask=causal),
+      masked=ours(q, k, v, bias=jnp.zeros((8, 8)), mask=causal),
+      causal=ours(q, k, v, is_causal=True),
+      dropped=ours(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(1)),
+      half=ours(q, k, v, dtype=F16, mask=causal),
     )
 
   out = outputs(q, k, v)
@@ -223,17 +221,14 @@ def test_attention_masks_dropout_and_bias():
   np.testing.assert_allclose(out["half"].astype(F32), out["ref"], atol=1e-2)
 
 
-
 # --------------------------------------------------------------------------
 # Errors.
 # --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "module, fragment",
-    [(object(), "flax.linen.Module or flax.nnx.Module"),
-     (nn.Dense, "class Dense"),
-     (lambda x: x, "function")],
+  "module, fragment",
+  [(object(), "flax.linen.Module or flax.nnx.Module"), (nn.Dense, "class Dense"), (lambda x: x, "function")],
 )
 def test_rejects_non_modules(module, fragment):
   with pytest.raises(ValueError, match=fragment):
@@ -262,8 +257,6 @@ def test_rejects_bad_overrides():
 
 def test_accepts_policy_objects_and_single_overrides():
   policy = jmp_train.get_policy("mixed_float16")
-  model = jflax.apply_policy(
-      nn.Dense(8), policy, float32_modules=nn.Dense, float32_paths="head"
-  )
+  model = jflax.apply_policy(nn.Dense(8), policy, float32_modules=nn.Dense, float32_paths="head")
   assert model.policy == policy
   assert model.float32_modules == (nn.Dense,) and model.float32_paths == ("head",)

@@ -50,9 +50,8 @@ def _dtypes(tree):
 
 
 @pytest.mark.parametrize(
-    "spec, param, output",
-    [("mixed_float16", F32, F32), ("p=bf16,c=bf16,o=bf16", BF16, BF16),
-     ("p=f32,c=f16,o=f16", F32, F16)],
+  "spec, param, output",
+  [("mixed_float16", F32, F32), ("p=bf16,c=bf16,o=bf16", BF16, BF16), ("p=f32,c=f16,o=f16", F32, F16)],
 )
 def test_linen_param_batch_stats_output_and_grad_dtypes(spec, param, output):
   model = jflax.apply_policy(_resnet(), spec)
@@ -60,8 +59,9 @@ def test_linen_param_batch_stats_output_and_grad_dtypes(spec, param, output):
   assert _dtypes(variables["params"]) == {param}
   assert _dtypes(variables["batch_stats"]) == {F32}
   out, updates = jax.eval_shape(
-      functools.partial(model.apply, train=True, mutable=["batch_stats"]),
-      variables, X_IMG,
+    functools.partial(model.apply, train=True, mutable=["batch_stats"]),
+    variables,
+    X_IMG,
   )
   assert out.dtype == output
   assert _dtypes(updates["batch_stats"]) == {F32}
@@ -75,8 +75,8 @@ def test_linen_param_batch_stats_output_and_grad_dtypes(spec, param, output):
 
 
 @pytest.mark.parametrize(
-    "spec, param, output",
-    [("mixed_bfloat16", F32, F32), ("p=f16,c=f16,o=f32", F16, F32)],
+  "spec, param, output",
+  [("mixed_bfloat16", F32, F32), ("p=f16,c=f16,o=f32", F16, F32)],
 )
 def test_nnx_param_batch_stats_output_and_grad_dtypes(spec, param, output):
   original = nnx.eval_shape(_nnx_resnet)
@@ -116,11 +116,9 @@ def test_linen_lifted_transforms_and_nested_setup_modules():
   def loss(p, stats):
     return jnp.sum(model.apply({"params": p, "batch_stats": stats}, x))
 
-  grad = jax.make_jaxpr(jax.grad(loss))(
-      variables["params"], variables["batch_stats"])
+  grad = jax.make_jaxpr(jax.grad(loss))(variables["params"], variables["batch_stats"])
   counts = _operand_dtypes(grad, MATMULS)
-  assert counts and set(counts) <= {
-      ("conv_general_dilated", (BF16, BF16)), ("dot_general", (BF16, BF16))}
+  assert counts and set(counts) <= {("conv_general_dilated", (BF16, BF16)), ("dot_general", (BF16, BF16))}
 
 
 def test_linen_wrapper_keeps_variable_tree(linen_variables):
@@ -160,23 +158,20 @@ def test_linen_and_nnx_give_the_same_outputs_and_batch_stats(linen_variables):
   lm_vars, cnn_vars = linen_variables["transformer"], linen_variables["resnet"]
   linen_lm = jflax.apply_policy(_transformer(), "mixed_bfloat16")
   linen_cnn = jflax.apply_policy(_resnet(), "mixed_float16")
-  lm_def, lm_state = nnx.split(
-      jflax.apply_policy(nnx_twin("transformer", lm_vars), "mixed_bfloat16"))
-  cnn_def, cnn_state = nnx.split(
-      jflax.apply_policy(nnx_twin("resnet", cnn_vars), "mixed_float16"))
+  lm_def, lm_state = nnx.split(jflax.apply_policy(nnx_twin("transformer", lm_vars), "mixed_bfloat16"))
+  cnn_def, cnn_state = nnx.split(jflax.apply_policy(nnx_twin("resnet", cnn_vars), "mixed_float16"))
 
   @jax.jit
   def run(lm_vars, cnn_vars, lm_state, cnn_state):
     nnx_cnn = nnx.merge(cnn_def, cnn_state)
-    cnn_out, updates = linen_cnn.apply(
-        cnn_vars, X_IMG, train=True, mutable=["batch_stats"])
+    cnn_out, updates = linen_cnn.apply(cnn_vars, X_IMG, train=True, mutable=["batch_stats"])
     return dict(
-        lm=linen_lm.apply(lm_vars, TOKENS),
-        nnx_lm=nnx.merge(lm_def, lm_state)(TOKENS),
-        cnn=cnn_out,
-        nnx_cnn=nnx_cnn(X_IMG, train=True),
-        stats=updates["batch_stats"],
-        nnx_stats=nnx.to_pure_dict(nnx.state(nnx_cnn.module, nnx.BatchStat)),
+      lm=linen_lm.apply(lm_vars, TOKENS),
+      nnx_lm=nnx.merge(lm_def, lm_state)(TOKENS),
+      cnn=cnn_out,
+      nnx_cnn=nnx_cnn(X_IMG, train=True),
+      stats=updates["batch_stats"],
+      nnx_stats=nnx.to_pure_dict(nnx.state(nnx_cnn.module, nnx.BatchStat)),
     )
 
   out = run(lm_vars, cnn_vars, lm_state, cnn_state)
@@ -187,18 +182,14 @@ def test_linen_and_nnx_give_the_same_outputs_and_batch_stats(linen_variables):
   chex.assert_trees_all_close(out["stats"], out["nnx_stats"], rtol=1e-6, atol=1e-6)
   assert _dtypes(out["stats"]) == {F32}
   # The statistics moved away from their initial values.
-  assert not np.allclose(
-      out["stats"]["stem_bn"]["mean"], cnn_vars["batch_stats"]["stem_bn"]["mean"]
-  )
+  assert not np.allclose(out["stats"]["stem_bn"]["mean"], cnn_vars["batch_stats"]["stem_bn"]["mean"])
 
 
 @pytest.mark.parametrize("style", ["linen", "nnx"])
 @pytest.mark.parametrize("name", ["resnet", "transformer"])
 def test_strict_dtype_promotion(style, name, linen_variables):
   with jax.numpy_dtype_promotion("strict"):
-    fwd, grad = _forward_and_grad_jaxprs(
-        style, name, "mixed_bfloat16", linen_variables[name]
-    )
+    fwd, grad = _forward_and_grad_jaxprs(style, name, "mixed_bfloat16", linen_variables[name])
   assert fwd.out_avals[0].dtype == F32
   assert _dtypes(grad.out_avals) == {F32}
 
@@ -214,9 +205,9 @@ _tiny_reference = jax.jit(_TinyMLP().apply)
 
 
 @pytest.mark.parametrize(
-    "mode, half",
-    [("eager", BF16), ("jit", F16), ("jit", BF16), ("pmap", F16)],
-    ids=str,
+  "mode, half",
+  [("eager", BF16), ("jit", F16), ("jit", BF16), ("pmap", F16)],
+  ids=str,
 )
 def test_execution_modes(mode, half):
   model = jflax.apply_policy(_TinyMLP(), jmp_train.Policy(F32, half, F32))
@@ -227,8 +218,7 @@ def test_execution_modes(mode, half):
     # Two replicas: the dtypes do not depend on how many (fewer compile faster).
     n = 2
     replicated = jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), variables)
-    out = jax.pmap(model.apply, devices=jax.devices()[:n])(
-        replicated, x.reshape(n, -1, 16)).reshape(8, 8)
+    out = jax.pmap(model.apply, devices=jax.devices()[:n])(replicated, x.reshape(n, -1, 16)).reshape(8, 8)
   elif mode == "jit":
     out = jax.jit(model.apply)(variables, x)
   else:

@@ -84,8 +84,7 @@ def test_float16_tables_get_the_float32_sum_rounded_once():
   np.testing.assert_array_equal(grad, _exact_sum(F16).astype(np.float32).astype(F16))
 
 
-@pytest.mark.parametrize("spec, compute", [("p=f32,c=f16,o=f16", F16),
-                                           ("p=f32,c=bf16,o=bf16", BF16)])
+@pytest.mark.parametrize("spec, compute", [("p=f32,c=f16,o=f16", F16), ("p=f32,c=bf16,o=bf16", BF16)])
 def test_lookup_values_and_tied_head_stay_in_the_compute_dtype(spec, compute):
   class Tied(nn.Module):
     @nn.compact

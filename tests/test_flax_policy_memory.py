@@ -30,12 +30,19 @@ from _flax_policy_util import fill
 # --------------------------------------------------------------------------
 
 MEMORY_MODELS = {
-    "mlp": (lambda: models.MLP(features=(64, 64), num_classes=8),
-            lambda: models.NNXMLP(64, (64, 64), 8, rngs=nnx.Rngs(0)),
-            jax.ShapeDtypeStruct((16, 64), F32), {}),
-    "resnet": (_resnet, _nnx_resnet, jax.ShapeDtypeStruct((4, 8, 8, 1), F32),
-               {"train": True, "mutable": ("batch_stats",)}),
-    "transformer": (_transformer, _nnx_transformer, jax.ShapeDtypeStruct((2, 8), jnp.int32), {}),
+  "mlp": (
+    lambda: models.MLP(features=(64, 64), num_classes=8),
+    lambda: models.NNXMLP(64, (64, 64), 8, rngs=nnx.Rngs(0)),
+    jax.ShapeDtypeStruct((16, 64), F32),
+    {},
+  ),
+  "resnet": (
+    _resnet,
+    _nnx_resnet,
+    jax.ShapeDtypeStruct((4, 8, 8, 1), F32),
+    {"train": True, "mutable": ("batch_stats",)},
+  ),
+  "transformer": (_transformer, _nnx_transformer, jax.ShapeDtypeStruct((2, 8), jnp.int32), {}),
 }
 
 
@@ -76,10 +83,10 @@ def test_default_recomputes_the_half_copies_of_the_weights():
   for recompute, copies in (("float32", 0), (None, 3)):
     model = jflax.apply_policy(module(), "mixed_bfloat16", recompute=recompute)
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(x.shape))["params"]
-    res = jmp_train.diagnostics.saved_residuals(
-        lambda p, x: jnp.sum(model.apply({"params": p}, x)), params, x)
-    kernels = [r for r in res if r.kind == "cast_copy" and len(r.shape_dtype.shape) == 2
-               and r.shape_dtype.shape != x.shape]
+    res = jmp_train.diagnostics.saved_residuals(lambda p, x: jnp.sum(model.apply({"params": p}, x)), params, x)
+    kernels = [
+      r for r in res if r.kind == "cast_copy" and len(r.shape_dtype.shape) == 2 and r.shape_dtype.shape != x.shape
+    ]
     assert len(kernels) == copies, res
     if recompute:  # Only half-precision activations: relu's masks recomputed.
       assert {r.shape_dtype.dtype for r in res if r.costs_memory} == {BF16}, res
@@ -92,8 +99,7 @@ def test_nnx_default_keeps_at_most_055_of_float32s_residual_bytes(name):
 
   def residual_bytes(policy, **kwargs):
     # Built abstractly (no initializer runs): the residuals are traced only.
-    graphdef, params, rest = nnx.split(
-        jflax.apply_policy(nnx.eval_shape(module), policy, **kwargs), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(jflax.apply_policy(nnx.eval_shape(module), policy, **kwargs), nnx.Param, ...)
 
     def loss(params, x):
       return jnp.mean(nnx.merge(graphdef, params, rest)(x).astype(F32) ** 2)

@@ -32,8 +32,7 @@ def _assert_fp8(report, forward, backward):
 @pytest.mark.parametrize("net", ["mlp", "resnet"])
 def test_linen_step_under_mixed_float8_has_fp8_operands_only(net):
   if net == "mlp":
-    model = jmp_train.flax.apply_policy(models.MLP(features=(32,), num_classes=16),
-                                        "mixed_float8")
+    model = jmp_train.flax.apply_policy(models.MLP(features=(32,), num_classes=16), "mixed_float8")
     x = jnp.ones((8, 64))
   else:
     model = jmp_train.flax.apply_policy(models.ResNet(num_classes=16), "mixed_float8")
@@ -43,8 +42,7 @@ def test_linen_step_under_mixed_float8_has_fp8_operands_only(net):
   y = jnp.arange(x.shape[0]) % 16
 
   def loss(params, meta, state):
-    out = model.apply({"params": params, **meta, **state}, x,
-                      mutable=list(state) if state else False)
+    out = model.apply({"params": params, **meta, **state}, x, mutable=list(state) if state else False)
     return _ce(out[0] if state else out, y)
 
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, meta, variables)
@@ -56,7 +54,8 @@ def test_linen_step_under_mixed_float8_has_fp8_operands_only(net):
 
 def test_nnx_step_under_mixed_float8_has_fp8_operands_only():
   model = jmp_train.flax.apply_policy(
-      models.NNXMLP(64, features=(32,), num_classes=16, rngs=nnx.Rngs(0)), "mixed_float8")
+    models.NNXMLP(64, features=(32,), num_classes=16, rngs=nnx.Rngs(0)), "mixed_float8"
+  )
   graphdef, params, meta = nnx.split(model, nnx.Param, jmp_train.flax.Fp8Meta)
   x, y = jnp.ones((8, 64)), jnp.arange(8) % 16
 
@@ -69,11 +68,11 @@ def test_nnx_step_under_mixed_float8_has_fp8_operands_only():
 
 @pytest.mark.parametrize("mode", ["single", "shard_map"])
 def test_make_train_step_with_mixed_float8_has_fp8_operands_only(mode):
-  model = jmp_train.flax.apply_policy(models.MLP(features=(32,), num_classes=16),
-                                      "mixed_float8")
+  model = jmp_train.flax.apply_policy(models.MLP(features=(32,), num_classes=16), "mixed_float8")
   variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 64)))
-  step = jmp_train.make_train_step(model.apply, _ce, optax.adam(1e-3),
-                                   policy="mixed_float8", cast_params=False, mode=mode)
+  step = jmp_train.make_train_step(
+    model.apply, _ce, optax.adam(1e-3), policy="mixed_float8", cast_params=False, mode=mode
+  )
   state = step.init(variables["params"], model_state={"fp8_meta": variables["fp8_meta"]})
   batch = step.shard_batch((jnp.ones((16, 64)), jnp.arange(16) % 16))
   report = diag.fp8_products(step.lower(state, batch))

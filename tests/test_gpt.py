@@ -35,7 +35,7 @@ def _pattern_batch(vocab: int, batch: int = 8, seq: int = 32):
   """Windows of a repeated random pattern of 13 tokens: learnable in a few steps."""
   pattern = np.random.default_rng(0).integers(0, vocab, 13)
   stream = np.tile(pattern, (batch + seq) // 13 + 2)
-  rows = np.stack([stream[i:i + seq + 1] for i in range(batch)])
+  rows = np.stack([stream[i : i + seq + 1] for i in range(batch)])
   return jnp.asarray(rows[:, :-1], jnp.int32), jnp.asarray(rows[:, 1:], jnp.int32)
 
 
@@ -44,18 +44,20 @@ def test_exported_from_models():
   assert {"GPT", "GPTBlock", "GPTConfig"} <= set(models.__all__)
 
 
-@pytest.mark.parametrize("overrides", [
+@pytest.mark.parametrize(
+  "overrides",
+  [
     {},
     {"positions": "rope", "mlp": "swiglu", "tie_embeddings": False, "use_bias": False},
-])
+  ],
+)
 def test_param_count_and_chunked_loss_match_full_logits(overrides):
   cfg = GPTConfig.tiny(num_layers=1, loss_chunk=12, **overrides)  # 12 does not divide 2 x 15
   model = GPT(cfg)
   tokens, targets = _pattern_batch(cfg.vocab_size, batch=2, seq=15)
   shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
   assert sum(p.size for p in jax.tree.leaves(shapes)) == cfg.num_params()
-  assert ("lm_head" in shapes) != cfg.tie_embeddings and ("wpe" in shapes) == (
-      cfg.positions == "learned")
+  assert ("lm_head" in shapes) != cfg.tie_embeddings and ("wpe" in shapes) == (cfg.positions == "learned")
 
   @jax.jit
   def both(key):  # one program: init, then both losses
@@ -74,8 +76,7 @@ def test_chunked_cross_entropy_gradient_and_float32_softmax():
   h = jnp.asarray(rng.standard_normal((7, 8)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((8, 32)), jnp.bfloat16)
   t = jnp.arange(7) % 32
-  full = lambda h, w: optax.softmax_cross_entropy_with_integer_labels(
-      (h @ w).astype(jnp.float32), t).mean()
+  full = lambda h, w: optax.softmax_cross_entropy_with_integer_labels((h @ w).astype(jnp.float32), t).mean()
   chunked = lambda h, w: chunked_cross_entropy(h, w, t, 3)
   grads = jax.jit(lambda h, w: (jax.grad(chunked, (0, 1))(h, w), jax.grad(full, (0, 1))(h, w)))
   for a, b in zip(*grads(h, w)):
@@ -89,8 +90,13 @@ def test_chunked_cross_entropy_gradient_and_float32_softmax():
 def test_presets_and_config_checks():
   assert 120e6 < GPTConfig.gpt_125m().num_params() < 130e6
   one_b = GPTConfig.gpt_1b()
-  assert (one_b.d_model, one_b.num_layers, one_b.num_heads, one_b.vocab_size,
-          one_b.max_len) == (2048, 24, 16, 32768, 2048)
+  assert (one_b.d_model, one_b.num_layers, one_b.num_heads, one_b.vocab_size, one_b.max_len) == (
+    2048,
+    24,
+    16,
+    32768,
+    2048,
+  )
   assert 1.2e9 < one_b.num_params() < 1.4e9
   assert 1.5e9 < GPTConfig.gpt_1_5b().num_params() < 1.6e9
   for bad in ({"remat": "all"}, {"positions": "alibi"}, {"mlp": "relu"}, {"num_heads": 5}):
@@ -114,8 +120,7 @@ def test_tiny_gpt_trains_with_make_train_step():
   model = GPT(cfg)
   tokens, targets = _pattern_batch(cfg.vocab_size)
   params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
-  step = jmp_train.make_train_step(*gpt_train_fns(model), optax.adam(3e-3),
-                                   policy="mixed_bfloat16")
+  step = jmp_train.make_train_step(*gpt_train_fns(model), optax.adam(3e-3), policy="mixed_bfloat16")
   state = step.init(params)
   losses = []
   for _ in range(12):
@@ -160,8 +165,7 @@ def test_hlo_profile_counts_dots_and_weight_sized_converts():
   text = jax.jit(jax.grad(f, (0, 1))).lower(w, x).as_text()
   profile = bench_gpt.hlo_profile(text, [w.shape])
   assert profile["dots"] == {("bf16", "bf16", "bf16"): 2}
-  assert profile["weight_converts_by"] == {((8, 16), "f32", "bf16"): 1,
-                                           ((8, 16), "bf16", "f32"): 1}
+  assert profile["weight_converts_by"] == {((8, 16), "f32", "bf16"): 1, ((8, 16), "bf16", "f32"): 1}
 
 
 def test_gpu_probe_refuses_without_gpu(capsys):
@@ -174,8 +178,7 @@ def test_gpu_probe_refuses_without_gpu(capsys):
 def test_gpu_probe_runs_saves_and_keeps_to_its_budget(tmp_path, monkeypatch, capsys):
   # The probe's loop on CPU: both benchmarks skip here, and write their files.
   monkeypatch.setattr(bench_gpt, "no_gpu_reason", lambda: None)
-  monkeypatch.setattr(bench_gpt, "PROBE", (("gpt", "bench_gpt", "run"),
-                                           ("gpu", "bench_gpu", "run")))
+  monkeypatch.setattr(bench_gpt, "PROBE", (("gpt", "bench_gpt", "run"), ("gpu", "bench_gpu", "run")))
   assert bench_gpt.gpu_probe(tmp_path, budget_s=600) == 0
   out = capsys.readouterr().out
   assert "# gpu probe summary" in out and "XLA_FLAGS=" in out

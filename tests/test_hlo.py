@@ -71,8 +71,7 @@ ENTRY %main.0_spmd (param.1: f32[1024]) -> f32[1024] {
 
 def test_parses_replica_groups_named_by_mesh_axes():
   ops = {op.name: op for op in collective_ops(MESH_AXES)}
-  assert {name: op.group_size for name, op in ops.items()} == {
-      "psum.7": 4, "all_gather.7": 2, "a2a": 8, "sub": 2}
+  assert {name: op.group_size for name, op in ops.items()} == {"psum.7": 4, "all_gather.7": 2, "a2a": 8, "sub": 2}
   assert ops["psum.7"].wire_bytes == 2 * 3 / 4 * 4096
   assert collective_bytes(MESH_AXES, wire=True)["all-gather"] == 4096
 
@@ -170,27 +169,28 @@ def test_shard_map_program_wire_format():
   params = _tree()
   shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
   specs = sign_compression_specs(shapes, AXIS)
+
   # Compiled from shapes only: nothing is initialized or run.
   def placed(spec, shapes):
     sharding = NamedSharding(mesh, spec)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        shapes)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
 
   state = jax.tree.map(
-      placed, specs,
-      jax.eval_shape(jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)),
-                     params),
-      is_leaf=lambda x: isinstance(x, P))
+    placed,
+    specs,
+    jax.eval_shape(jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)), params),
+    is_leaf=lambda x: isinstance(x, P),
+  )
   grads = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((k,) + x.shape, x.dtype, sharding=NamedSharding(mesh, P(AXIS))),
-      params)
+    lambda x: jax.ShapeDtypeStruct((k,) + x.shape, x.dtype, sharding=NamedSharding(mesh, P(AXIS))), params
+  )
   step = jax.jit(
-      jax.shard_map(
-          lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),
-          mesh=mesh,
-          in_specs=(P(AXIS), specs),
-          out_specs=(P(), specs),
-      )
+    jax.shard_map(
+      lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),
+      mesh=mesh,
+      in_specs=(P(AXIS), specs),
+      out_specs=(P(), specs),
+    )
   )
   counts = collective_bytes(step.lower(grads, state).compile())
   n_pad = -(-N // (8 * k)) * 8 * k
@@ -206,7 +206,8 @@ def test_shard_map_program_wire_format():
 
 def test_conditional_branches_names_both_spellings():
   text = (
-      "%c = f32[] conditional(%p, %a, %b), true_computation=%t.1, false_computation=%f.2\n"
-      "%d = f32[] conditional(%i, %a), branch_computations={%b0, %b1.3}\n")
+    "%c = f32[] conditional(%p, %a, %b), true_computation=%t.1, false_computation=%f.2\n"
+    "%d = f32[] conditional(%i, %a), branch_computations={%b0, %b1.3}\n"
+  )
   assert conditional_branches(text) == {"t.1", "f.2", "b0", "b1.3"}
   assert conditional_branches("ENTRY %main () -> f32[] {}") == set()

@@ -10,9 +10,19 @@ import pytest
 from jmp_train._src.hyperparams import is_static_zero, static_hint
 
 
-@pytest.mark.parametrize("value, zero", [
-    (0, True), (0.0, True), (np.float32(0), True), (1e-4, False), (False, False),
-    (jnp.zeros(()), False), (np.zeros(()), False), (None, False)])
+@pytest.mark.parametrize(
+  "value, zero",
+  [
+    (0, True),
+    (0.0, True),
+    (np.float32(0), True),
+    (1e-4, False),
+    (False, False),
+    (jnp.zeros(()), False),
+    (np.zeros(()), False),
+    (None, False),
+  ],
+)
 def test_only_plain_zeros_are_static(value, zero):
   # An array may be an injected hyperparameter whose value changes later.
   assert is_static_zero(value) is zero

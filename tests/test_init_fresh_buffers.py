@@ -71,8 +71,9 @@ def _local(tx, dtype=jnp.float32, grad_scale=1.0, owned=None) -> Case:
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  return Case(tx.init, jax.jit(step, donate_argnums=0), functools.partial(_params, dtype),
-              _grads(dtype, grad_scale), owned)
+  return Case(
+    tx.init, jax.jit(step, donate_argnums=0), functools.partial(_params, dtype), _grads(dtype, grad_scale), owned
+  )
 
 
 @functools.cache
@@ -83,8 +84,7 @@ def _mesh():
 def _replicated(tx, owned=None) -> Case:
   """A transformation averaging over ``AXIS``: init and step under ``shard_map``."""
   mesh = _mesh()
-  shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()),
-                          _params())
+  shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), _params())
   specs = jmp_train.sign_compression_specs(shapes, AXIS)
 
   def local_step(carry, grads):  # grads: this replica's, varying over AXIS
@@ -93,9 +93,8 @@ def _replicated(tx, owned=None) -> Case:
     return optax.apply_updates(params, updates), state
 
   step = jax.jit(
-      jax.shard_map(local_step, mesh=mesh, in_specs=((P(), specs), P(AXIS)),
-                    out_specs=(P(), specs)),
-      donate_argnums=0,
+    jax.shard_map(local_step, mesh=mesh, in_specs=((P(), specs), P(AXIS)), out_specs=(P(), specs)),
+    donate_argnums=0,
   )
   params = lambda: jax.device_put(_params(), NamedSharding(mesh, P()))  # noqa: E731
   grads = jax.device_put(_grads(replicas=NUM_DEVICES), NamedSharding(mesh, P(AXIS)))
@@ -119,8 +118,7 @@ def _fp8() -> Case:
   dims = (((1,), (0,)), ((), ()))
 
   def loss(w, meta, x):
-    return jmp_train.fp8_dot_general(x, w, dims, meta=meta, recipe=FP8_RECIPE).astype(
-        jnp.float32).sum()
+    return jmp_train.fp8_dot_general(x, w, dims, meta=meta, recipe=FP8_RECIPE).astype(jnp.float32).sum()
 
   def step(carry, x):
     w, meta = carry
@@ -128,45 +126,41 @@ def _fp8() -> Case:
     return w - 0.1 * gw, jmp_train.update_fp8_meta(meta, gmeta)
 
   return Case(
-      lambda params: jmp_train.init_fp8_meta(FP8_RECIPE),
-      jax.jit(step, donate_argnums=0),
-      lambda: jnp.full((16, 8), 0.5, jnp.bfloat16),
-      jnp.ones((4, 16), jnp.bfloat16),
+    lambda params: jmp_train.init_fp8_meta(FP8_RECIPE),
+    jax.jit(step, donate_argnums=0),
+    lambda: jnp.full((16, 8), 0.5, jnp.bfloat16),
+    jnp.ones((4, 16), jnp.bfloat16),
   )
 
 
 CASES = {
-    "loss_scaled_static": lambda: _loss_scaled(jmp_train.StaticLossScale(8.0)),
-    "loss_scaled_dynamic": lambda: _loss_scaled(
-        jmp_train.DynamicLossScale(2.0**4, growth_interval=1)),
-    "loss_scaled_noop": lambda: _loss_scaled(jmp_train.NoOpLossScale()),
-    "loss_scaled_8bit_rounded": lambda: _loss_scaled(
-        jmp_train.DynamicLossScale(2.0**4),
-        optax.chain(jmp_train.adam_8bit(1e-2, min_8bit_size=8),
-                    jmp_train.stochastic_rounding(jax.random.key(7)))),
-    "stochastic_rounding_int": lambda: _stochastic_rounding(0),
-    "stochastic_rounding_key": lambda: _stochastic_rounding(jax.random.key(1)),
-    "stochastic_rounding_raw_key": lambda: _stochastic_rounding(jax.random.PRNGKey(2)),
-    "kahan_compensation": lambda: _local(
-        optax.chain(optax.sgd(1e-2), jmp_train.kahan_compensation()), jnp.bfloat16),
-    "modified_momentum_sgd": lambda: _local(
-        jmp_train.modified_momentum_sgd(1e-2), jnp.bfloat16),
-    "adam_8bit": lambda: _local(jmp_train.adam_8bit(1e-2, min_8bit_size=8)),
-    "sgd_8bit": lambda: _local(jmp_train.sgd_8bit(1e-2, min_8bit_size=8)),
-    "scale_by_narrow_adam": lambda: _local(
-        jmp_train.scale_by_narrow_adam(mu_dtype="8bit", nu_dtype=jnp.bfloat16, min_8bit_size=8)),
-    "init_fp8_meta": _fp8,
-    "sign_compression": lambda: _replicated(
-        optax.chain(jmp_train.sign_compression(AXIS), optax.sgd(0.1))),
-    "compressed_mean": lambda: _replicated(
-        optax.chain(jmp_train.compressed_mean(AXIS), optax.sgd(0.1))),
-    "one_bit_adam": lambda: _replicated(
-        jmp_train.one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1)),
-    "one_bit_momentum": lambda: _replicated(
-        jmp_train.one_bit_momentum(0.1, axis_name=AXIS)),
-    "loss_scaled_compressed_mean": lambda: _replicated(
-        jmp_train.loss_scaled(optax.chain(jmp_train.compressed_mean(AXIS), optax.sgd(0.1)),
-                              jmp_train.DynamicLossScale(1.0), axis_name=AXIS)),
+  "loss_scaled_static": lambda: _loss_scaled(jmp_train.StaticLossScale(8.0)),
+  "loss_scaled_dynamic": lambda: _loss_scaled(jmp_train.DynamicLossScale(2.0**4, growth_interval=1)),
+  "loss_scaled_noop": lambda: _loss_scaled(jmp_train.NoOpLossScale()),
+  "loss_scaled_8bit_rounded": lambda: _loss_scaled(
+    jmp_train.DynamicLossScale(2.0**4),
+    optax.chain(jmp_train.adam_8bit(1e-2, min_8bit_size=8), jmp_train.stochastic_rounding(jax.random.key(7))),
+  ),
+  "stochastic_rounding_int": lambda: _stochastic_rounding(0),
+  "stochastic_rounding_key": lambda: _stochastic_rounding(jax.random.key(1)),
+  "stochastic_rounding_raw_key": lambda: _stochastic_rounding(jax.random.PRNGKey(2)),
+  "kahan_compensation": lambda: _local(optax.chain(optax.sgd(1e-2), jmp_train.kahan_compensation()), jnp.bfloat16),
+  "modified_momentum_sgd": lambda: _local(jmp_train.modified_momentum_sgd(1e-2), jnp.bfloat16),
+  "adam_8bit": lambda: _local(jmp_train.adam_8bit(1e-2, min_8bit_size=8)),
+  "sgd_8bit": lambda: _local(jmp_train.sgd_8bit(1e-2, min_8bit_size=8)),
+  "scale_by_narrow_adam": lambda: _local(
+    jmp_train.scale_by_narrow_adam(mu_dtype="8bit", nu_dtype=jnp.bfloat16, min_8bit_size=8)
+  ),
+  "init_fp8_meta": _fp8,
+  "sign_compression": lambda: _replicated(optax.chain(jmp_train.sign_compression(AXIS), optax.sgd(0.1))),
+  "compressed_mean": lambda: _replicated(optax.chain(jmp_train.compressed_mean(AXIS), optax.sgd(0.1))),
+  "one_bit_adam": lambda: _replicated(jmp_train.one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1)),
+  "one_bit_momentum": lambda: _replicated(jmp_train.one_bit_momentum(0.1, axis_name=AXIS)),
+  "loss_scaled_compressed_mean": lambda: _replicated(
+    jmp_train.loss_scaled(
+      optax.chain(jmp_train.compressed_mean(AXIS), optax.sgd(0.1)), jmp_train.DynamicLossScale(1.0), axis_name=AXIS
+    )
+  ),
 }
 
 
@@ -190,14 +184,12 @@ def _assert_same(got, want):
 def _assert_usable(owned):
   """The user's loss scale or key: readable, and usable for what it is for."""
   assert not any(x.is_deleted() for x in jax.tree.leaves(owned) if isinstance(x, jax.Array))
-  if isinstance(owned, jmp_train.DynamicLossScale | jmp_train.StaticLossScale
-                | jmp_train.NoOpLossScale):
+  if isinstance(owned, jmp_train.DynamicLossScale | jmp_train.StaticLossScale | jmp_train.NoOpLossScale):
     float(owned.loss_scale)
     float(owned.scale(jnp.float32(1.0)))
     float(owned.adjust(jnp.array(True)).loss_scale)
   elif isinstance(owned, jax.Array):
-    key = owned if jnp.issubdtype(owned.dtype, jax.dtypes.prng_key) else (
-        jax.random.wrap_key_data(owned))
+    key = owned if jnp.issubdtype(owned.dtype, jax.dtypes.prng_key) else (jax.random.wrap_key_data(owned))
     jax.random.key_data(jax.random.split(key)).block_until_ready()
 
 
@@ -224,22 +216,18 @@ def test_init_after_a_donated_step(name):
 # Every transformation, with ``num_replicas`` for those that average over an
 # axis, so that ``init`` runs eagerly on one device.
 EAGER = {
-    "loss_scaled_dynamic": lambda: jmp_train.loss_scaled(
-        optax.adam(1e-2), jmp_train.DynamicLossScale()),
-    "loss_scaled_static": lambda: jmp_train.loss_scaled(
-        optax.sgd(1e-2), jmp_train.StaticLossScale(4.0)),
-    "stochastic_rounding": lambda: jmp_train.stochastic_rounding(jax.random.key(0)),
-    "kahan_compensation": jmp_train.kahan_compensation,
-    "modified_momentum_sgd": lambda: jmp_train.modified_momentum_sgd(1e-2),
-    "adam_8bit": lambda: jmp_train.adam_8bit(1e-2, min_8bit_size=8),
-    "sgd_8bit": lambda: jmp_train.sgd_8bit(1e-2, min_8bit_size=8),
-    "scale_by_narrow_adam": lambda: jmp_train.scale_by_narrow_adam(mu_dtype="8bit", min_8bit_size=8),
-    "sign_compression": lambda: jmp_train.sign_compression(AXIS, num_replicas=NUM_DEVICES),
-    "compressed_mean": lambda: jmp_train.compressed_mean(AXIS, num_replicas=NUM_DEVICES),
-    "one_bit_adam": lambda: jmp_train.one_bit_adam(
-        1e-2, axis_name=AXIS, warmup_steps=1, num_replicas=NUM_DEVICES),
-    "one_bit_momentum": lambda: jmp_train.one_bit_momentum(
-        0.1, axis_name=AXIS, num_replicas=NUM_DEVICES),
+  "loss_scaled_dynamic": lambda: jmp_train.loss_scaled(optax.adam(1e-2), jmp_train.DynamicLossScale()),
+  "loss_scaled_static": lambda: jmp_train.loss_scaled(optax.sgd(1e-2), jmp_train.StaticLossScale(4.0)),
+  "stochastic_rounding": lambda: jmp_train.stochastic_rounding(jax.random.key(0)),
+  "kahan_compensation": jmp_train.kahan_compensation,
+  "modified_momentum_sgd": lambda: jmp_train.modified_momentum_sgd(1e-2),
+  "adam_8bit": lambda: jmp_train.adam_8bit(1e-2, min_8bit_size=8),
+  "sgd_8bit": lambda: jmp_train.sgd_8bit(1e-2, min_8bit_size=8),
+  "scale_by_narrow_adam": lambda: jmp_train.scale_by_narrow_adam(mu_dtype="8bit", min_8bit_size=8),
+  "sign_compression": lambda: jmp_train.sign_compression(AXIS, num_replicas=NUM_DEVICES),
+  "compressed_mean": lambda: jmp_train.compressed_mean(AXIS, num_replicas=NUM_DEVICES),
+  "one_bit_adam": lambda: jmp_train.one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, num_replicas=NUM_DEVICES),
+  "one_bit_momentum": lambda: jmp_train.one_bit_momentum(0.1, axis_name=AXIS, num_replicas=NUM_DEVICES),
 }
 
 

@@ -40,10 +40,14 @@ def _start(tmp, *flags_per_process):
   env["JAX_PLATFORMS"] = "cpu"
   port = str(_processes.free_port())
   return [
-      subprocess.Popen(
-          [sys.executable, str(HERE / "_fault_worker.py"), str(pid), "2", port, str(tmp), *flags],
-          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for pid, flags in enumerate(flags_per_process)
+    subprocess.Popen(
+      [sys.executable, str(HERE / "_fault_worker.py"), str(pid), "2", port, str(tmp), *flags],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for pid, flags in enumerate(flags_per_process)
   ]
 
 
@@ -114,15 +118,15 @@ def test_a_killed_process_stops_the_other_and_a_restart_continues_bit_for_bit(tm
   files.mkdir()
   manager.mkdir()
   procs = {
-      "files": _start(files, ["--stop-after", "25", *cache], ["--stop-after", "25", *cache]),
-      "manager": _start(manager, ["--checkpointer", "manager", *cache],
-                        ["--checkpointer", "manager", "--die-in-save", "30", *cache]),
+    "files": _start(files, ["--stop-after", "25", *cache], ["--stop-after", "25", *cache]),
+    "manager": _start(
+      manager, ["--checkpointer", "manager", *cache], ["--checkpointer", "manager", "--die-in-save", "30", *cache]
+    ),
   }
   try:
     deadline = time.monotonic() + 180
     while not (files / "at25.1").exists():
-      assert procs["files"][1].poll() is None and time.monotonic() < deadline, _finish(
-          procs["files"], 5)
+      assert procs["files"][1].poll() is None and time.monotonic() < deadline, _finish(procs["files"], 5)
       time.sleep(0.2)
     os.kill(procs["files"][1].pid, signal.SIGKILL)
     files_survivor = _wait_survivor(procs["files"][0], time.monotonic())
@@ -143,9 +147,10 @@ def test_a_killed_process_stops_the_other_and_a_restart_continues_bit_for_bit(tm
 
   # Both restarted, side by side: each resumes from step 20 and ends as the
   # uninterrupted run did.
-  restarts = [_start(files, ["--dump", *cache], ["--dump", *cache]),
-              _start(manager, ["--checkpointer", "manager", "--dump", *cache],
-                     ["--checkpointer", "manager", "--dump", *cache])]
+  restarts = [
+    _start(files, ["--dump", *cache], ["--dump", *cache]),
+    _start(manager, ["--checkpointer", "manager", "--dump", *cache], ["--checkpointer", "manager", "--dump", *cache]),
+  ]
   for procs in restarts:
     for code, log in _finish(procs):
       assert code == 0, log[-3000:]

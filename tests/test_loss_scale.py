@@ -16,16 +16,15 @@ from jmp_train import DynamicLossScale, NoOpLossScale, StaticLossScale, all_fini
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 NON_DEFAULT = dict(
-    scale=3.0,
-    growth_interval=7,
-    growth_factor=3.0,
-    backoff_factor=0.25,
-    min_scale=0.125,
-    max_scale=1000.0,
-    counter=5,
+  scale=3.0,
+  growth_interval=7,
+  growth_factor=3.0,
+  backoff_factor=0.25,
+  min_scale=0.125,
+  max_scale=1000.0,
+  counter=5,
 )
-CONFIG_FIELDS = ("growth_interval", "growth_factor", "backoff_factor",
-                 "min_scale", "max_scale")
+CONFIG_FIELDS = ("growth_interval", "growth_factor", "backoff_factor", "min_scale", "max_scale")
 
 
 def _config(ls):
@@ -51,8 +50,7 @@ def test_every_field_is_a_leaf_or_static_metadata():
   assert fields == {"loss_scale", "counter", *CONFIG_FIELDS}
   # The static metadata is exactly the configuration, in field order.
   assert treedef.node_data()[1] == (7, 3.0, 0.25, 0.125, 1000.0)
-  paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(ls)[0]]
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ls)[0]]
   assert paths == [".loss_scale", ".counter"]
 
 
@@ -104,35 +102,34 @@ def test_replace_rejects_unknown_fields():
 def test_defaults():
   ls = DynamicLossScale()
   assert float(ls.loss_scale) == 2.0**15 and int(ls.counter) == 0
-  assert _config(ls) == dict(growth_interval=2000, growth_factor=2.0,
-                             backoff_factor=0.5, min_scale=1.0,
-                             max_scale=2.0**24)
+  assert _config(ls) == dict(
+    growth_interval=2000, growth_factor=2.0, backoff_factor=0.5, min_scale=1.0, max_scale=2.0**24
+  )
 
 
 @pytest.mark.parametrize(
-    "kwargs, fragments",
-    [
-        (dict(scale=0.0), ["scale", "0.0", "> 0"]),
-        (dict(scale=-4.0), ["scale", "-4.0", "> 0"]),
-        (dict(scale=float("inf")), ["scale", "inf", "finite"]),
-        (dict(scale=float("nan")), ["scale", "nan", "finite"]),
-        (dict(scale=2.0**25), ["scale", r"\[min_scale, max_scale\]"]),
-        (dict(scale=0.5), ["scale", "0.5", r"\[min_scale, max_scale\]"]),
-        (dict(growth_factor=1.0), ["growth_factor", "1.0", "> 1"]),
-        (dict(growth_factor=0.5), ["growth_factor", "0.5", "> 1"]),
-        (dict(backoff_factor=1.0), ["backoff_factor", r"\(0, 1\)"]),
-        (dict(backoff_factor=0.0), ["backoff_factor", r"\(0, 1\)"]),
-        (dict(backoff_factor=-0.5), ["backoff_factor", r"\(0, 1\)"]),
-        (dict(growth_interval=0), ["growth_interval", "0", ">= 1"]),
-        (dict(growth_interval=2.5), ["growth_interval", "2.5", "integer"]),
-        (dict(min_scale=0.0, scale=1.0), ["min_scale", "> 0"]),
-        (dict(min_scale=4.0, max_scale=2.0, scale=2.0), ["min_scale", "4.0",
-                                                         "max_scale", "2.0"]),
-        (dict(max_scale=float("inf")), ["max_scale", "inf", "finite"]),
-        (dict(counter=-1), ["counter", "-1", "growth_interval"]),
-        (dict(counter=2000), ["counter", "2000", "growth_interval"]),
-        (dict(growth_factor="fast"), ["growth_factor", "'fast'", "number"]),
-    ],
+  "kwargs, fragments",
+  [
+    (dict(scale=0.0), ["scale", "0.0", "> 0"]),
+    (dict(scale=-4.0), ["scale", "-4.0", "> 0"]),
+    (dict(scale=float("inf")), ["scale", "inf", "finite"]),
+    (dict(scale=float("nan")), ["scale", "nan", "finite"]),
+    (dict(scale=2.0**25), ["scale", r"\[min_scale, max_scale\]"]),
+    (dict(scale=0.5), ["scale", "0.5", r"\[min_scale, max_scale\]"]),
+    (dict(growth_factor=1.0), ["growth_factor", "1.0", "> 1"]),
+    (dict(growth_factor=0.5), ["growth_factor", "0.5", "> 1"]),
+    (dict(backoff_factor=1.0), ["backoff_factor", r"\(0, 1\)"]),
+    (dict(backoff_factor=0.0), ["backoff_factor", r"\(0, 1\)"]),
+    (dict(backoff_factor=-0.5), ["backoff_factor", r"\(0, 1\)"]),
+    (dict(growth_interval=0), ["growth_interval", "0", ">= 1"]),
+    (dict(growth_interval=2.5), ["growth_interval", "2.5", "integer"]),
+    (dict(min_scale=0.0, scale=1.0), ["min_scale", "> 0"]),
+    (dict(min_scale=4.0, max_scale=2.0, scale=2.0), ["min_scale", "4.0", "max_scale", "2.0"]),
+    (dict(max_scale=float("inf")), ["max_scale", "inf", "finite"]),
+    (dict(counter=-1), ["counter", "-1", "growth_interval"]),
+    (dict(counter=2000), ["counter", "2000", "growth_interval"]),
+    (dict(growth_factor="fast"), ["growth_factor", "'fast'", "number"]),
+  ],
 )
 def test_bad_configuration_raises(kwargs, fragments):
   with pytest.raises(ValueError) as err:
@@ -150,8 +147,7 @@ def test_bad_static_scale_raises(scale):
 
 
 def test_construction_under_jit_skips_value_checks_on_tracers():
-  out = jax.jit(lambda s: DynamicLossScale(s, growth_interval=3).adjust(True))(
-      jnp.float32(8.0))
+  out = jax.jit(lambda s: DynamicLossScale(s, growth_interval=3).adjust(True))(jnp.float32(8.0))
   assert float(out.loss_scale) == 8.0 and int(out.counter) == 1
 
 
@@ -162,31 +158,33 @@ def test_the_pytree_is_a_registered_dataclass():
   ls = DynamicLossScale(**NON_DEFAULT)
   static = {f.name for f in dataclasses.fields(ls) if f.metadata.get("static")}
   assert static == set(CONFIG_FIELDS)
-  rebuilt = DynamicLossScale(
-      **{f.name: getattr(ls, f.name) for f in dataclasses.fields(ls)})
+  rebuilt = DynamicLossScale(**{f.name: getattr(ls, f.name) for f in dataclasses.fields(ls)})
   _assert_same_dynamic(rebuilt, ls)
   assert StaticLossScale(loss_scale=None).loss_scale is None  # placeholder
   with pytest.raises(ValueError, match="StaticLossScale takes the scale"):
     StaticLossScale()
 
 
-@pytest.mark.parametrize("value, template", [
-    (DynamicLossScale(**NON_DEFAULT),
-     DynamicLossScale(**{**NON_DEFAULT, "scale": 1.0, "counter": 0})),
+@pytest.mark.parametrize(
+  "value, template",
+  [
+    (DynamicLossScale(**NON_DEFAULT), DynamicLossScale(**{**NON_DEFAULT, "scale": 1.0, "counter": 0})),
     (StaticLossScale(3.0), StaticLossScale(1.0)),
     (NoOpLossScale(), NoOpLossScale()),
-], ids=["dynamic", "static", "noop"])
+  ],
+  ids=["dynamic", "static", "noop"],
+)
 def test_flax_serialization_round_trip(value, template):
   # As for Flax's DynamicScale: the leaves are saved by field name and come
   # back from the bytes; the static configuration comes from the template.
   from flax import serialization
 
   state_dict = serialization.to_state_dict(value)
-  assert set(state_dict) == {f.name for f in dataclasses.fields(value)
-                             if not f.metadata.get("static")}
-  for restored in (serialization.from_state_dict(template, state_dict),
-                   serialization.from_bytes(template,
-                                            serialization.to_bytes(value))):
+  assert set(state_dict) == {f.name for f in dataclasses.fields(value) if not f.metadata.get("static")}
+  for restored in (
+    serialization.from_state_dict(template, state_dict),
+    serialization.from_bytes(template, serialization.to_bytes(value)),
+  ):
     restored = jax.tree.map(jnp.asarray, restored)
     assert type(restored) is type(value)
     chex.assert_trees_all_equal_shapes_and_dtypes(restored, value)
@@ -195,10 +193,8 @@ def test_flax_serialization_round_trip(value, template):
     serialization.from_state_dict(StaticLossScale(1.0), {"scale": 2.0})
 
 
-@pytest.mark.parametrize("flag", [jnp.array([True, False]), np.ones((1,), bool),
-                                  [True]])
-@pytest.mark.parametrize("make", [DynamicLossScale, lambda: StaticLossScale(2.0),
-                                  NoOpLossScale])
+@pytest.mark.parametrize("flag", [jnp.array([True, False]), np.ones((1,), bool), [True]])
+@pytest.mark.parametrize("make", [DynamicLossScale, lambda: StaticLossScale(2.0), NoOpLossScale])
 def test_adjust_rejects_a_non_scalar_flag(make, flag):
   with pytest.raises(ValueError, match=r"one boolean scalar.*shape \((2|1),\)"):
     make().adjust(flag)
@@ -206,8 +202,7 @@ def test_adjust_rejects_a_non_scalar_flag(make, flag):
     jax.jit(lambda ls, f: ls.adjust(f))(make(), jnp.asarray(flag))
 
 
-@pytest.mark.parametrize("make", [
-    lambda v: DynamicLossScale(scale=v), lambda v: StaticLossScale(scale=v)])
+@pytest.mark.parametrize("make", [lambda v: DynamicLossScale(scale=v), lambda v: StaticLossScale(scale=v)])
 @pytest.mark.parametrize("value", ["big", None, object()])
 def test_a_scale_that_is_no_number_names_the_parameter(make, value):
   with pytest.raises(ValueError, match=r"^scale must be a positive number.*got"):
@@ -223,8 +218,7 @@ def test_a_counter_that_is_no_number_names_the_parameter():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("make", [lambda: StaticLossScale(2.0**10),
-                                  lambda: DynamicLossScale(2.0**10)])
+@pytest.mark.parametrize("make", [lambda: StaticLossScale(2.0**10), lambda: DynamicLossScale(2.0**10)])
 def test_scale_unscale_keep_dtypes(dtype, make):
   ls = make()
   tree = {"g": jnp.array([0.5, -3.0, 1e-3], dtype), "step": jnp.arange(3)}
@@ -257,8 +251,8 @@ def test_unscale_float16_without_overflow():
   out = ls.unscale(g)
   assert out.dtype == jnp.float16
   np.testing.assert_array_equal(
-      np.asarray(out, np.float32),
-      (np.asarray(g, np.float32) / 2.0**17).astype(np.float16).astype(np.float32),
+    np.asarray(out, np.float32),
+    (np.asarray(g, np.float32) / 2.0**17).astype(np.float16).astype(np.float32),
   )
   assert float(out[0]) == pytest.approx(65504 / 2**17, rel=1e-3)
   naive = g / jnp.asarray(2.0**17, jnp.float16)
@@ -295,8 +289,7 @@ def test_noop_is_identity():
 # --- dynamic trajectories ----------------------------------------------------
 
 
-def pytorch_grad_scaler_reference(scale, growth_interval, growth_factor,
-                                  backoff_factor, pattern):
+def pytorch_grad_scaler_reference(scale, growth_interval, growth_factor, backoff_factor, pattern):
   """PyTorch GradScaler's update rule (``_amp_update_scale_``), in Python.
 
   From torch/csrc (ATen AmpKernels): the scale is a float32 tensor, the
@@ -352,26 +345,22 @@ def _pattern(seed, n=300, p_overflow=0.15):
 
 
 @pytest.mark.parametrize(
-    "scale, growth_interval, growth_factor, backoff_factor, p_overflow",
-    [
-        (2.0**15, 1, 2.0, 0.5, 0.45),
-        (2.0**16, 3, 2.0, 0.5, 0.15),
-        (1000.0, 5, 1.5, 0.75, 0.1),  # non-power-of-two factors and scale
-        (3.0, 2, 4.0, 0.25, 0.3),
-    ],
+  "scale, growth_interval, growth_factor, backoff_factor, p_overflow",
+  [
+    (2.0**15, 1, 2.0, 0.5, 0.45),
+    (2.0**16, 3, 2.0, 0.5, 0.15),
+    (1000.0, 5, 1.5, 0.75, 0.1),  # non-power-of-two factors and scale
+    (3.0, 2, 4.0, 0.25, 0.3),
+  ],
 )
-def test_trajectory_matches_pytorch_grad_scaler(scale, growth_interval,
-                                                growth_factor, backoff_factor,
-                                                p_overflow):
+def test_trajectory_matches_pytorch_grad_scaler(scale, growth_interval, growth_factor, backoff_factor, p_overflow):
   # The factors are exactly representable in float32, so the float32
   # product here and PyTorch's float64 product rounded to float32 agree
   # bit for bit. Bounds far away so PyTorch's unbounded rule applies.
   pattern = _pattern(growth_interval, p_overflow=p_overflow)
-  ls = DynamicLossScale(scale, growth_interval, growth_factor, backoff_factor,
-                        min_scale=2.0**-100, max_scale=2.0**100)
+  ls = DynamicLossScale(scale, growth_interval, growth_factor, backoff_factor, min_scale=2.0**-100, max_scale=2.0**100)
   scales, counters = _run_pattern(ls, jnp.asarray(pattern))
-  ref = pytorch_grad_scaler_reference(scale, growth_interval, growth_factor,
-                                      backoff_factor, pattern)
+  ref = pytorch_grad_scaler_reference(scale, growth_interval, growth_factor, backoff_factor, pattern)
   assert all(2.0**-100 < s < 2.0**100 for s, _ in ref)  # bounds never hit
   np.testing.assert_array_equal(np.asarray(scales), [s for s, _ in ref])
   np.testing.assert_array_equal(np.asarray(counters), [t for _, t in ref])
@@ -385,25 +374,21 @@ def test_growth_after_exactly_growth_interval_good_steps():
   np.testing.assert_array_equal(scales, [8, 8, 8, 16, 16, 16, 16, 32, 32])
   np.testing.assert_array_equal(counters, [1, 2, 3, 0, 1, 2, 3, 0, 1])
   # An overflow resets the count: growth needs 4 new good steps.
-  scales, counters = _run_pattern(
-      ls, jnp.array([True, True, True, False, True, True, True, True]))
+  scales, counters = _run_pattern(ls, jnp.array([True, True, True, False, True, True, True, True]))
   np.testing.assert_array_equal(scales, [8, 8, 8, 4, 4, 4, 4, 8])
   np.testing.assert_array_equal(counters, [1, 2, 3, 0, 1, 2, 3, 0])
 
 
 def test_never_leaves_bounds_and_floor_below_one():
-  ls = DynamicLossScale(1.0, growth_interval=1, min_scale=2.0**-4,
-                        max_scale=4.0)
+  ls = DynamicLossScale(1.0, growth_interval=1, min_scale=2.0**-4, max_scale=4.0)
   pattern = [False] * 10 + [True] * 10 + [False] * 3
   scales, _ = _run_pattern(ls, jnp.array(pattern))
-  expected = ([0.5, 0.25, 0.125] + [0.0625] * 7 + [0.125, 0.25, 0.5, 1, 2]
-              + [4] * 5 + [2, 1, 0.5])
+  expected = [0.5, 0.25, 0.125] + [0.0625] * 7 + [0.125, 0.25, 0.5, 1, 2] + [4] * 5 + [2, 1, 0.5]
   np.testing.assert_array_equal(scales, expected)
 
 
 def test_growth_clamped_at_max_never_inf():
-  ls = DynamicLossScale(2.0**120, growth_interval=1, min_scale=1.0,
-                        max_scale=float(np.finfo(np.float32).max))
+  ls = DynamicLossScale(2.0**120, growth_interval=1, min_scale=1.0, max_scale=float(np.finfo(np.float32).max))
   scales, _ = _run_pattern(ls, jnp.ones(20, bool))
   assert np.isfinite(np.asarray(scales)).all()
   assert float(scales[-1]) == float(np.finfo(np.float32).max)
@@ -429,8 +414,7 @@ def test_no_retrace_when_the_scale_changes():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_all_finite(dtype, bad):
-  tree = {"a": jnp.ones((2, 3), dtype), "b": [jnp.zeros(4, dtype)],
-          "i": jnp.arange(3), "none": None}
+  tree = {"a": jnp.ones((2, 3), dtype), "b": [jnp.zeros(4, dtype)], "i": jnp.arange(3), "none": None}
   ok = all_finite(tree)
   assert ok.dtype == jnp.bool_ and ok.shape == () and bool(ok)
   tree["b"][0] = tree["b"][0].at[2].set(bad)
@@ -452,8 +436,7 @@ def test_all_finite_extreme_values_and_every_position(dtype):
   # smallest subnormal, signed zeros) must count as finite, and a single
   # inf or NaN anywhere must be caught, eagerly and under jit.
   info = jnp.finfo(dtype)
-  edge = jnp.asarray([info.max, -info.max, info.tiny, info.smallest_subnormal,
-                      -0.0, 0.0, 1.0, -1.0], dtype)
+  edge = jnp.asarray([info.max, -info.max, info.tiny, info.smallest_subnormal, -0.0, 0.0, 1.0, -1.0], dtype)
   leaf = jnp.tile(edge, 5)
   jitted = jax.jit(all_finite)
   assert bool(all_finite([leaf])) and bool(jitted([leaf]))
@@ -484,6 +467,5 @@ def test_all_finite_under_vmap_axis():
 
 
 def test_exported_names():
-  for name in ["NoOpLossScale", "StaticLossScale", "DynamicLossScale",
-               "all_finite"]:
+  for name in ["NoOpLossScale", "StaticLossScale", "DynamicLossScale", "all_finite"]:
     assert name in jmp_train.__all__ and hasattr(jmp_train, name)

@@ -41,17 +41,17 @@ _S0 = 2.0**8
 # step; it is dtype-independent and slow (each lax.cond compiles on its
 # own), so it runs for float32 only. jit and pmap run for every dtype.
 @pytest.mark.parametrize(
-    "dtype, mode, skip_mode",
-    [(d, m, "cond") for d in DTYPES for m in ("jit", "pmap")]
-    + [(jnp.float32, "nojit", "cond")]
-    + [(d, m, "select") for d in (jnp.float16, jnp.float32) for m in ("jit", "pmap")],
+  "dtype, mode, skip_mode",
+  [(d, m, "cond") for d in DTYPES for m in ("jit", "pmap")]
+  + [(jnp.float32, "nojit", "cond")]
+  + [(d, m, "select") for d in (jnp.float16, jnp.float32) for m in ("jit", "pmap")],
 )
 def test_update_rule(dtype, mode, skip_mode):
   params = _params(dtype)
   inner = optax.adamw(1e-2, weight_decay=0.1)
-  tx = loss_scaled(inner, DynamicLossScale(_S0, growth_interval=2),
-                   axis_name="i" if mode == "pmap" else None,
-                   skip_mode=skip_mode)
+  tx = loss_scaled(
+    inner, DynamicLossScale(_S0, growth_interval=2), axis_name="i" if mode == "pmap" else None, skip_mode=skip_mode
+  )
   scales = [_S0, _S0, 2 * _S0, _S0, _S0 / 2, _S0 / 4]  # before each step
   grads_seq = [_np_grads(dtype, s, bad) for s, bad in zip(scales, _SCRIPT)]
 
@@ -78,8 +78,7 @@ def test_update_rule(dtype, mode, skip_mode):
   # depend on their number (test_loss_scaling_distributed runs eight).
   state0, states, updates = _run(mode, script, params, grads_seq, ndev=2)
   if mode != "nojit":  # unstack the scan's outputs
-    unstack = lambda tree: [jax.tree.map(lambda x: x[t], tree)
-                            for t in range(len(_SCRIPT))]
+    unstack = lambda tree: [jax.tree.map(lambda x: x[t], tree) for t in range(len(_SCRIPT))]
     states, updates = unstack(states), unstack(updates)
   states = [state0] + states
 
@@ -91,8 +90,7 @@ def test_update_rule(dtype, mode, skip_mode):
   tol = 4 * float(jnp.finfo(dtype).eps)
   for t in [0, 1, 5]:
     r, ref_state = ref(_np_grads(dtype), ref_state, params)
-    chex.assert_trees_all_close((updates[t], states[t + 1].inner_state),
-                                (r, ref_state), rtol=tol, atol=0)
+    chex.assert_trees_all_close((updates[t], states[t + 1].inner_state), (r, ref_state), rtol=tol, atol=0)
   # Skipped steps: zero updates in the params' dtypes, inner state bit for
   # bit as before the first overflow.
   for t in [2, 3, 4]:
@@ -106,24 +104,25 @@ def test_update_rule(dtype, mode, skip_mode):
   assert [int(s.loss_scale.counter) for s in states[1:]] == [1, 0, 0, 0, 0, 1]
   assert [int(x["total_notfinite"]) for x in m] == [0, 0, 1, 2, 3, 3]
   assert [int(x["notfinite_count"]) for x in m] == [0, 0, 1, 2, 3, 0]
-  assert [bool(x["last_finite"]) for x in m] == [True, True, False, False,
-                                                 False, True]
+  assert [bool(x["last_finite"]) for x in m] == [True, True, False, False, False, True]
   # Every state leaf keeps its dtype and shape at every step.
   for state in states[1:]:
     chex.assert_trees_all_equal_shapes_and_dtypes(state, states[0])
   assert states[0].loss_scale.loss_scale.dtype == jnp.float32
   assert states[0].loss_scale.counter.dtype == jnp.int32
   assert {k: v.dtype for k, v in m[0].items()} == {
-      "loss_scale": jnp.float32, "total_notfinite": jnp.int32,
-      "notfinite_count": jnp.int32, "last_finite": jnp.bool_}
+    "loss_scale": jnp.float32,
+    "total_notfinite": jnp.int32,
+    "notfinite_count": jnp.int32,
+    "last_finite": jnp.bool_,
+  }
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_no_implicit_promotion(dtype):
   # Under strict dtype promotion any silent half -> float32 upcast in the
   # wrapper, the scale arithmetic or the metrics would raise.
-  tx = loss_scaled(optax.sgd(0.5, momentum=0.9),
-                   DynamicLossScale(2.0**4, growth_interval=1))
+  tx = loss_scaled(optax.sgd(0.5, momentum=0.9), DynamicLossScale(2.0**4, growth_interval=1))
   params = _params(dtype)
   with jax.numpy_dtype_promotion("strict"):
     state = tx.init(params)
@@ -148,8 +147,9 @@ def test_vmap_over_independent_runs():
   np.testing.assert_array_equal(new_states.loss_scale.loss_scale, [4.0, 2.0])
   np.testing.assert_array_equal(updates["w"][1], 0.0)
   assert (np.asarray(updates["w"][0]) < 0).all()
-  _assert_bitwise_equal(jax.tree.map(lambda x: x[1], new_states.inner_state),
-                        jax.tree.map(lambda x: x[1], states.inner_state))
+  _assert_bitwise_equal(
+    jax.tree.map(lambda x: x[1], new_states.inner_state), jax.tree.map(lambda x: x[1], states.inner_state)
+  )
 
 
 def test_scale_trajectory_through_the_transform():
@@ -164,14 +164,12 @@ def test_scale_trajectory_through_the_transform():
     grads = _grads(jnp.float32, 1.0, jnp.where(finite, 1.0, jnp.inf))
     _, state = tx.update(grads, state, params)
     m = loss_scale_metrics(state)
-    return state, (m["loss_scale"], m["total_notfinite"],
-                   m["notfinite_count"], m["last_finite"])
+    return state, (m["loss_scale"], m["total_notfinite"], m["notfinite_count"], m["last_finite"])
 
-  _, (scales, total, consecutive, last) = jax.jit(
-      lambda s, p: jax.lax.scan(body, s, p))(tx.init(params),
-                                             jnp.array(pattern))
-  np.testing.assert_array_equal(
-      scales, [64, 64, 32, 32, 32, 64, 32, 16, 16, 16])
+  _, (scales, total, consecutive, last) = jax.jit(lambda s, p: jax.lax.scan(body, s, p))(
+    tx.init(params), jnp.array(pattern)
+  )
+  np.testing.assert_array_equal(scales, [64, 64, 32, 32, 32, 64, 32, 16, 16, 16])
   np.testing.assert_array_equal(total, [0, 0, 1, 1, 1, 1, 2, 3, 3, 3])
   np.testing.assert_array_equal(consecutive, [0, 0, 1, 0, 0, 0, 1, 2, 0, 0])
   np.testing.assert_array_equal(last, pattern)
@@ -181,18 +179,15 @@ def test_scale_trajectory_through_the_transform():
 def test_overflow_storm_of_1000_steps_then_recovery(skip_mode):
   dtype = jnp.float16
   params = _params(dtype)
-  tx = loss_scaled(optax.adam(1e-2),
-                   DynamicLossScale(2.0**10, growth_interval=4,
-                                    min_scale=2.0**-2),
-                   skip_mode=skip_mode)
+  tx = loss_scaled(
+    optax.adam(1e-2), DynamicLossScale(2.0**10, growth_interval=4, min_scale=2.0**-2), skip_mode=skip_mode
+  )
 
   def train(params, state, finite_mask):
     def body(carry, finite):
       params, state = carry
       scale = get_loss_scale(state).loss_scale
-      grads = jax.tree.map(
-          lambda g: jnp.where(finite, g, jnp.array(jnp.inf, g.dtype)),
-          _grads(dtype, scale))
+      grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.array(jnp.inf, g.dtype)), _grads(dtype, scale))
       updates, state = tx.update(grads, state, params)
       params = optax.apply_updates(params, updates)
       return (params, state), loss_scale_metrics(state)["loss_scale"]
@@ -207,16 +202,15 @@ def test_overflow_storm_of_1000_steps_then_recovery(skip_mode):
   _assert_bitwise_equal(p_storm, params)
   _assert_bitwise_equal(s_storm.inner_state, state.inner_state)
   # 2**10 halves 12 times down to the floor 2**-2 and stays there.
-  np.testing.assert_array_equal(np.asarray(scales[:12]),
-                                2.0 ** np.arange(9, -3, -1))
+  np.testing.assert_array_equal(np.asarray(scales[:12]), 2.0 ** np.arange(9, -3, -1))
   assert (np.asarray(scales[12:]) == 0.25).all()
   assert int(s_storm.total_notfinite) == 1000
   assert int(s_storm.notfinite_count) == 1000
   # Recovery: the next finite steps update the parameters and grow the scale.
   (p_rec, s_rec), scales = train(p_storm, s_storm, jnp.ones(8, bool))
-  assert not any(np.array_equal(np.asarray(a), np.asarray(b))
-                 for a, b in zip(jax.tree.leaves(p_rec),
-                                 jax.tree.leaves(p_storm)))
+  assert not any(
+    np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(p_rec), jax.tree.leaves(p_storm))
+  )
   np.testing.assert_array_equal(scales, [0.25] * 3 + [0.5] * 4 + [1.0])
   assert int(s_rec.notfinite_count) == 0
   assert int(s_rec.total_notfinite) == 1000
@@ -228,10 +222,7 @@ def test_overflow_storm_of_1000_steps_then_recovery(skip_mode):
 def test_skip_zeros_take_the_dtype_inner_returns(skip_mode):
   # An inner transformation whose updates are float32 for float16 grads:
   # the zeros of a skipped step are float32 too (lax.cond needs it).
-  inner = optax.chain(
-      optax.stateless(lambda u, p: jax.tree.map(
-          lambda x: x.astype(jnp.float32), u)),
-      optax.sgd(1.0))
+  inner = optax.chain(optax.stateless(lambda u, p: jax.tree.map(lambda x: x.astype(jnp.float32), u)), optax.sgd(1.0))
   tx = loss_scaled(inner, StaticLossScale(2.0), skip_mode=skip_mode)
   params = _params(jnp.float16)
   state = tx.init(params)
@@ -281,8 +272,7 @@ def test_noop_loss_scale_still_skips_non_finite():
   params = _params(jnp.bfloat16)
   state = tx.init(params)
   updates, state = tx.update(_np_grads(jnp.bfloat16), state, params)
-  chex.assert_trees_all_equal(
-      updates, jax.tree.map(lambda g: -g, _np_grads(jnp.bfloat16)))
+  chex.assert_trees_all_equal(updates, jax.tree.map(lambda g: -g, _np_grads(jnp.bfloat16)))
   updates, state = tx.update(_np_grads(jnp.bfloat16, bad=np.nan), state, params)
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
   assert int(state.total_notfinite) == 1
@@ -294,13 +284,12 @@ def test_extra_args_are_passed_to_inner():
     def update(updates, state, params=None, **extra):
       del params
       return jax.tree.map(lambda u: u * extra[factor_name], updates), state
-    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
-                                                 update)
+
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
 
   tx = loss_scaled(scale_by_extra("value"), StaticLossScale(4.0))
   params = {"w": jnp.ones(2)}
-  updates, _ = tx.update({"w": jnp.full(2, 8.0)}, tx.init(params), params,
-                         value=jnp.float32(3.0))
+  updates, _ = tx.update({"w": jnp.full(2, 8.0)}, tx.init(params), params, value=jnp.float32(3.0))
   np.testing.assert_array_equal(updates["w"], [6.0, 6.0])  # 8 / 4 * 3
 
 
@@ -315,14 +304,13 @@ def test_skip_modes_agree_on_a_mixed_sequence():
   params = _params(jnp.float16)
   runs = {}
   for skip_mode in ("cond", "select"):
-    tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**4, growth_interval=2),
-                     skip_mode=skip_mode)
+    tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**4, growth_interval=2), skip_mode=skip_mode)
 
     def body(carry, bad):
       p, s = carry
       grads = jax.tree.map(
-          lambda g: jnp.where(bad, jnp.array(jnp.nan, g.dtype), g),
-          _grads(jnp.float16, get_loss_scale(s).loss_scale))
+        lambda g: jnp.where(bad, jnp.array(jnp.nan, g.dtype), g), _grads(jnp.float16, get_loss_scale(s).loss_scale)
+      )
       u, s = tx.update(grads, s, p)
       return (optax.apply_updates(p, u), s), loss_scale_metrics(s)
 
@@ -342,10 +330,8 @@ def test_bad_loss_scale_argument():
 
 
 def test_no_retrace_when_the_scale_changes():
-  tx = loss_scaled(optax.adam(1e-3), DynamicLossScale(2.0**4,
-                                                      growth_interval=1))
-  grad_fn = scaled_value_and_grad(
-      lambda p, x: jnp.sum((x @ p["w"] + p["b"]) ** 2))
+  tx = loss_scaled(optax.adam(1e-3), DynamicLossScale(2.0**4, growth_interval=1))
+  grad_fn = scaled_value_and_grad(lambda p, x: jnp.sum((x @ p["w"] + p["b"]) ** 2))
 
   @jax.jit
   @chex.assert_max_traces(n=1)
@@ -363,19 +349,20 @@ def test_no_retrace_when_the_scale_changes():
   assert scales == [32, 64, 32, 64, 32, 16, 32]
 
 
-
 # --- dtypes, errors, signature, serialization --------------------------------
 
 
-@pytest.mark.parametrize("inner, fragment", [
+@pytest.mark.parametrize(
+  "inner, fragment",
+  [
     ("sgd", r"got str 'sgd'"),
     (optax.sgd, r"sgd looks like a factory: call it"),
     (None, r"got NoneType None"),
     (optax.GradientTransformation, r"got type"),
-])
+  ],
+)
 def test_inner_that_is_no_transformation_is_a_type_error(inner, fragment):
-  with pytest.raises(TypeError, match=r"expects an optax.GradientTransformation.*"
-                     + fragment):
+  with pytest.raises(TypeError, match=r"expects an optax.GradientTransformation.*" + fragment):
     loss_scaled(inner, StaticLossScale(2.0))
 
 
@@ -389,18 +376,19 @@ def test_inner_may_be_any_object_with_init_and_update():
   np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
 
 
-
 def _non_default_state():
   """A LossScaledState whose every leaf differs from what init gives."""
-  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(
-      2.0**6, growth_interval=3, growth_factor=4.0, backoff_factor=0.25,
-      min_scale=0.5, max_scale=2.0**10))
+  tx = loss_scaled(
+    optax.adam(1e-2),
+    DynamicLossScale(
+      2.0**6, growth_interval=3, growth_factor=4.0, backoff_factor=0.25, min_scale=0.5, max_scale=2.0**10
+    ),
+  )
   params = _params(jnp.float16)
   state = tx.init(params)
   step = jax.jit(tx.update)
   for bad in [None, np.inf, None, np.nan]:
-    _, state = step(_np_grads(jnp.float16, get_loss_scale(state).loss_scale
-                              .item(), bad), state, params)
+    _, state = step(_np_grads(jnp.float16, get_loss_scale(state).loss_scale.item(), bad), state, params)
   assert int(state.notfinite_count) == 1 and int(state.total_notfinite) == 2
   assert int(state.loss_scale.counter) == 0  # the backoff reset it
   _, state = step(_np_grads(jnp.float16, 1.0), state, params)
@@ -420,8 +408,8 @@ def test_state_round_trips_through_flax_serialization_and_pytrees():
   leaves, treedef = jax.tree.flatten(state)
   _assert_bitwise_equal(jax.tree.unflatten(treedef, leaves), state)
   for restored in (
-      serialization.from_state_dict(template, serialization.to_state_dict(state)),
-      serialization.from_bytes(template, serialization.to_bytes(state)),
+    serialization.from_state_dict(template, serialization.to_state_dict(state)),
+    serialization.from_bytes(template, serialization.to_bytes(state)),
   ):
     restored = jax.tree.map(jnp.asarray, restored)
     assert isinstance(restored, LossScaledState)
@@ -431,9 +419,8 @@ def test_state_round_trips_through_flax_serialization_and_pytrees():
   ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
   ts = ts.replace(step=7, opt_state=state)
   back = serialization.from_bytes(
-      train_state.TrainState.create(apply_fn=None, params=params, tx=tx),
-      serialization.to_bytes(ts))
+    train_state.TrainState.create(apply_fn=None, params=params, tx=tx), serialization.to_bytes(ts)
+  )
   assert int(back.step) == 7
   _assert_bitwise_equal(jax.tree.map(jnp.asarray, back.opt_state), state)
-  assert float(loss_scale_metrics(back)["loss_scale"]) == float(
-      state.loss_scale.loss_scale)
+  assert float(loss_scale_metrics(back)["loss_scale"]) == float(state.loss_scale.loss_scale)

@@ -30,11 +30,9 @@ from _loss_scaling_util import _params
 def test_chain_clipping_sees_unscaled_grads():
   # True gradient norm 0.5 < 1: no clipping. Had the clip seen the scaled
   # gradients (norm 512), it would have shrunk them.
-  tx = loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)),
-                   StaticLossScale(2.0**10))
+  tx = loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), StaticLossScale(2.0**10))
   params = {"w": jnp.zeros(2)}
-  updates, _ = tx.update({"w": jnp.array([0.3, 0.4]) * 2.0**10},
-                         tx.init(params), params)
+  updates, _ = tx.update({"w": jnp.array([0.3, 0.4]) * 2.0**10}, tx.init(params), params)
   np.testing.assert_allclose(updates["w"], [-0.3, -0.4], rtol=1e-6)
   # loss_scaled nested inside a chain is found by get_loss_scale.
   outer = optax.chain(optax.identity(), tx)
@@ -44,22 +42,18 @@ def test_chain_clipping_sees_unscaled_grads():
 def test_inject_hyperparams_both_ways():
   params = _params(jnp.float32)
   # inject_hyperparams inside: the learning rate can be changed in the state.
-  tx = loss_scaled(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                   StaticLossScale(8.0))
+  tx = loss_scaled(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), StaticLossScale(8.0))
   state = tx.init(params)
   state.inner_state.hyperparams["learning_rate"] = jnp.asarray(1.0)
   updates, state = tx.update(_np_grads(jnp.float32, 8.0), state, params)
-  chex.assert_trees_all_close(updates,
-                              jax.tree.map(lambda g: -g, _np_grads(jnp.float32)))
+  chex.assert_trees_all_close(updates, jax.tree.map(lambda g: -g, _np_grads(jnp.float32)))
   # inject_hyperparams outside, around a factory using loss_scaled.
-  outer = optax.inject_hyperparams(
-      lambda learning_rate: loss_scaled(optax.sgd(learning_rate),
-                                        DynamicLossScale(4.0)))(
-                                            learning_rate=0.5)
+  outer = optax.inject_hyperparams(lambda learning_rate: loss_scaled(optax.sgd(learning_rate), DynamicLossScale(4.0)))(
+    learning_rate=0.5
+  )
   ostate = outer.init(params)
   assert float(get_loss_scale(ostate).loss_scale) == 4.0
-  updates, ostate = jax.jit(outer.update)(_np_grads(jnp.float32, 4.0, np.inf),
-                                          ostate, params)
+  updates, ostate = jax.jit(outer.update)(_np_grads(jnp.float32, 4.0, np.inf), ostate, params)
   assert float(get_loss_scale(ostate).loss_scale) == 2.0
   assert int(loss_scale_metrics(ostate)["total_notfinite"]) == 1
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
@@ -70,13 +64,13 @@ def test_multisteps_inside_loss_scaled_drops_overflowing_mini_steps():
   # overflowing mini-step is dropped (does not count towards k) and the
   # scale backs off at once.
   k = 3
-  tx = loss_scaled(optax.MultiSteps(optax.sgd(1.0), k).gradient_transformation(),
-                   DynamicLossScale(2.0**4, growth_interval=100))
+  tx = loss_scaled(
+    optax.MultiSteps(optax.sgd(1.0), k).gradient_transformation(), DynamicLossScale(2.0**4, growth_interval=100)
+  )
   params = {"w": jnp.zeros(2)}
   step = jax.jit(tx.update)
   state = tx.init(params)
-  true_grads = [jnp.array([1.0, 2.0]), jnp.array([9.0, 9.0]),
-                jnp.array([3.0, 4.0]), jnp.array([5.0, 6.0])]
+  true_grads = [jnp.array([1.0, 2.0]), jnp.array([9.0, 9.0]), jnp.array([3.0, 4.0]), jnp.array([5.0, 6.0])]
   finite = [True, False, True, True]
   emitted = []
   for g, ok in zip(true_grads, finite):
@@ -107,8 +101,12 @@ def test_loss_scaled_inside_multisteps_skips_the_whole_window():
   state = ms.init(params)
   step = jax.jit(ms.update)
   out = []
-  for g in [jnp.array([4.0, 8.0]), jnp.array([12.0, 16.0]),  # window 1
-            jnp.array([4.0, 4.0]), jnp.array([jnp.inf, 4.0])]:  # window 2
+  for g in [
+    jnp.array([4.0, 8.0]),
+    jnp.array([12.0, 16.0]),  # window 1
+    jnp.array([4.0, 4.0]),
+    jnp.array([jnp.inf, 4.0]),
+  ]:  # window 2
     updates, state = step({"w": g}, state, params)
     out.append((np.asarray(updates["w"]), loss_scale_metrics(state)))
   np.testing.assert_array_equal(out[1][0], [-2.0, -3.0])  # mean / 4
@@ -121,12 +119,9 @@ def test_loss_scaled_inside_multisteps_skips_the_whole_window():
 def test_flax_train_state_apply_gradients():
   from flax.training import train_state
 
-  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**6,
-                                                      growth_interval=2))
-  state = train_state.TrainState.create(apply_fn=None,
-                                        params=_params(jnp.float32), tx=tx)
-  grad_fn = scaled_value_and_grad(
-      lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2))
+  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**6, growth_interval=2))
+  state = train_state.TrainState.create(apply_fn=None, params=_params(jnp.float32), tx=tx)
+  grad_fn = scaled_value_and_grad(lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2))
 
   @jax.jit
   def step(state, x):
@@ -136,8 +131,7 @@ def test_flax_train_state_apply_gradients():
   state1, _, _ = step(state, jnp.ones((4, 3)))
   state2, _, _ = step(state1, jnp.full((4, 3), np.inf))
   _assert_bitwise_equal(state2.params, state1.params)
-  _assert_bitwise_equal(state2.opt_state.inner_state,
-                        state1.opt_state.inner_state)
+  _assert_bitwise_equal(state2.opt_state.inner_state, state1.opt_state.inner_state)
   metrics = loss_scale_metrics(state2)
   assert float(metrics["loss_scale"]) == 2.0**5
   assert int(metrics["total_notfinite"]) == 1
@@ -150,14 +144,12 @@ def test_nnx_optimizer():
   from flax import nnx
 
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**6,
-                                                      growth_interval=2))
+  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**6, growth_interval=2))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   ls = get_loss_scale(optimizer)
   assert isinstance(ls, DynamicLossScale)
   assert isinstance(ls.loss_scale, jax.Array)  # unwrapped from nnx Variables
-  grad_fn = scaled_value_and_grad(lambda m, x: jnp.mean(m(x) ** 2),
-                                  value_and_grad=nnx.value_and_grad)
+  grad_fn = scaled_value_and_grad(lambda m, x: jnp.mean(m(x) ** 2), value_and_grad=nnx.value_and_grad)
 
   @nnx.jit
   def step(model, optimizer, x):
@@ -186,19 +178,18 @@ def test_orbax_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
   import orbax.checkpoint as ocp
 
   dtype = jnp.float16
-  tx = loss_scaled(optax.chain(optax.clip_by_global_norm(10.0),
-                               optax.adamw(1e-2)),
-                   DynamicLossScale(2.0**5, growth_interval=2,
-                                    growth_factor=4.0, backoff_factor=0.25,
-                                    min_scale=0.5, max_scale=2.0**9))
+  tx = loss_scaled(
+    optax.chain(optax.clip_by_global_norm(10.0), optax.adamw(1e-2)),
+    DynamicLossScale(
+      2.0**5, growth_interval=2, growth_factor=4.0, backoff_factor=0.25, min_scale=0.5, max_scale=2.0**9
+    ),
+  )
   pattern = [True, True, False, True, True, True, False, True, True, True]
 
   @jax.jit
   def step(params, state, finite):
     scale = get_loss_scale(state).loss_scale
-    grads = jax.tree.map(
-        lambda g: jnp.where(finite, g, jnp.array(jnp.nan, g.dtype)),
-        _grads(dtype, scale))
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.array(jnp.nan, g.dtype)), _grads(dtype, scale))
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 

@@ -23,8 +23,7 @@ from _loss_scaling_util import _np_grads
 
 
 def _per_replica_grads(bad_replica):
-  g = np.stack([_np_grads(np.float32, 2.0**4)["w"] * (r + 1)
-                for r in range(NDEV)]).astype(np.float16)
+  g = np.stack([_np_grads(np.float32, 2.0**4)["w"] * (r + 1) for r in range(NDEV)]).astype(np.float16)
   if bad_replica is not None:
     g[bad_replica, 2, 1] = np.inf
   return {"w": g}
@@ -33,8 +32,7 @@ def _per_replica_grads(bad_replica):
 @pytest.fixture(scope="module")
 def pmapped_update():
   def make(axis_name):
-    tx = loss_scaled(optax.sgd(1.0), DynamicLossScale(2.0**4),
-                     axis_name=axis_name)
+    tx = loss_scaled(optax.sgd(1.0), DynamicLossScale(2.0**4), axis_name=axis_name)
 
     def step(grads, params):
       state = tx.init(params)
@@ -46,8 +44,7 @@ def pmapped_update():
 
 
 @pytest.mark.parametrize("bad_replica", [None, 0, 5])
-def test_pmap_one_replica_overflowing_makes_all_skip(pmapped_update,
-                                                     bad_replica):
+def test_pmap_one_replica_overflowing_makes_all_skip(pmapped_update, bad_replica):
   params = {"w": jnp.zeros((3, 2), jnp.float16)}
   grads = _per_replica_grads(bad_replica)
   updates, state = pmapped_update["axis"](grads, params)
@@ -55,8 +52,7 @@ def test_pmap_one_replica_overflowing_makes_all_skip(pmapped_update,
   if bad_replica is None:
     assert skipped == [0] * NDEV
     expected = -np.asarray(grads["w"], np.float32) / 2.0**4
-    np.testing.assert_array_equal(np.asarray(updates["w"], np.float32),
-                                  expected)
+    np.testing.assert_array_equal(np.asarray(updates["w"], np.float32), expected)
   else:
     assert skipped == [1] * NDEV
     np.testing.assert_array_equal(np.asarray(updates["w"], np.float32), 0.0)
@@ -75,8 +71,7 @@ def test_shard_map_one_replica_overflowing_makes_all_skip():
   params = {"w": jnp.zeros((3, 2), jnp.float16)}
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("d"), P()),
-                     out_specs=(P("d"), P()))
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"), P()))
   def step(grads, params):
     local = jax.tree.map(lambda g: g[0], grads)  # this replica's gradients
     updates, state = tx.update(local, tx.init(params), params)
@@ -100,14 +95,12 @@ def test_shard_map_per_replica_inner_state(skip_mode):
   # replicated and leaves varying over the mesh axis, so the skip branch must
   # mark the unchanged state as varying too for lax.cond to type-check.
   mesh = Mesh(np.array(jax.devices()[:NDEV]), ("d",))
-  tx = loss_scaled(optax.sgd(1.0, momentum=0.5), StaticLossScale(2.0**4),
-                   axis_name="d", skip_mode=skip_mode)
+  tx = loss_scaled(optax.sgd(1.0, momentum=0.5), StaticLossScale(2.0**4), axis_name="d", skip_mode=skip_mode)
   params = {"w": jnp.zeros((3, 2), jnp.float16)}
   state0 = tx.init(params)
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("d"), P(), P()),
-                     out_specs=(P("d"), P("d")))
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("d"), P(), P()), out_specs=(P("d"), P("d")))
   def step(grads, state, params):
     local = jax.tree.map(lambda g: g[0], grads)
     updates, state = tx.update(local, state, params)

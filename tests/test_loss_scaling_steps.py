@@ -27,16 +27,14 @@ _PAIRS = [(g, p) for g in DTYPES for p in DTYPES if g != p]
 
 
 @pytest.mark.parametrize("skip_mode", ["cond", "select"])
-@pytest.mark.parametrize("grad_dtype, param_dtype", _PAIRS,
-                         ids=[f"{jnp.dtype(g).name}-grads-{jnp.dtype(p).name}-params"
-                              for g, p in _PAIRS])
-def test_state_keeps_its_dtypes_for_every_grad_param_pairing(
-    grad_dtype, param_dtype, skip_mode):
+@pytest.mark.parametrize(
+  "grad_dtype, param_dtype", _PAIRS, ids=[f"{jnp.dtype(g).name}-grads-{jnp.dtype(p).name}-params" for g, p in _PAIRS]
+)
+def test_state_keeps_its_dtypes_for_every_grad_param_pairing(grad_dtype, param_dtype, skip_mode):
   # Adam's moments take the parameters' dtype at init; its update would
   # promote them with the gradients' dtype. Finite and skipped steps, jitted
   # and in a scan carry, keep every state leaf in its initial dtype.
-  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**4, growth_interval=2),
-                   skip_mode=skip_mode)
+  tx = loss_scaled(optax.adam(1e-2), DynamicLossScale(2.0**4, growth_interval=2), skip_mode=skip_mode)
   params = _params(param_dtype)
   state0 = tx.init(params)
   script = [None, np.inf, None, np.nan, None]
@@ -68,7 +66,8 @@ def compiled_profiles():
   from benchmarks import bench_loss_scaling
 
   records = bench_loss_scaling.compiled_profiles(
-      sizes=(16, 256, 256, 10), batch=32, variants=("skip_floor", "jmp_train"))
+    sizes=(16, 256, 256, 10), batch=32, variants=("skip_floor", "jmp_train")
+  )
   return {(r["part"], r["variant"]): r for r in records}
 
 
@@ -93,10 +92,8 @@ def test_finite_step_profile_counts_passes():
 
   g = jnp.zeros((64, 64))
   one = jax.jit(lambda g: g * 2.0).lower(g).compile().as_text()
-  two = jax.jit(lambda g, s: (g * 2.0, jnp.sin(s) * 3.0)).lower(
-      g, jnp.float32(1.0)).compile().as_text()
-  cond = jax.jit(lambda g: jax.lax.cond(jnp.sum(g) > 0, lambda g: g + 1.0,
-                                        lambda g: g, g)).lower(g).compile().as_text()
+  two = jax.jit(lambda g, s: (g * 2.0, jnp.sin(s) * 3.0)).lower(g, jnp.float32(1.0)).compile().as_text()
+  cond = jax.jit(lambda g: jax.lax.cond(jnp.sum(g) > 0, lambda g: g + 1.0, lambda g: g, g)).lower(g).compile().as_text()
   p1, p2, p3 = map(finite_step_profile, (one, two, cond))
   assert p1 == {"array_kernels": 1, "scalar_kernels": 0, "array_bytes": 2 * 64 * 64 * 4}
   assert p2["array_kernels"] == 1 and p2["scalar_kernels"] >= 1
@@ -110,6 +107,5 @@ def test_benchmark_leaves_out_jmp_where_it_is_not_installed(monkeypatch):
   assert "jmp" not in bench_loss_scaling._variants()  # pylint: disable=protected-access
   steps = bench_loss_scaling._steps()  # pylint: disable=protected-access
   assert "jmp" not in steps and {"adamw", "jmp_train", "flax", "optax"} <= set(steps)
-  records = bench_loss_scaling.compiled_profiles(
-      sizes=(8, 16, 10), batch=4, variants=("adamw",), steps=steps)
+  records = bench_loss_scaling.compiled_profiles(sizes=(8, 16, 10), batch=4, variants=("adamw",), steps=steps)
   assert {r["part"] for r in records} == {"hlo_step", "hlo_update"}

@@ -120,9 +120,7 @@ def test_error_feedback_moves_where_the_plain_rule_freezes(dtype, nesterov):
   w0, grads, lr = _tiny_momentum_setup(dtype)
   m = 0.9
   ulp = _eps(dtype) / 2  # weights in [0.5, 1)
-  run = lambda ef: _run(
-      jmp_train.modified_momentum_sgd(lr, m, nesterov=nesterov, error_feedback=ef),
-      w0, grads)
+  run = lambda ef: _run(jmp_train.modified_momentum_sgd(lr, m, nesterov=nesterov, error_feedback=ef), w0, grads)
   plain, _ = run(False)
   with_feedback, state = run(True)
   w32, _ = _run(optax.sgd(lr, m, nesterov=nesterov), w0.astype(F32), grads.astype(F32))
@@ -172,8 +170,7 @@ def test_error_feedback_without_momentum_or_learning_rate_is_the_plain_rule():
   schedule = lambda count: jnp.where(count % 2 == 0, lr, 0.0)  # lr = 0 half the time
   for m, rate in ((0.0, lr), (0.9, schedule)):
     ours, state = _run(jmp_train.modified_momentum_sgd(rate, m), w0, grads)
-    plain, plain_state = _run(
-        jmp_train.modified_momentum_sgd(rate, m, error_feedback=False), w0, grads)
+    plain, plain_state = _run(jmp_train.modified_momentum_sgd(rate, m, error_feedback=False), w0, grads)
     chex.assert_tree_all_finite(state.momentum)
     if m == 0.0:  # nothing to carry the error in: bit for bit the plain rule
       np.testing.assert_array_equal(np.asarray(ours), np.asarray(plain))
@@ -263,34 +260,36 @@ def test_updates_land_bit_exactly(dtype):
     target = params.astype(F32) + (u.astype(F32) + comp0.astype(F32))
     new = optax.apply_updates(params, out)
     left = (u.astype(F32) + comp0.astype(F32)) - (new.astype(F32) - params.astype(F32))
-    kahan_out = dict(out=out, compensation=state.compensation, new=new,
-                     target=target.astype(dtype), exact=representable(target),
-                     left=left.astype(dtype))
+    kahan_out = dict(
+      out=out,
+      compensation=state.compensation,
+      new=new,
+      target=target.astype(dtype),
+      exact=representable(target),
+      left=left.astype(dtype),
+    )
     out, _ = sr.update(u, sr.init(params), params)
     new = optax.apply_updates(params, out).astype(F32)
     target = params.astype(F32) + u.astype(F32)
     below = jnp.nextafter(target.astype(dtype), jnp.asarray(-jnp.inf, dtype)).astype(F32)
     above = jnp.nextafter(target.astype(dtype), jnp.asarray(jnp.inf, dtype)).astype(F32)
     nearest = target.astype(dtype).astype(F32)
-    sr_out = dict(new=new, target=target, below=below, above=above, nearest=nearest,
-                  representable=representable(target))
+    sr_out = dict(
+      new=new, target=target, below=below, above=above, nearest=nearest, representable=representable(target)
+    )
     return kahan_out, sr_out
 
   k, r = jax.tree.map(np.asarray, land(params, u, comp0))
   assert k["out"].dtype == dtype and k["compensation"].dtype == dtype
   exact = k["exact"]
   assert float(exact.mean()) > 0.97  # all but the few steps ~ the weight
-  np.testing.assert_array_equal(
-      k["new"][exact].view(np.uint16), k["target"][exact].view(np.uint16))
+  np.testing.assert_array_equal(k["new"][exact].view(np.uint16), k["target"][exact].view(np.uint16))
   # The new buffer is exactly what was not applied.
   np.testing.assert_array_equal(k["compensation"], k["left"])
 
-  new, target, below, above, nearest = (
-      r["new"], r["target"], r["below"], r["above"], r["nearest"])
+  new, target, below, above, nearest = (r["new"], r["target"], r["below"], r["above"], r["nearest"])
   # new is a neighbour of the target in dtype: the nearest or the other one.
-  ok = (new == nearest) | ((new == below) & (below < target)) | (
-      (new == above) & (above > target)
-  )
+  ok = (new == nearest) | ((new == below) & (below < target)) | ((new == above) & (above > target))
   assert bool(ok[r["representable"]].all())
   exact = nearest == target
   np.testing.assert_array_equal(new[exact], target[exact])
@@ -310,9 +309,7 @@ def test_kahan_in_float32_beats_round_to_nearest():
   params = jnp.ones(2, F32)
   u = jnp.full(2, 1e-8, F32)
   grads = jnp.broadcast_to(u, (10_000, 2))
-  scale = optax.GradientTransformation(
-      lambda p: optax.EmptyState(), lambda g, s, p=None: (g, s)
-  )
+  scale = optax.GradientTransformation(lambda p: optax.EmptyState(), lambda g, s, p=None: (g, s))
   plain, _ = _run(scale, params, grads)
   comp, _ = _run(optax.chain(scale, jmp_train.kahan_compensation()), params, grads)
   assert float(plain[0]) == 1.0  # every addition vanished

@@ -22,8 +22,7 @@ def digits_results():
   # model and data, fewer steps and units. At lr 0.02 most SGD steps are
   # below half an ulp of the bfloat16 weights.
   setups = experiment.make_setups(learning_rate=0.02, half=BF16)
-  keep = ["sgd / float32 master", "sgd / bfloat16", "sgd / bfloat16 + kahan",
-          "sgd / bfloat16 + stochastic rounding"]
+  keep = ["sgd / float32 master", "sgd / bfloat16", "sgd / bfloat16 + kahan", "sgd / bfloat16 + stochastic rounding"]
   setups = {k: setups[k] for k in keep}
   return experiment.run_all(setups, BF16, steps=300, batch_size=32, hidden=32)
 
@@ -31,8 +30,8 @@ def digits_results():
 def test_digits_half_weights_within_one_percent_of_float32(digits_results):
   ref = digits_results["sgd / float32 master"]
   gap = lambda r: (
-      experiment.relative_gap(r.test_loss, ref.test_loss),
-      experiment.relative_gap(r.test_accuracy, ref.test_accuracy),
+    experiment.relative_gap(r.test_loss, ref.test_loss),
+    experiment.relative_gap(r.test_accuracy, ref.test_accuracy),
   )
   assert ref.test_accuracy > 0.7  # it did learn (10 classes)
   # Plain bfloat16 weights at this small learning rate miss the 1% criterion.
@@ -47,10 +46,11 @@ def _mean_gaps(results, ref_name, names, seeds):
   """Relative gaps of the seed-averaged test loss and accuracy to ref_name."""
   mean = lambda name, field: np.mean([getattr(results[name, s], field) for s in seeds])
   return {
-      name: (experiment.relative_gap(mean(name, "test_loss"), mean(ref_name, "test_loss")),
-             experiment.relative_gap(mean(name, "test_accuracy"),
-                                     mean(ref_name, "test_accuracy")))
-      for name in names
+    name: (
+      experiment.relative_gap(mean(name, "test_loss"), mean(ref_name, "test_loss")),
+      experiment.relative_gap(mean(name, "test_accuracy"), mean(ref_name, "test_accuracy")),
+    )
+    for name in names
   }
 
 
@@ -62,17 +62,21 @@ def test_digits_modified_momentum_within_one_percent_in_float16():
   # (benchmark, 3 seeds): H form +4.0%, modified momentum rule +3.9%, with error
   # feedback +0.19% test loss.
   g = "momentum sgd"
-  names = [f"{g} / float32 master", f"{g} / float16 plain (H form)",
-           f"{g} / float16 + modified momentum (no feedback)",
-           f"{g} / float16 + modified momentum (error feedback)"]
+  names = [
+    f"{g} / float32 master",
+    f"{g} / float16 plain (H form)",
+    f"{g} / float16 + modified momentum (no feedback)",
+    f"{g} / float16 + modified momentum (error feedback)",
+  ]
   setups = experiment.make_setups(0.01, F16)
   dataset = data_lib.load_digits()
   seeds = (0, 1)
   results = {
-      (name, seed): experiment.train_digits(
-          setups[name][1], setups[name][0], F16, steps=2000, batch_size=64,
-          hidden=64, seed=seed, dataset=dataset)[0]
-      for name in names for seed in seeds
+    (name, seed): experiment.train_digits(
+      setups[name][1], setups[name][0], F16, steps=2000, batch_size=64, hidden=64, seed=seed, dataset=dataset
+    )[0]
+    for name in names
+    for seed in seeds
   }
   assert all(results[names[0], s].test_accuracy > 0.95 for s in seeds)
   gaps = _mean_gaps(results, names[0], names[1:], seeds)
@@ -90,10 +94,12 @@ def test_digits_modified_momentum_beats_plain_h_form_momentum():
   # to zero.
   setups = experiment.make_momentum_setups(1e-4, 0.99, F16)
   g = "momentum sgd lr=0.0001 m=0.99"
-  keep = [f"{g} / float32 master", f"{g} / float16 plain (H form) + kahan",
-          f"{g} / float16 + modified momentum (no feedback) + kahan"]
-  results = experiment.run_all({k: setups[k] for k in keep}, F16, steps=1500,
-                               batch_size=32, hidden=32)
+  keep = [
+    f"{g} / float32 master",
+    f"{g} / float16 plain (H form) + kahan",
+    f"{g} / float16 + modified momentum (no feedback) + kahan",
+  ]
+  results = experiment.run_all({k: setups[k] for k in keep}, F16, steps=1500, batch_size=32, hidden=32)
   ref, plain, modified = (results[k] for k in keep)
   assert ref.test_accuracy > 0.8
   plain_gap = experiment.relative_gap(plain.test_loss, ref.test_loss)

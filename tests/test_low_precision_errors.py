@@ -29,8 +29,7 @@ def test_bad_momentum(momentum):
     jmp_train.modified_momentum_sgd(0.1, momentum)
 
 
-@pytest.mark.parametrize("learning_rate", [-0.1, 0.0, -1, float("nan"),
-                                           float("inf"), np.float32(-0.5)])
+@pytest.mark.parametrize("learning_rate", [-0.1, 0.0, -1, float("nan"), float("inf"), np.float32(-0.5)])
 def test_bad_learning_rate(learning_rate):
   with pytest.raises(ValueError, match=r"learning_rate must be finite and > 0"):
     jmp_train.modified_momentum_sgd(learning_rate)
@@ -53,9 +52,10 @@ def test_schedules_and_injected_rates_are_accepted():
   params = {"w": jnp.ones(3, F16)}
   grads = {"w": jnp.ones(3, F16)}
   warmup = optax.linear_schedule(0.0, 0.1, transition_steps=2)
-  for opt in (jmp_train.modified_momentum_sgd(warmup),
-              optax.inject_hyperparams(jmp_train.modified_momentum_sgd)(
-                  learning_rate=warmup)):
+  for opt in (
+    jmp_train.modified_momentum_sgd(warmup),
+    optax.inject_hyperparams(jmp_train.modified_momentum_sgd)(learning_rate=warmup),
+  ):
     state = opt.init(params)
     step = jax.jit(opt.update)
     moved = []
@@ -83,9 +83,9 @@ def test_plain_rule_needs_no_params():
 
 
 @pytest.mark.parametrize(
-    "make", [jmp_train.kahan_compensation, jmp_train.stochastic_rounding,
-             lambda: jmp_train.modified_momentum_sgd(0.1)],
-    ids=["kahan", "stochastic_rounding", "modified_momentum"],
+  "make",
+  [jmp_train.kahan_compensation, jmp_train.stochastic_rounding, lambda: jmp_train.modified_momentum_sgd(0.1)],
+  ids=["kahan", "stochastic_rounding", "modified_momentum"],
 )
 def test_params_are_required(make):
   opt = make()
@@ -97,12 +97,14 @@ def test_params_are_required(make):
 
 
 @pytest.mark.parametrize(
-    "make",
-    [lambda: optax.chain(optax.sgd(1e-3), jmp_train.kahan_compensation()),
-     lambda: optax.chain(optax.sgd(1e-3), jmp_train.stochastic_rounding(0)),
-     lambda: jmp_train.modified_momentum_sgd(1e-3),
-     lambda: jmp_train.modified_momentum_sgd(1e-3, error_feedback=False)],
-    ids=["kahan", "stochastic_rounding", "modified_momentum", "modified_momentum_plain"],
+  "make",
+  [
+    lambda: optax.chain(optax.sgd(1e-3), jmp_train.kahan_compensation()),
+    lambda: optax.chain(optax.sgd(1e-3), jmp_train.stochastic_rounding(0)),
+    lambda: jmp_train.modified_momentum_sgd(1e-3),
+    lambda: jmp_train.modified_momentum_sgd(1e-3, error_feedback=False),
+  ],
+  ids=["kahan", "stochastic_rounding", "modified_momentum", "modified_momentum_plain"],
 )
 def test_tuple_params_keep_their_structure(make):
   # Parameters that are themselves tuples: each update and state leaf keeps
@@ -157,11 +159,9 @@ def test_float32_compensation_buffer():
 @pytest.mark.parametrize("method", ["kahan", "stochastic_rounding", "modified_momentum"])
 def test_skipped_step_leaves_state_untouched(method):
   inner = {
-      "kahan": optax.chain(optax.adam(1e-3), jmp_train.kahan_compensation()),
-      "stochastic_rounding": optax.chain(
-          optax.sgd(1e-3), jmp_train.stochastic_rounding(seed=2)
-      ),
-      "modified_momentum": jmp_train.modified_momentum_sgd(1e-3),
+    "kahan": optax.chain(optax.adam(1e-3), jmp_train.kahan_compensation()),
+    "stochastic_rounding": optax.chain(optax.sgd(1e-3), jmp_train.stochastic_rounding(seed=2)),
+    "modified_momentum": jmp_train.modified_momentum_sgd(1e-3),
   }[method]
   tx = jmp_train.loss_scaled(inner, jmp_train.DynamicLossScale(scale=8.0))
   params = jnp.ones(16, F16)

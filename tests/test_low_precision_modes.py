@@ -27,22 +27,18 @@ from _low_precision_util import _run
 
 def _three_methods(lr=1e-2):
   return {
-      "modified_momentum": jmp_train.modified_momentum_sgd(lr, 0.9),
-      "kahan": optax.chain(optax.sgd(lr, 0.5), jmp_train.kahan_compensation()),
-      "stochastic_rounding": optax.chain(
-          optax.sgd(lr), jmp_train.stochastic_rounding(seed=1)
-      ),
+    "modified_momentum": jmp_train.modified_momentum_sgd(lr, 0.9),
+    "kahan": optax.chain(optax.sgd(lr, 0.5), jmp_train.kahan_compensation()),
+    "stochastic_rounding": optax.chain(optax.sgd(lr), jmp_train.stochastic_rounding(seed=1)),
   }
 
 
 class TestDtypeStability(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   def test_state_and_updates_keep_dtypes(self):
     # One tree with a leaf per dtype: one trace per variant covers all three.
     names = {F32: "f32", BF16: "bf16", F16: "f16"}
-    params = {names[d]: {"w": jnp.full((2, 3), 0.5, d), "b": jnp.zeros(3, d)}
-              for d in ALL_DTYPES}
+    params = {names[d]: {"w": jnp.full((2, 3), 0.5, d), "b": jnp.zeros(3, d)} for d in ALL_DTYPES}
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), params)
     opts = _three_methods()
 
@@ -92,9 +88,7 @@ def test_modified_momentum_equals_optax_sgd_in_float32(nesterov):
   schedule = optax.linear_schedule(0.1, 0.01, transition_steps=4)
   params = jnp.asarray([1.0, -2.0, 3.0], F32)
   grads = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), F32)
-  ours, state = _run(
-      jmp_train.modified_momentum_sgd(schedule, 0.8, nesterov=nesterov), params, grads
-  )
+  ours, state = _run(jmp_train.modified_momentum_sgd(schedule, 0.8, nesterov=nesterov), params, grads)
   ref, _ = _run(optax.sgd(schedule, 0.8, nesterov=nesterov), params, grads)
   np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-6)
   assert state.count.dtype == jnp.int32 and int(state.count) == 6
@@ -103,12 +97,8 @@ def test_modified_momentum_equals_optax_sgd_in_float32(nesterov):
 def test_stochastic_rounding_keeps_replicas_identical(num_devices):
   opt = optax.chain(optax.sgd(1e-3), jmp_train.stochastic_rounding(seed=5))
   params = jnp.ones((num_devices, 256), BF16)
-  local_grads = jnp.asarray(
-      np.random.default_rng(0).normal(1, 0.3, (num_devices, 256)), BF16
-  )
-  state = jax.tree.map(
-      lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), opt.init(params[0])
-  )
+  local_grads = jnp.asarray(np.random.default_rng(0).normal(1, 0.3, (num_devices, 256)), BF16)
+  state = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), opt.init(params[0]))
 
   def step(params, state, grads):
     grads = jax.lax.pmean(grads, "i")  # each replica had its own gradients
@@ -125,14 +115,10 @@ def test_stochastic_rounding_keeps_replicas_identical(num_devices):
   assert (keys == keys[0]).all()
 
 
-
-
 def test_modified_momentum_under_inject_hyperparams():
   params = jnp.asarray([1.0, -1.0], F32)
   grads = jnp.asarray([[0.5, 0.25], [1.0, -2.0], [0.1, 0.3]], F32)
-  injected = optax.inject_hyperparams(jmp_train.modified_momentum_sgd)(
-      learning_rate=0.1, momentum=0.9
-  )
+  injected = optax.inject_hyperparams(jmp_train.modified_momentum_sgd)(learning_rate=0.1, momentum=0.9)
   ours, state = _run(injected, params, grads)
   ref, _ = _run(jmp_train.modified_momentum_sgd(0.1, 0.9), params, grads)
   np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-6)
@@ -144,17 +130,14 @@ def test_no_implicit_promotion(dtype):
   # Under strict promotion a silent float16 -> float32 upcast is an error.
   params = {"w": jnp.full(3, 0.5, dtype)}
   opts = [
-      *_three_methods().values(),
-      optax.inject_hyperparams(jmp_train.modified_momentum_sgd)(
-          learning_rate=0.1, momentum=0.9, nesterov=True
-      ),
-      optax.chain(optax.sgd(0.1), jmp_train.kahan_compensation(jnp.float32)),
+    *_three_methods().values(),
+    optax.inject_hyperparams(jmp_train.modified_momentum_sgd)(learning_rate=0.1, momentum=0.9, nesterov=True),
+    optax.chain(optax.sgd(0.1), jmp_train.kahan_compensation(jnp.float32)),
   ]
 
   @jax.jit  # traced under strict promotion: one program for the five steps
   def steps(params):
-    return [optax.apply_updates(params, opt.update(params, opt.init(params), params)[0])
-            for opt in opts]
+    return [optax.apply_updates(params, opt.update(params, opt.init(params), params)[0]) for opt in opts]
 
   with jax.numpy_dtype_promotion("strict"):
     for new in steps(params):

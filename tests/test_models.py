@@ -51,9 +51,9 @@ TOKENS = jnp.asarray((np.arange(2 * 16).reshape(2, 16) * 7) % 256, jnp.int32)
 
 # Default constructors: what the demo and the benchmarks use.
 TWINS = {
-    "mlp": (models.MLP, models.NNXMLP, X),
-    "resnet": (models.ResNet, models.NNXResNet, X),
-    "transformer": (models.TransformerBlock, models.NNXTransformerBlock, TOKENS),
+  "mlp": (models.MLP, models.NNXMLP, X),
+  "resnet": (models.ResNet, models.NNXResNet, X),
+  "transformer": (models.TransformerBlock, models.NNXTransformerBlock, TOKENS),
 }
 
 
@@ -62,14 +62,10 @@ def test_twins_have_the_same_variables(name):
   make, make_nnx, x = TWINS[name]
   linen_shapes = jax.eval_shape(make().init, jax.random.key(0), x)
   nnx_model = nnx.eval_shape(lambda: make_nnx(rngs=nnx.Rngs(0)))
-  chex.assert_trees_all_equal_shapes_and_dtypes(
-      dict(linen_shapes), _nnx_trees(nnx_model)
-  )
+  chex.assert_trees_all_equal_shapes_and_dtypes(dict(linen_shapes), _nnx_trees(nnx_model))
   if name == "resnet":
     assert set(linen_shapes) == {"params", "batch_stats"}
-    assert {"stem", "stem_bn", "block0", "block1", "head"} <= set(
-        linen_shapes["params"]
-    )
+    assert {"stem", "stem_bn", "block0", "block1", "head"} <= set(linen_shapes["params"])
   out = jax.eval_shape(make().apply, linen_shapes, x)
   expected = (2, 16, 256) if name == "transformer" else (4, 10)
   assert out.shape == expected and out.dtype == F32
@@ -77,9 +73,7 @@ def test_twins_have_the_same_variables(name):
 
 def test_default_sizes_are_tensor_core_friendly():
   # Every GEMM of the default Transformer has K and N multiples of 8.
-  shapes = jax.eval_shape(
-      models.TransformerBlock().init, jax.random.key(0), TOKENS
-  )["params"]
+  shapes = jax.eval_shape(models.TransformerBlock().init, jax.random.key(0), TOKENS)["params"]
   kernels = 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
     names = [p.key for p in path]
@@ -96,27 +90,28 @@ def test_default_sizes_are_tensor_core_friendly():
 def small():
   """Small twins with the same (NumPy-made) variables."""
   mlp = models.MLP(features=(16, 16), num_classes=8, dropout_rate=0.5)
-  lm = models.TransformerBlock(
-      vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=16
-  )
+  lm = models.TransformerBlock(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, max_len=16)
   tokens = TOKENS % 32
   mlp_vars = fill(jax.eval_shape(mlp.init, jax.random.key(0), X))
   lm_vars = fill(jax.eval_shape(lm.init, jax.random.key(0), tokens))
   nnx_mlp = models.nnx_with_linen_variables(
-      nnx.eval_shape(lambda: models.NNXMLP(64, (16, 16), 8, 0.5, rngs=nnx.Rngs(0))),
-      mlp_vars,
+    nnx.eval_shape(lambda: models.NNXMLP(64, (16, 16), 8, 0.5, rngs=nnx.Rngs(0))),
+    mlp_vars,
   )
   # Built abstractly: give the dropout layer a concrete rng stream.
   nnx_mlp.dropout.rngs = nnx.Rngs(dropout=1).dropout.fork()
   nnx_lm = models.nnx_with_linen_variables(
-      nnx.eval_shape(
-          lambda: models.NNXTransformerBlock(32, 16, 2, 32, 1, 16, rngs=nnx.Rngs(0))
-      ),
-      lm_vars,
+    nnx.eval_shape(lambda: models.NNXTransformerBlock(32, 16, 2, 32, 1, 16, rngs=nnx.Rngs(0))),
+    lm_vars,
   )
   return dict(
-      mlp=mlp, lm=lm, tokens=tokens, mlp_vars=mlp_vars, lm_vars=lm_vars,
-      nnx_mlp=nnx_mlp, nnx_lm=nnx_lm,
+    mlp=mlp,
+    lm=lm,
+    tokens=tokens,
+    mlp_vars=mlp_vars,
+    lm_vars=lm_vars,
+    nnx_mlp=nnx_mlp,
+    nnx_lm=nnx_lm,
   )
 
 
@@ -131,17 +126,15 @@ def test_twins_compute_the_same_function_causally_with_dropout(small):
   def run(mlp_vars, lm_vars, mlp_state, lm_state, key):
     nnx_mlp = nnx.merge(mlp_def, mlp_state)
     return dict(
-        mlp=mlp.apply(mlp_vars, X),
-        nnx_mlp=nnx_mlp(X),
-        mlp_train=mlp.apply(mlp_vars, X, train=True, rngs={"dropout": key}),
-        nnx_mlp_train=nnx_mlp(X, train=True),
-        lm=lm.apply(lm_vars, jnp.concatenate([tokens, changed])),
-        nnx_lm=nnx.merge(lm_def, lm_state)(tokens),
+      mlp=mlp.apply(mlp_vars, X),
+      nnx_mlp=nnx_mlp(X),
+      mlp_train=mlp.apply(mlp_vars, X, train=True, rngs={"dropout": key}),
+      nnx_mlp_train=nnx_mlp(X, train=True),
+      lm=lm.apply(lm_vars, jnp.concatenate([tokens, changed])),
+      nnx_lm=nnx.merge(lm_def, lm_state)(tokens),
     )
 
-  out = run(
-      small["mlp_vars"], small["lm_vars"], mlp_state, lm_state, jax.random.key(0)
-  )
+  out = run(small["mlp_vars"], small["lm_vars"], mlp_state, lm_state, jax.random.key(0))
   out["lm"], out["lm_changed"] = np.split(np.asarray(out["lm"]), 2)
   np.testing.assert_allclose(out["mlp"], out["nnx_mlp"], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(out["lm"], out["nnx_lm"], rtol=1e-5, atol=1e-5)
@@ -171,30 +164,26 @@ def test_block_and_layer_twins_compute_the_same_function():
   layer_vars = fill(jax.eval_shape(layer.init, jax.random.key(0), seq, mask), seed=1)
   assert {"proj", "proj_bn"} <= set(block_vars["params"])
   nnx_block = nnx.eval_shape(lambda: models.NNXResNetBlock(8, 16, 2, rngs=nnx.Rngs(0)))
-  nnx_layer = nnx.eval_shape(
-      lambda: models.NNXTransformerLayer(16, 2, 32, rngs=nnx.Rngs(0)))
+  nnx_layer = nnx.eval_shape(lambda: models.NNXTransformerLayer(16, 2, 32, rngs=nnx.Rngs(0)))
   chex.assert_trees_all_equal_shapes_and_dtypes(dict(block_vars), _nnx_trees(nnx_block))
   chex.assert_trees_all_equal_shapes_and_dtypes(dict(layer_vars), _nnx_trees(nnx_layer))
-  block_def, block_state = nnx.split(
-      models.nnx_with_linen_variables(nnx_block, block_vars))
-  layer_def, layer_state = nnx.split(
-      models.nnx_with_linen_variables(nnx_layer, layer_vars))
+  block_def, block_state = nnx.split(models.nnx_with_linen_variables(nnx_block, block_vars))
+  layer_def, layer_state = nnx.split(models.nnx_with_linen_variables(nnx_layer, layer_vars))
 
   @jax.jit  # one compilation for everything
   def run(block_vars, layer_vars, block_state, layer_state):
     nnx_block = nnx.merge(block_def, block_state)
     nnx_layer = nnx.merge(layer_def, layer_state)
-    train, updates = block.apply(
-        block_vars, images, train=True, mutable=["batch_stats"])
+    train, updates = block.apply(block_vars, images, train=True, mutable=["batch_stats"])
     return dict(
-        block=block.apply(block_vars, images),
-        nnx_block=nnx_block(images),
-        block_train=train,
-        nnx_block_train=nnx_block(images, train=True),
-        stats=updates["batch_stats"],
-        nnx_stats=nnx.to_pure_dict(nnx.state(nnx_block, nnx.BatchStat)),
-        layer=layer.apply(layer_vars, seq, mask),
-        nnx_layer=nnx_layer(seq, mask),
+      block=block.apply(block_vars, images),
+      nnx_block=nnx_block(images),
+      block_train=train,
+      nnx_block_train=nnx_block(images, train=True),
+      stats=updates["batch_stats"],
+      nnx_stats=nnx.to_pure_dict(nnx.state(nnx_block, nnx.BatchStat)),
+      layer=layer.apply(layer_vars, seq, mask),
+      nnx_layer=nnx_layer(seq, mask),
     )
 
   out = jax.device_get(run(block_vars, layer_vars, block_state, layer_state))
@@ -226,9 +215,7 @@ def test_errors():
   lm = models.TransformerBlock(max_len=8)
   with pytest.raises(ValueError, match="16 exceeds max_len=8"):
     jax.eval_shape(lm.init, jax.random.key(0), TOKENS)
-  nnx_lm = nnx.eval_shape(
-      lambda: models.NNXTransformerBlock(max_len=8, rngs=nnx.Rngs(0))
-  )
+  nnx_lm = nnx.eval_shape(lambda: models.NNXTransformerBlock(max_len=8, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="16 exceeds max_len=8"):
     jax.eval_shape(lambda t: nnx_lm(t), TOKENS)
   mlp = nnx.eval_shape(lambda: models.NNXMLP(rngs=nnx.Rngs(0)))

@@ -28,8 +28,8 @@ def _mse(outputs, targets):
 def _run(compression, mode, optimizer="sgd"):
   mesh = Mesh(np.asarray(jax.devices()[:2]), ("batch",)) if mode == "shard_map" else None
   step = jmp_train.make_train_step(
-      MODEL.apply, _mse, optax.sgd(0.1) if optimizer == "sgd" else None,
-      compression=compression, mode=mode, mesh=mesh)
+    MODEL.apply, _mse, optax.sgd(0.1) if optimizer == "sgd" else None, compression=compression, mode=mode, mesh=mesh
+  )
   batch = (jnp.ones((8, 3)), jnp.zeros((8, 4)))
   return step.lower(step.init(PARAMS), step.shard_batch(batch))
 
@@ -38,19 +38,27 @@ def _run(compression, mode, optimizer="sgd"):
 @pytest.mark.parametrize("factory", [jmp_train.sign_compression, jmp_train.compressed_mean])
 def test_a_compressor_without_axis_name_in_a_mapped_step_raises(factory, mode):
   name = factory.__name__
-  with pytest.raises(ValueError, match=rf"{name}\(axis_name=None\)\.update runs inside a step "
-                     rf"mapped over 'batch'.*averages nothing.*{name}\(axis_name='batch'\)"):
+  with pytest.raises(
+    ValueError,
+    match=rf"{name}\(axis_name=None\)\.update runs inside a step "
+    rf"mapped over 'batch'.*averages nothing.*{name}\(axis_name='batch'\)",
+  ):
     _run(factory(), mode)
 
 
 def test_a_compressor_on_another_axis_names_the_steps_axis():
-  with pytest.raises(ValueError, match=r"sign_compression\(axis_name='data'\)\.init runs inside "
-                     r"a step mapped over \['batch'\].*sign_compression\(axis_name='batch'\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"sign_compression\(axis_name='data'\)\.init runs inside "
+    r"a step mapped over \['batch'\].*sign_compression\(axis_name='batch'\)",
+  ):
     _run(jmp_train.sign_compression("data"), "shard_map")
-  with pytest.raises(ValueError, match=r"mapped over \['batch'\], where no axis is named "
-                     r"'devices'"):
-    _run(jmp_train.one_bit_adam(1e-3, warmup_steps=2, axis_name="devices"), "pmap",
-         optimizer=None)
+  with pytest.raises(
+    ValueError,
+    match=r"mapped over \['batch'\], where no axis is named "
+    r"'devices'",
+  ):
+    _run(jmp_train.one_bit_adam(1e-3, warmup_steps=2, axis_name="devices"), "pmap", optimizer=None)
 
 
 def test_a_policy_without_output_dtype_keeps_the_compute_dtype_never_float64():
@@ -69,8 +77,11 @@ def test_a_loss_of_the_parameters_and_the_batch_names_the_signature_and_regulari
     return _mse(MODEL.apply({"params": params}, x), y)
 
   step = jmp_train.make_train_step(MODEL.apply, loss_fn, optax.sgd(0.1))
-  with pytest.raises(TypeError, match=r"loss_fn\(outputs, targets\).*takes 'params' first.*"
-                     r"too many values to unpack.*regularizer="):
+  with pytest.raises(
+    TypeError,
+    match=r"loss_fn\(outputs, targets\).*takes 'params' first.*"
+    r"too many values to unpack.*regularizer=",
+  ):
     step.lower(step.init(PARAMS), BATCH)
 
 

@@ -36,12 +36,9 @@ def test_notebook_runs(path, tmp_path):
   env["JAX_PLATFORMS"] = "cpu"
   env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
   env["MPLBACKEND"] = "Agg"
-  client = NotebookClient(
-      nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-  )
+  client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
   client.execute(env=env)  # raises CellExecutionError on the first failing cell
   if "matplotlib" in "".join(c.source for c in nb.cells if c.cell_type == "code"):
     # Plots render inline in Jupyter: the executed notebook holds the images.
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if "image/png" in o.get("data", {})]
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert images, f"{path.name} draws with matplotlib but its outputs hold no image"

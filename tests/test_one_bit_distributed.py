@@ -30,12 +30,11 @@ from _one_bit_util import AXIS, SHAPES, adam, adam_rescaled, make_tree, momentum
 # Compiling a step takes most of each test's time: the tests below share
 # these optimizers, each built and compiled once per module.
 SHARD_MAP_TXS = {
-    # Defaults: clip_step and rescale_variance on.
-    "adam": lambda: one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, weight_decay=0.01),
-    "momentum": lambda: one_bit_momentum(0.1, axis_name=AXIS, warmup_steps=1, nesterov=True),
+  # Defaults: clip_step and rescale_variance on.
+  "adam": lambda: one_bit_adam(1e-2, axis_name=AXIS, warmup_steps=1, weight_decay=0.01),
+  "momentum": lambda: one_bit_momentum(0.1, axis_name=AXIS, warmup_steps=1, nesterov=True),
 }
-ADAM_KW = dict(learning_rate=1e-2, weight_decay=0.01, clip_step=True, rescale_variance=True,
-               warmup_steps=1)
+ADAM_KW = dict(learning_rate=1e-2, weight_decay=0.01, clip_step=True, rescale_variance=True, warmup_steps=1)
 MOMENTUM_KW = dict(learning_rate=0.1, momentum=0.9, warmup_steps=1)
 
 
@@ -53,9 +52,7 @@ def shard_mapped(name, k):
     updates, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
     return optax.apply_updates(p, updates), s
 
-  step = jax.jit(
-      jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
-  )
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
   return tx, mesh, specs, init, step
 
 
@@ -84,14 +81,13 @@ def test_shard_map_equals_pmap(name):
   for n in SHAPES:
     np.testing.assert_allclose(np.asarray(p_sm[n]), np.asarray(p_pm[n][0]), rtol=1e-6, atol=1e-7)
   for r_sm, r_pm in zip(s_sm.compression.worker_residual, s_pm.compression.worker_residual, strict=True):
-    np.testing.assert_allclose(
-        np.asarray(r_sm).reshape(k, -1), np.asarray(r_pm).reshape(k, -1), rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(r_sm).reshape(k, -1), np.asarray(r_pm).reshape(k, -1), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("factory, kwargs", [(one_bit_adam, ADAM_KW), (one_bit_momentum, MOMENTUM_KW)],
-                         ids=["adam", "momentum"])
+@pytest.mark.parametrize(
+  "factory, kwargs", [(one_bit_adam, ADAM_KW), (one_bit_momentum, MOMENTUM_KW)], ids=["adam", "momentum"]
+)
 def test_dtypes_are_stable(dtype, factory, kwargs):
   k = 2
   # Built as in test_injected_hyperparameters_step_as_plain_ones (float32 shared).
@@ -130,8 +126,7 @@ def test_one_bit_momentum_without_warmup_has_no_float_all_reduce():
 @pytest.mark.parametrize("refresh, rescale", [(0, False), (4, True)])
 def test_one_bit_adam_float_all_reduce_only_in_the_warmup_branch(refresh, rescale):
   k = 8
-  tx = one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=5, variance_refresh=refresh,
-                    rescale_variance=rescale)
+  tx = one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=5, variance_refresh=refresh, rescale_variance=rescale)
   params = {"w": jnp.zeros((k, 64, 256)), "b": jnp.zeros((k, 256))}
   devices = jax.devices()[:k]
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
@@ -275,7 +270,9 @@ def test_bad_arguments():
     one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1, variance_refresh=-1)
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     ({"learning_rate": -1e-3}, r"learning_rate must be finite and > 0.*got -0.001"),
     ({"learning_rate": "fast"}, "learning_rate must be a number > 0 or a schedule"),
     ({"b1": 1.0}, r"b1 must be in \[0, 1\), got 1.0"),
@@ -285,54 +282,58 @@ def test_bad_arguments():
     ({"weight_decay": float("nan")}, "weight_decay must be finite and >= 0, got nan"),
     ({"clip_step": "yes"}, "clip_step must be True or False, got 'yes'"),
     ({"rescale_variance": 1}, "rescale_variance must be True or False, got 1"),
-])
+  ],
+)
 def test_bad_adam_hyperparameters_are_named(kwargs, message):
   kwargs = {"learning_rate": 1e-3, **kwargs}
   with pytest.raises(ValueError, match=message):
     one_bit_adam(axis_name=AXIS, warmup_steps=1, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     ({"learning_rate": 0.0}, r"learning_rate must be finite and > 0.*got 0.0"),
     ({"momentum": 1.5}, r"momentum must be in \[0, 1\), got 1.5"),
     ({"weight_decay": -0.1}, "weight_decay must be finite and >= 0, got -0.1"),
     ({"nesterov": "yes"}, "nesterov must be True or False, got 'yes'"),
-])
+  ],
+)
 def test_bad_momentum_hyperparameters_are_named(kwargs, message):
   kwargs = {"learning_rate": 0.1, **kwargs}
   with pytest.raises(ValueError, match=message):
     one_bit_momentum(axis_name=AXIS, **kwargs)
 
 
-@pytest.mark.parametrize("factory, kwargs, static", [
+@pytest.mark.parametrize(
+  "factory, kwargs, static",
+  [
     (one_bit_adam, ADAM_KW, ("warmup_steps", "variance_refresh")),
-    (one_bit_adam, dict(learning_rate=1e-2, variance_refresh=2, warmup_steps=1),
-     ("warmup_steps", "variance_refresh")),
+    (one_bit_adam, dict(learning_rate=1e-2, variance_refresh=2, warmup_steps=1), ("warmup_steps", "variance_refresh")),
     (one_bit_momentum, MOMENTUM_KW, ("warmup_steps",)),
-], ids=["adam", "adam-refresh", "momentum"])
+  ],
+  ids=["adam", "adam-refresh", "momentum"],
+)
 def test_injected_hyperparameters_step_as_plain_ones(factory, kwargs, static):
   # optax.inject_hyperparams passes the numbers as (traced) arrays: every
   # step must match the optimizer built from the plain numbers.
   k = 2
   _, plain_init, plain_update = pmapped(k, factory, **kwargs)
-  injected = optax.inject_hyperparams(factory, static_args=("axis_name",) + static)(
-      axis_name=AXIS, **kwargs)
+  injected = optax.inject_hyperparams(factory, static_args=("axis_name",) + static)(axis_name=AXIS, **kwargs)
   devices = jax.devices()[:k]
   params = jax.tree.map(lambda x: x * 0 + 0.1, make_tree(k, seed=0))
   states = [plain_init(params), jax.pmap(injected.init, axis_name=AXIS, devices=devices)(params)]
   steps = [plain_update, jax.pmap(injected.update, axis_name=AXIS, devices=devices)]
   for t in range(4):
     grads = make_tree(k, seed=60 + t)
-    (u_plain, states[0]), (u_injected, states[1]) = (
-        step(grads, state, params) for step, state in zip(steps, states))
+    (u_plain, states[0]), (u_injected, states[1]) = (step(grads, state, params) for step, state in zip(steps, states))
     for a, b in zip(jax.tree.leaves(u_plain), jax.tree.leaves(u_injected)):
       np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-9)
   assert int(states[1].count[0]) == 4
 
 
 def test_a_structural_argument_injected_as_an_array_is_named():
-  tx = optax.inject_hyperparams(one_bit_adam, static_args=("axis_name",))(
-      1e-3, axis_name=AXIS, warmup_steps=1)
+  tx = optax.inject_hyperparams(one_bit_adam, static_args=("axis_name",))(1e-3, axis_name=AXIS, warmup_steps=1)
   with pytest.raises(ValueError, match="warmup_steps .* list it in static_args"):
     jax.pmap(tx.init, axis_name=AXIS, devices=jax.devices()[:1])({"w": jnp.zeros((1, 3))})
 
@@ -353,12 +354,16 @@ def test_public_names():
   assert jmp_train.OneBitMomentumState is OneBitMomentumState
 
 
-@pytest.mark.parametrize("make, state_type", [
+@pytest.mark.parametrize(
+  "make, state_type",
+  [
     (lambda: one_bit_adam(1e-2, axis_name="batch", warmup_steps=2), OneBitAdamState),
     # The warm-up's pmean is invariant across replicas, the compressed
     # branch's output is not: the step must still trace under shard_map.
     (lambda: one_bit_momentum(1e-2, axis_name="batch", warmup_steps=2), OneBitMomentumState),
-], ids=["adam", "momentum"])
+  ],
+  ids=["adam", "momentum"],
+)
 def test_make_train_step_with_one_bit_optimizer_as_the_whole_optimizer(make, state_type):
   import flax.linen as nn
 
@@ -367,10 +372,14 @@ def test_make_train_step_with_one_bit_optimizer_as_the_whole_optimizer(make, sta
   params = model.init(jax.random.key(0), jnp.ones((1, 5)))["params"]
   mesh = jax.make_mesh((k,), ("batch",), devices=jax.devices()[:k])
   step = jmp_train.make_train_step(
-      model.apply, lambda out, y: jnp.mean((out - y) ** 2), None,
-      compression=make(),
-      loss_scale=jmp_train.DynamicLossScale(scale=2.0**8),
-      mode="shard_map", axis_name="batch", mesh=mesh,
+    model.apply,
+    lambda out, y: jnp.mean((out - y) ** 2),
+    None,
+    compression=make(),
+    loss_scale=jmp_train.DynamicLossScale(scale=2.0**8),
+    mode="shard_map",
+    axis_name="batch",
+    mesh=mesh,
   )
   state = step.init(params)
   rng = np.random.default_rng(0)
@@ -381,8 +390,7 @@ def test_make_train_step_with_one_bit_optimizer_as_the_whole_optimizer(make, sta
     state, metrics = step(state, step.shard_batch((x, y)))
     losses.append(float(metrics["loss"]))
   assert losses[-1] < losses[0]
-  found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, state_type))
-           if isinstance(s, state_type)]
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, state_type)) if isinstance(s, state_type)]
   assert len(found) == 1 and np.asarray(found[0].count).max() == 8
 
 
@@ -404,10 +412,10 @@ def test_processes_equal_one_process(tmp_path, optimizer, processes, per_process
 
   outs = [tmp_path / f"out_{i}.npz" for i in range(processes)]
   _processes.run_workers(
-      "_one_bit_multiprocess_worker.py",
-      [[str(i), str(processes), "{port}", str(out), optimizer, str(per_process)]
-       for i, out in enumerate(outs)],
-      timeout=300)
+    "_one_bit_multiprocess_worker.py",
+    [[str(i), str(processes), "{port}", str(out), optimizer, str(per_process)] for i, out in enumerate(outs)],
+    timeout=300,
+  )
   k = processes * per_process
   devices = jax.devices()[:k]
   assert len(devices) == k

@@ -37,8 +37,7 @@ def ref_covered(t, warmup, refresh):
   return min(t, warmup) + (after - after % refresh if refresh else 0)
 
 
-def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refresh=0,
-                  clip_step=False, rescale=False):
+def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refresh=0, clip_step=False, rescale=False):
   """One step of 1-bit Adam for K replicas from the (replicated) state.
 
   grads: K lists of leaves; params, mu, nu: lists of leaves; state: dict with
@@ -60,8 +59,7 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
     s = [B2 * a + (1 - B2) * q for a, q in zip(s, sq)]
     s_ref = list(s) if exact else s_ref
     # In float32, as the optimizer computes them (1 - B2**t cancels digits).
-    c_now, c_ref = (np.float32(1) - np.float32(B2) ** np.float32(n)
-                    for n in (t, ref_covered(t, warmup, refresh)))
+    c_now, c_ref = (np.float32(1) - np.float32(B2) ** np.float32(n) for n in (t, ref_covered(t, warmup, refresh)))
     factor = [(a / c_now) / (b / c_ref) if b > 0 else 1.0 for a, b in zip(s, s_ref)]
   if exact:
     keep = B2 if count < warmup else B2**refresh
@@ -81,17 +79,19 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
       d = [np.ones_like(v) for v in nu]
       limit = np.inf
     local = [
-        [np.where(v > 0, np.clip((B1 * m + (1 - B1) * x) / dd, -limit, limit), 0)
-         for m, x, v, dd in zip(mu, grads[j], nu, d)]
-        for j in range(k)
+      [
+        np.where(v > 0, np.clip((B1 * m + (1 - B1) * x) / dd, -limit, limit), 0)
+        for m, x, v, dd in zip(mu, grads[j], nu, d)
+      ]
+      for j in range(k)
     ]
     avg, r, e = ref_exchange(local, r, e, scale)
     mu = [np.where(v > 0, a * dd, 0) for a, v, dd in zip(avg, nu, d)]
   c1, c2 = 1 - B1**t, 1 - B2 ** ref_covered(t, warmup, refresh)
   bound = np.inf if count < warmup or not clip_step else max((1 - B1) / np.sqrt(1 - B2), 1.0)
   updates = [
-      -lr * (np.clip((m / c1) / (np.sqrt(v / c2 * f) + EPS), -bound, bound) + wd * p)
-      for m, v, p, f in zip(mu, nu, params, factor)
+    -lr * (np.clip((m / c1) / (np.sqrt(v / c2 * f) + EPS), -bound, bound) + wd * p)
+    for m, v, p, f in zip(mu, nu, params, factor)
   ]
   return updates, dict(count=t, mu=mu, nu=nu, r=r, e=e, s=s, s_ref=s_ref)
 
@@ -101,8 +101,9 @@ def ref_adam_step(grads, params, state, *, lr, wd, warmup, scale, exchange, refr
 # ---------------------------------------------------------------------------
 
 
-def adam_steps(k, *, lr=1e-2, wd=0.05, warmup=2, scale="l2", exchange="momentum", refresh=0,
-               clip_step=False, rescale=False):
+def adam_steps(
+  k, *, lr=1e-2, wd=0.05, warmup=2, scale="l2", exchange="momentum", refresh=0, clip_step=False, rescale=False
+):
   """(init, update) of 1-bit Adam pmapped over k devices, compiled once per configuration.
 
   The tests below build their optimizers here, so that the same
@@ -110,8 +111,16 @@ def adam_steps(k, *, lr=1e-2, wd=0.05, warmup=2, scale="l2", exchange="momentum"
   time).
   """
   _, init, update = pmapped(
-      k, adam, learning_rate=lr, weight_decay=wd, warmup_steps=warmup, scale=scale,
-      exchange=exchange, variance_refresh=refresh, clip_step=clip_step, rescale_variance=rescale,
+    k,
+    adam,
+    learning_rate=lr,
+    weight_decay=wd,
+    warmup_steps=warmup,
+    scale=scale,
+    exchange=exchange,
+    variance_refresh=refresh,
+    clip_step=clip_step,
+    rescale_variance=rescale,
   )
   return init, update
 
@@ -124,17 +133,30 @@ def adam_steps(k, *, lr=1e-2, wd=0.05, warmup=2, scale="l2", exchange="momentum"
 # before the first refresh are those of variance_refresh=0. Four of the
 # configurations are those of the tests below, which reuse their steps.
 @pytest.mark.parametrize(
-    "k, scale, exchange, refresh, clip_step, rescale",
-    [(2, "column", "momentum", 0, False, False), (8, "l2", "momentum", 2, False, False),
-     (4, "l2", "preconditioned", 3, False, False), (4, "l2", "preconditioned", 3, True, False),
-     (4, "l2", "momentum", 2, True, False), (4, "l2", "momentum", 0, True, True),
-     (4, "l2", "preconditioned", 3, False, True)],
+  "k, scale, exchange, refresh, clip_step, rescale",
+  [
+    (2, "column", "momentum", 0, False, False),
+    (8, "l2", "momentum", 2, False, False),
+    (4, "l2", "preconditioned", 3, False, False),
+    (4, "l2", "preconditioned", 3, True, False),
+    (4, "l2", "momentum", 2, True, False),
+    (4, "l2", "momentum", 0, True, True),
+    (4, "l2", "preconditioned", 3, False, True),
+  ],
 )
-def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, clip_step,
-                                                   rescale):
+def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, clip_step, rescale):
   lr, wd, warmup = 1e-2, 0.05, 2
-  init, update = adam_steps(k, lr=lr, wd=wd, warmup=warmup, scale=scale, exchange=exchange,
-                            refresh=refresh, clip_step=clip_step, rescale=rescale)
+  init, update = adam_steps(
+    k,
+    lr=lr,
+    wd=wd,
+    warmup=warmup,
+    scale=scale,
+    exchange=exchange,
+    refresh=refresh,
+    clip_step=clip_step,
+    rescale=rescale,
+  )
   params = make_tree(k, seed=1)
   params = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), params)  # replicated
   state = init(params)
@@ -142,22 +164,30 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, 
   for step in range(7 if refresh else 5):
     grads = make_tree(k, seed=10 + step)
     before = dict(
-        count=int(state.count[0]),
-        mu=leaves_of(state.mu, 0),
-        nu=leaves_of(state.nu, 0),
-        r=buffer_residual(state.compression.worker_residual, SHAPES, scale),
-        e=np.asarray(state.compression.server_residual),
+      count=int(state.count[0]),
+      mu=leaves_of(state.mu, 0),
+      nu=leaves_of(state.nu, 0),
+      r=buffer_residual(state.compression.worker_residual, SHAPES, scale),
+      e=np.asarray(state.compression.server_residual),
     )
     if rescale:
       before["s"], before["s_ref"] = leaves_of(state.sq_mean, 0), leaves_of(state.sq_mean_ref, 0)
     ref_u, ref = ref_adam_step(
-        [leaves_of(grads, j) for j in range(k)], p_np, before,
-        lr=lr, wd=wd, warmup=warmup, scale=scale, exchange=exchange, refresh=refresh,
-        clip_step=clip_step, rescale=rescale,
+      [leaves_of(grads, j) for j in range(k)],
+      p_np,
+      before,
+      lr=lr,
+      wd=wd,
+      warmup=warmup,
+      scale=scale,
+      exchange=exchange,
+      refresh=refresh,
+      clip_step=clip_step,
+      rescale=rescale,
     )
     residuals = (
-        buffer_residual(state.compression.worker_residual, SHAPES, scale),
-        np.asarray(state.compression.server_residual),
+      buffer_residual(state.compression.worker_residual, SHAPES, scale),
+      np.asarray(state.compression.server_residual),
     )
     updates, state = update(grads, state, params)
     for j in range(k):  # every replica holds the same update and moments
@@ -186,9 +216,10 @@ def test_adam_matches_numpy_reference_step_by_step(k, scale, exchange, refresh, 
       assert (ref["nu"][0] != before["nu"][0]).any() == bool(exact)
 
 
-@pytest.mark.parametrize("exchange, clip_step, refresh", [
-    ("preconditioned", True, 3), ("momentum", False, 0), ("preconditioned", False, 3),
-    ("momentum", True, 2)])
+@pytest.mark.parametrize(
+  "exchange, clip_step, refresh",
+  [("preconditioned", True, 3), ("momentum", False, 0), ("preconditioned", False, 3), ("momentum", True, 2)],
+)
 def test_steps_never_go_beyond_adams_bound_unless_asked(exchange, clip_step, refresh):
   # After the freeze, gradients 1000x those of the warm-up: the frozen v no
   # longer holds the steps back. Kingma & Ba bound Adam's steps by
@@ -199,8 +230,7 @@ def test_steps_never_go_beyond_adams_bound_unless_asked(exchange, clip_step, ref
   # parameters stay zero, so weight decay adds nothing: the cases with a
   # refresh reuse the steps of test_adam_matches_numpy_reference_step_by_step.
   k, lr, warmup = 4, 1e-2, 2
-  init, update = adam_steps(k, lr=lr, warmup=warmup, exchange=exchange, refresh=refresh,
-                            clip_step=clip_step)
+  init, update = adam_steps(k, lr=lr, warmup=warmup, exchange=exchange, refresh=refresh, clip_step=clip_step)
   params = jax.tree.map(jnp.zeros_like, make_tree(k, seed=0))
   state = init(params)
   largest = 0.0
@@ -244,9 +274,9 @@ def test_defaults_clip_the_step_and_rescale_the_variance():
 
 
 @pytest.mark.parametrize(
-    "factory, exchange",
-    [(adam, "momentum"), (adam, "preconditioned"), (momentum, None)],
-    ids=["adam", "adam-preconditioned", "momentum"],
+  "factory, exchange",
+  [(adam, "momentum"), (adam, "preconditioned"), (momentum, None)],
+  ids=["adam", "adam-preconditioned", "momentum"],
 )
 def test_both_residuals_conserve_the_exchanged_momentum_each_step(factory, exchange):
   # mean_j (m_j + r_j) == new momentum + mean_j r_j' + (e' - e), per element:
@@ -267,12 +297,14 @@ def test_both_residuals_conserve_the_exchanged_momentum_each_step(factory, excha
       limit = max((1 - B1) / np.sqrt(1 - B2), 1.0) * (1 - B1 ** (step + 1))
     else:
       d = 1.0
-    local = np.stack([
-        np.clip(flat(coef[0] * m + coef[1] * g
-                     for m, g in zip(leaves_of(trace, j), leaves_of(grads, j))) / d,
-                -limit, limit)
+    local = np.stack(
+      [
+        np.clip(
+          flat(coef[0] * m + coef[1] * g for m, g in zip(leaves_of(trace, j), leaves_of(grads, j))) / d, -limit, limit
+        )
         for j in range(k)
-    ])
+      ]
+    )
     r0 = buffer_residual(state.compression.worker_residual, SHAPES, "l2")
     e0 = np.asarray(state.compression.server_residual).reshape(-1)
     _, state = update(grads, state, params)
@@ -301,10 +333,11 @@ def test_warmup_is_adamw_on_the_average_and_momentum_is_sgd():
   k, steps = 4, 3
   sched = optax.linear_schedule(1e-2, 1e-3, 10)
   cases = [
-      (one_bit_adam(sched, weight_decay=0.1, axis_name=AXIS, warmup_steps=10),
-       optax.adamw(sched, weight_decay=0.1)),
-      (one_bit_momentum(sched, 0.9, axis_name=AXIS, warmup_steps=10, nesterov=True),
-       optax.sgd(sched, 0.9, nesterov=True)),
+    (one_bit_adam(sched, weight_decay=0.1, axis_name=AXIS, warmup_steps=10), optax.adamw(sched, weight_decay=0.1)),
+    (
+      one_bit_momentum(sched, 0.9, axis_name=AXIS, warmup_steps=10, nesterov=True),
+      optax.sgd(sched, 0.9, nesterov=True),
+    ),
   ]
   for tx, ref in cases:
     devices = jax.devices()[:k]
@@ -342,8 +375,9 @@ def test_rescaled_variance_follows_adam_when_the_gradients_shrink(exchange):
     u, rstate = ref.update({n: jnp.asarray(c * x) for n, x in signs.items()}, rstate)
     ref_steps.append(leaves_of(u))
   for rescale in (True, False):
-    _, init, update = pmapped(k, adam, learning_rate=lr, warmup_steps=warmup, exchange=exchange,
-                              rescale_variance=rescale)
+    _, init, update = pmapped(
+      k, adam, learning_rate=lr, warmup_steps=warmup, exchange=exchange, rescale_variance=rescale
+    )
     params = {n: jnp.zeros((k,) + s) for n, s in SHAPES.items()}
     state = init(params)
     for t, c in enumerate(scales):

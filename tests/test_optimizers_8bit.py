@@ -114,8 +114,10 @@ def test_nu_dtype_independent_of_params():
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.nu))
   state = scale_by_narrow_adam(mu_dtype=jnp.float16, nu_dtype="8bit", min_8bit_size=0).init(params)
   assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(state.mu))
-  assert all(isinstance(x, qs.QuantizedArray) for x in jax.tree.leaves(
-      state.nu, is_leaf=lambda x: isinstance(x, qs.QuantizedArray)))
+  assert all(
+    isinstance(x, qs.QuantizedArray)
+    for x in jax.tree.leaves(state.nu, is_leaf=lambda x: isinstance(x, qs.QuantizedArray))
+  )
 
 
 def test_bfloat16_nu_stalls_where_8bit_follows():
@@ -125,12 +127,11 @@ def test_bfloat16_nu_stalls_where_8bit_follows():
   for nu_dtype in ("bfloat16", "8bit", "float32"):
     tx = scale_by_narrow_adam(b1=0.0, nu_dtype=nu_dtype, min_8bit_size=0)
     # 300 updates in one compiled scan (not 300 dispatches).
-    run = jax.jit(lambda s, tx=tx: jax.lax.scan(lambda s, _: (tx.update(g, s)[1], None), s,
-                                                None, length=300)[0])
+    run = jax.jit(lambda s, tx=tx: jax.lax.scan(lambda s, _: (tx.update(g, s)[1], None), s, None, length=300)[0])
     state = run(tx.init(g))
     nu = state.nu["w"]
     v = qs.dequantize(nu, signed=False) ** 2 if isinstance(nu, qs.QuantizedArray) else nu
-    results[nu_dtype] = float(jnp.mean(v.astype(jnp.float32))) / (1 - 0.999 ** 300)
+    results[nu_dtype] = float(jnp.mean(v.astype(jnp.float32))) / (1 - 0.999**300)
   assert results["float32"] == pytest.approx(1e-4, rel=1e-4)
   assert results["8bit"] == pytest.approx(1e-4, rel=0.02)
   assert abs(results["bfloat16"] / 1e-4 - 1) > 0.05  # its EMA steps round away
@@ -165,11 +166,14 @@ def test_nearest_rounding_freezes_a_slow_trace():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("half,finisher", [
+@pytest.mark.parametrize(
+  "half,finisher",
+  [
     (jnp.bfloat16, lambda: jmp_train.stochastic_rounding(0)),
     (jnp.bfloat16, lambda: jmp_train.kahan_compensation()),
     (jnp.float16, lambda: jmp_train.kahan_compensation()),
-])
+  ],
+)
 def test_adam_8bit_with_half_weights(half, finisher):
   lr, steps = 1e-2, 300
   _, _, final32 = _adam_float32(lr, steps)
@@ -216,12 +220,16 @@ def _is_q(x):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: adam_8bit(1e-3),
     lambda: adam_8bit(1e-3, code="linear", block_size=100, rounding="nearest"),
     lambda: scale_by_narrow_adam(mu_dtype="bfloat16", nu_dtype="8bit"),
     lambda: sgd_8bit(1e-2, nesterov=True),
-], ids=["adam_8bit", "adam_8bit_linear", "mixed", "sgd_8bit"])
+  ],
+  ids=["adam_8bit", "adam_8bit_linear", "mixed", "sgd_8bit"],
+)
 def test_state_dtypes_stable_across_steps(dtype, make):
   tx = make()
   params = _params(dtype)
@@ -261,8 +269,8 @@ def test_small_leaves_stay_float32_and_bytes_per_parameter():
 def test_loss_scaled_skip_leaves_state_bit_for_bit():
   params = _params(jnp.bfloat16)
   tx = jmp_train.loss_scaled(
-      optax.chain(adam_8bit(1e-3, min_8bit_size=0), jmp_train.stochastic_rounding(0)),
-      jmp_train.DynamicLossScale(jnp.float32(2.0 ** 10)),
+    optax.chain(adam_8bit(1e-3, min_8bit_size=0), jmp_train.stochastic_rounding(0)),
+    jmp_train.DynamicLossScale(jnp.float32(2.0**10)),
   )
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -279,6 +287,7 @@ def test_loss_scaled_skip_leaves_state_bit_for_bit():
 def test_checkpoint_resume_is_bit_exact(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   tx = optax.chain(adam_8bit(1e-3, block_size=128), jmp_train.stochastic_rounding(3))
+
   @jax.jit
   def update(g, s, p):
     updates, s = tx.update(g, s, p)
@@ -291,8 +300,9 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     return state
 
   params = _params(jnp.bfloat16)
-  fresh = lambda: jmp_train.TrainState(step=jnp.zeros([], jnp.int32), params=params,
-                                       opt_state=tx.init(params), model_state={}, rng=None)
+  fresh = lambda: jmp_train.TrainState(
+    step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params), model_state={}, rng=None
+  )
   straight = run(fresh(), 0, 6)
   half = run(fresh(), 0, 3)
   path = jmp_train.save_checkpoint(tmp_path / "ckpt", half)
@@ -308,8 +318,9 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
 def test_pmap_and_shard_map_keep_replicated_state_identical(num_devices):
   tx = optax.chain(adam_8bit(1e-3, block_size=64), jmp_train.stochastic_rounding(0))
   params = _params(jnp.bfloat16)
-  local = jnp.stack([jax.tree.map(lambda x: x[i % 4], _grads(0, jnp.bfloat16))["v"]
-                     for i in range(num_devices)])  # different gradients per device
+  local = jnp.stack(
+    [jax.tree.map(lambda x: x[i % 4], _grads(0, jnp.bfloat16))["v"] for i in range(num_devices)]
+  )  # different gradients per device
 
   shared = _grads(1, jnp.bfloat16)  # the same on every device
 
@@ -330,8 +341,9 @@ def test_pmap_and_shard_map_keep_replicated_state_identical(num_devices):
   pm = jax.pmap(step, axis_name="batch")
   p_pm, s_pm = jax.block_until_ready(pm(local, replicate(tx.init(params)), replicate(params)))
   mesh = jax.make_mesh((num_devices,), ("batch",))
-  sm = jax.jit(jax.shard_map(lambda g, s, p: step(g[0], s, p), mesh=mesh,
-                             in_specs=(P("batch"), P(), P()), out_specs=(P(), P())))
+  sm = jax.jit(
+    jax.shard_map(lambda g, s, p: step(g[0], s, p), mesh=mesh, in_specs=(P("batch"), P(), P()), out_specs=(P(), P()))
+  )
   local = jax.device_put(local, NamedSharding(mesh, P("batch")))
   p_sm, s_sm = jax.block_until_ready(sm(local, tx.init(params), params))
   replicas, sm_host = jax.device_get(((p_pm, s_pm), (p_sm, s_sm)))
@@ -404,7 +416,8 @@ def test_errors():
 def test_inject_hyperparams():
   # The block layout is static: it sets the state's shapes.
   tx = optax.inject_hyperparams(adam_8bit, static_args=("block_size", "min_8bit_size"))(
-      learning_rate=1e-3, weight_decay=0.01)
+    learning_rate=1e-3, weight_decay=0.01
+  )
   params = _params()
   state = tx.init(params)
   updates, state = jax.jit(tx.update)(_grads(0), state, params)
@@ -422,10 +435,13 @@ def test_block_layout_injected_as_an_array_is_named():
     tx.init(_params())
 
 
-@pytest.mark.parametrize("make, name", [
+@pytest.mark.parametrize(
+  "make, name",
+  [
     (lambda: adam_8bit(1e-3, min_8bit_size=0), "scale_by_narrow_adam"),
     (lambda: sgd_8bit(1e-2, min_8bit_size=0), "sgd_8bit"),
-])
+  ],
+)
 def test_integer_leaves_are_named_and_masked_ones_pass(make, name):
   tree = {"w": jnp.ones((4, 64)), "step": jnp.ones((3,), jnp.int32)}
   tx = make()

@@ -19,20 +19,20 @@ def test_devices_are_simulated(num_devices):
 
 
 @pytest.mark.parametrize(
-    "spec, expected",
-    [
-        ("params=float32,compute=float16,output=float32", (F32, F16, F32)),
-        ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
-        ("param=full,compute=bfloat16,output=full", (F32, BF16, F32)),
-        (" P = F32 , C = FP16 , O = BF16 ", (F32, F16, BF16)),
-        ("o=f16,c=f16,p=f32", (F32, F16, F16)),
-        ("bfloat16", (BF16, BF16, BF16)),
-        ("f16", (F16, F16, F16)),
-        ("mixed_float16", (F32, F16, F32)),
-        ("mixed_bfloat16", (F32, BF16, F32)),
-        ("float32", (F32, F32, F32)),
-        ("full", (F32, F32, F32)),
-    ],
+  "spec, expected",
+  [
+    ("params=float32,compute=float16,output=float32", (F32, F16, F32)),
+    ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+    ("param=full,compute=bfloat16,output=full", (F32, BF16, F32)),
+    (" P = F32 , C = FP16 , O = BF16 ", (F32, F16, BF16)),
+    ("o=f16,c=f16,p=f32", (F32, F16, F16)),
+    ("bfloat16", (BF16, BF16, BF16)),
+    ("f16", (F16, F16, F16)),
+    ("mixed_float16", (F32, F16, F32)),
+    ("mixed_bfloat16", (F32, BF16, F32)),
+    ("float32", (F32, F32, F32)),
+    ("full", (F32, F32, F32)),
+  ],
 )
 def test_get_policy_parses(spec, expected):
   p = get_policy(spec)
@@ -64,18 +64,18 @@ def test_str_round_trip(p, c, o):
 
 
 @pytest.mark.parametrize(
-    "spec, fragments",
-    [
-        ("params=float32,compute=float16,outptu=float32", ["'outptu'", "output"]),
-        ("p=f32,c=float17,o=f32", ["'float17'", "bfloat16"]),
-        ("p=f32,c=int8,o=f32", ["'int8'", "not a floating dtype"]),
-        ("int32", ["'int32'", "not a floating dtype"]),
-        ("p=f32,p=f16,c=f16,o=f32", ["'p'", "twice"]),
-        ("p=f32,c=f16", ["missing output"]),
-        ("p=f32,c=f16,o", ["'o'", "key=dtype"]),
-        ("", ["Empty policy spec", "mixed_float16"]),
-        ("mixed_float4", ["'mixed_float4'", "mixed_bfloat16"]),
-    ],
+  "spec, fragments",
+  [
+    ("params=float32,compute=float16,outptu=float32", ["'outptu'", "output"]),
+    ("p=f32,c=float17,o=f32", ["'float17'", "bfloat16"]),
+    ("p=f32,c=int8,o=f32", ["'int8'", "not a floating dtype"]),
+    ("int32", ["'int32'", "not a floating dtype"]),
+    ("p=f32,p=f16,c=f16,o=f32", ["'p'", "twice"]),
+    ("p=f32,c=f16", ["missing output"]),
+    ("p=f32,c=f16,o", ["'o'", "key=dtype"]),
+    ("", ["Empty policy spec", "mixed_float16"]),
+    ("mixed_float4", ["'mixed_float4'", "mixed_bfloat16"]),
+  ],
 )
 def test_bad_specs_name_the_bad_part(spec, fragments):
   with pytest.raises(ValueError) as info:
@@ -131,16 +131,16 @@ def test_casts_only_floating_leaves(half, use_jit):
   key = jax.random.key(0)
   raw_key = jax.random.PRNGKey(0)
   tree = {
-      "w": jnp.ones((2, 3), jnp.float32),
-      "w64": np.ones(2, np.float64),
-      "ids": jnp.arange(3, dtype=jnp.int32),
-      "mask": jnp.array([True, False]),
-      "key": key,
-      "raw_key": raw_key,
-      "z": jnp.ones(2, jnp.complex64),
-      "lr": 0.5,
-      "name": "dense",
-      "none": None,
+    "w": jnp.ones((2, 3), jnp.float32),
+    "w64": np.ones(2, np.float64),
+    "ids": jnp.arange(3, dtype=jnp.int32),
+    "mask": jnp.array([True, False]),
+    "key": key,
+    "raw_key": raw_key,
+    "z": jnp.ones(2, jnp.complex64),
+    "lr": 0.5,
+    "name": "dense",
+    "none": None,
   }
   arrays = {k: v for k, v in tree.items() if k not in ("lr", "name", "none")}
   statics = {k: tree[k] for k in ("lr", "name", "none")}
@@ -181,7 +181,5 @@ def test_cast_under_pmap(num_devices):
 def test_cast_under_vmap_and_strict_promotion():
   policy = get_policy("mixed_bfloat16")
   with jax.numpy_dtype_promotion("strict"):
-    out = jax.vmap(lambda x: policy.cast_to_compute(x) * jnp.bfloat16(2))(
-        jnp.ones((3, 2))
-    )
+    out = jax.vmap(lambda x: policy.cast_to_compute(x) * jnp.bfloat16(2))(jnp.ones((3, 2)))
   assert out.dtype == BF16

@@ -29,10 +29,8 @@ import jmp_train.diagnostics as diag
 
 import _corpus_models as corpus
 
-NARROW = {"mixed_bfloat16": np.dtype(jnp.bfloat16),
-          "mixed_float16": np.dtype(jnp.float16)}
-MLIR_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16",
-             np.dtype(jnp.float32): "f32"}
+NARROW = {"mixed_bfloat16": np.dtype(jnp.bfloat16), "mixed_float16": np.dtype(jnp.float16)}
+MLIR_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16", np.dtype(jnp.float32): "f32"}
 MODELS = tuple(corpus.CORPUS)
 STEPS = 16
 BATCH = 16  # 8 examples on each of the 2 replicas
@@ -42,8 +40,7 @@ BATCH = 16  # 8 examples on each of the 2 replicas
 MIN_PRODUCTS = 6
 # Adam's learning rates: the convolution nets' pooled features need larger
 # steps to move within STEPS steps than the Transformers do.
-LEARNING_RATE = {"linen_resnet": 1e-2, "nnx_convnet": 1e-2,
-                 "linen_transformer": 3e-3, "nnx_transformer": 3e-3}
+LEARNING_RATE = {"linen_resnet": 1e-2, "nnx_convnet": 1e-2, "linen_transformer": 3e-3, "nnx_transformer": 3e-3}
 
 
 def _step_kwargs(policy: str) -> dict:
@@ -94,10 +91,13 @@ def _step(name: str, policy: str, model_policy: str | None = None):
   if entry.kind == "linen":
     model, _, _ = _initial(name)
     return jmp_train.make_train_step(
-        functools.partial(model.apply, train=True), corpus.loss_fn, optimizer,
-        eval_apply_fn=functools.partial(model.apply, train=False), **kwargs)
-  return jmp_train.make_train_step(nnx.merge(*_initial(name)), corpus.loss_fn, optimizer,
-                                   **kwargs)
+      functools.partial(model.apply, train=True),
+      corpus.loss_fn,
+      optimizer,
+      eval_apply_fn=functools.partial(model.apply, train=False),
+      **kwargs,
+    )
+  return jmp_train.make_train_step(nnx.merge(*_initial(name)), corpus.loss_fn, optimizer, **kwargs)
 
 
 def _build(name: str, policy: str, model_policy: str | None = None):
@@ -140,11 +140,10 @@ def _assert_products(lowered, dtype: np.dtype):
   found = _products_by_regex(text)
   wanted = MLIR_NAME[dtype]
   offending = [line for lhs, rhs, line in found if (lhs, rhs) != (wanted, wanted)]
-  assert len(found) >= MIN_PRODUCTS, f"only {len(found)} products found:\n" + "\n".join(
-      line for _, _, line in found)
+  assert len(found) >= MIN_PRODUCTS, f"only {len(found)} products found:\n" + "\n".join(line for _, _, line in found)
   assert not offending, (
-      f"{len(offending)} of {len(found)} products do not take {wanted} x {wanted} "
-      "operands:\n" + "\n".join(offending[:20]))
+    f"{len(offending)} of {len(found)} products do not take {wanted} x {wanted} operands:\n" + "\n".join(offending[:20])
+  )
   # The library's own reader agrees, product for product.
   report = diag.fp8_products(lowered)
   assert len(report.products) == len(found), str(report)
@@ -176,8 +175,12 @@ def _train(step, state, name: str):
 # every model under both): float16, with its dynamic loss scale, on one
 # linen and one NNX model, synchronized BatchNorm included; bfloat16 on the
 # other two.
-TRAINED = {"linen_resnet": "mixed_float16", "nnx_convnet": "mixed_bfloat16",
-           "linen_transformer": "mixed_bfloat16", "nnx_transformer": "mixed_float16"}
+TRAINED = {
+  "linen_resnet": "mixed_float16",
+  "nnx_convnet": "mixed_bfloat16",
+  "linen_transformer": "mixed_bfloat16",
+  "nnx_transformer": "mixed_float16",
+}
 
 
 # One test per model runs float32 and its narrow policy: the float32 run
@@ -201,9 +204,11 @@ def test_default_step_trains_like_float32(name):
   # unscaled updates) leaves the loss near its initial value, as far from
   # float32's final loss as the whole of the training progress. 5% sits
   # far from both.
-  assert (np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-          and np.isclose(losses[-1], reference[-1], rtol=0.05, atol=0.0)), (
-              f"{policy}: {np.round(losses, 4)}\nfloat32: {np.round(reference, 4)}")
+  assert (
+    np.all(np.isfinite(losses))
+    and losses[-1] < losses[0]
+    and np.isclose(losses[-1], reference[-1], rtol=0.05, atol=0.0)
+  ), f"{policy}: {np.round(losses, 4)}\nfloat32: {np.round(reference, 4)}"
   # evaluate's apply is wrapped as the step's.
   evaluated = float(step.evaluate(state, step.shard_batch(_batches(name)[-1]))["loss"])
   assert np.isfinite(evaluated), f"{policy}: evaluate returned a loss of {evaluated}"

@@ -17,9 +17,7 @@ PUBLIC = [(m, name) for m in PUBLIC_MODULES for name in m.__all__]
 
 def _test_sources() -> str:
   own = pathlib.Path(__file__).name
-  return "\n".join(
-      p.read_text() for p in sorted(TESTS.glob("*.py")) if p.name != own
-  )
+  return "\n".join(p.read_text() for p in sorted(TESTS.glob("*.py")) if p.name != own)
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES, ids=lambda m: m.__name__)
@@ -34,17 +32,13 @@ def test_version():
   assert re.fullmatch(r"\d+\.\d+\.\d+", jmp_train.__version__)
 
 
-@pytest.mark.parametrize(
-    "module, name", PUBLIC, ids=[f"{m.__name__}.{n}" for m, n in PUBLIC]
-)
+@pytest.mark.parametrize("module, name", PUBLIC, ids=[f"{m.__name__}.{n}" for m, n in PUBLIC])
 def test_public_name_is_documented_and_tested(module, name):
   obj = getattr(module, name)
   if inspect.isclass(obj) or callable(obj):
     doc = inspect.getdoc(obj) or ""
     assert len(doc.split()) >= 5, f"{module.__name__}.{name} needs a docstring"
-  assert re.search(rf"\b{re.escape(name)}\b", _test_sources()), (
-      f"{module.__name__}.{name} is not used by any test"
-  )
+  assert re.search(rf"\b{re.escape(name)}\b", _test_sources()), f"{module.__name__}.{name} is not used by any test"
 
 
 def test_import_and_help_load_no_jax():
@@ -54,16 +48,16 @@ def test_import_and_help_load_no_jax():
   import sys
 
   code = (
-      "import sys, jmp_train, runpy\n"
-      "assert 'jax' not in sys.modules and 'flax' not in sys.modules\n"
-      "sys.argv = ['jmp-train', '--help']\n"
-      "try:\n"
-      "  runpy.run_module('jmp_train_examples', run_name='__main__')\n"
-      "except SystemExit:\n"
-      "  pass\n"
-      "assert 'jax' not in sys.modules, 'help imported jax'\n"
-      "jmp_train.Policy\n"
-      "assert 'Policy' in vars(jmp_train)\n"
+    "import sys, jmp_train, runpy\n"
+    "assert 'jax' not in sys.modules and 'flax' not in sys.modules\n"
+    "sys.argv = ['jmp-train', '--help']\n"
+    "try:\n"
+    "  runpy.run_module('jmp_train_examples', run_name='__main__')\n"
+    "except SystemExit:\n"
+    "  pass\n"
+    "assert 'jax' not in sys.modules, 'help imported jax'\n"
+    "jmp_train.Policy\n"
+    "assert 'Policy' in vars(jmp_train)\n"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
@@ -83,8 +77,7 @@ def test_type_checkers_see_every_public_name_where_it_loads():
   import importlib
 
   tree = ast.parse(pathlib.Path(jmp_train.__file__).read_text())
-  block = next(n for n in tree.body if isinstance(n, ast.If)
-               and getattr(n.test, "id", None) == "TYPE_CHECKING")
+  block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING")
   seen = {}
   for node in block.body:
     assert isinstance(node, ast.ImportFrom), ast.dump(node)
@@ -113,21 +106,36 @@ def test_a_type_checker_resolves_public_names_from_a_users_file(tmp_path):
 
   user = tmp_path / "user.py"
   user.write_text(
-      "import jmp_train\nimport jmp_train.diagnostics\nimport jmp_train.flax\n"
-      "reveal_type(jmp_train.loss_scaled)\n"
-      "reveal_type(jmp_train.flax.apply_policy)\n"
-      "reveal_type(jmp_train.diagnostics.precision_audit)\n")
+    "import jmp_train\nimport jmp_train.diagnostics\nimport jmp_train.flax\n"
+    "reveal_type(jmp_train.loss_scaled)\n"
+    "reveal_type(jmp_train.flax.apply_policy)\n"
+    "reveal_type(jmp_train.diagnostics.precision_audit)\n"
+  )
   # Our modules are read in full; the libraries under them are skipped (their
   # types become Any): what is checked is that our own signatures resolve.
   config = tmp_path / "mypy.ini"
   config.write_text(
-      "[mypy]\nfollow_imports = silent\n"
-      "[mypy-jax.*,jaxlib.*,flax.*,optax.*,chex.*,numpy.*,orbax.*,ml_dtypes.*,scipy.*]\n"
-      "follow_imports = skip\n")
+    "[mypy]\nfollow_imports = silent\n"
+    "[mypy-jax.*,jaxlib.*,flax.*,optax.*,chex.*,numpy.*,orbax.*,ml_dtypes.*,scipy.*]\n"
+    "follow_imports = skip\n"
+  )
   done = subprocess.run(
-      [sys.executable, "-m", "mypy", "--config-file", str(config), "--no-incremental",
-       "--cache-dir", str(tmp_path / "cache"), str(user)],
-      cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "-m",
+      "mypy",
+      "--config-file",
+      str(config),
+      "--no-incremental",
+      "--cache-dir",
+      str(tmp_path / "cache"),
+      str(user),
+    ],
+    cwd=TESTS.parent,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   revealed = [line for line in done.stdout.splitlines() if "Revealed type" in line]
   assert len(revealed) == 3, done.stdout + done.stderr
   assert "loss_scale: jmp_train._src.loss_scaling.scales.LossScale" in revealed[0], revealed[0]

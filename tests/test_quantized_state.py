@@ -17,7 +17,7 @@ def _reference_dynamic_map(signed):
   """bitsandbytes' create_dynamic_map(signed, 7, 8), written out independently."""
   values = [0.0, 1.0]
   for i in range(7):
-    n = 2 ** i if signed else 2 ** (i + 1)  # fraction entries in decade 10^(i-6)
+    n = 2**i if signed else 2 ** (i + 1)  # fraction entries in decade 10^(i-6)
     edges = np.linspace(0.1, 1.0, n + 1)
     mids = 10.0 ** (i - 6) * (edges[1:] + edges[:-1]) / 2
     values += list(mids) + (list(-mids) if signed else [])
@@ -128,9 +128,9 @@ def test_stochastic_rounding_is_unbiased_between_neighbours(code, signed):
   table = qs.code_map(code, signed)
   x = np.float32(_sample((256,), signed, seed=3))
   x = x / np.abs(x).max()  # one block, absmax 1: x is the normalized value
-  draws = jax.jit(jax.vmap(
-      lambda k: qs.dequantize(qs.quantize(x, code=code, signed=signed, key=k), code=code, signed=signed)))(
-      jax.random.split(jax.random.key(0), 1000))
+  draws = jax.jit(
+    jax.vmap(lambda k: qs.dequantize(qs.quantize(x, code=code, signed=signed, key=k), code=code, signed=signed))
+  )(jax.random.split(jax.random.key(0), 1000))
   draws = np.asarray(draws)
   # Every draw is one of the two entries around the value.
   lo = table[np.clip(np.searchsorted(table, x, side="right") - 1, 0, 254)]

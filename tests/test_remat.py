@@ -26,16 +26,14 @@ residuals = saved_residuals
 
 def _saved(res):
   """(shape, dtype) of the residuals that cost memory."""
-  return [(r.shape_dtype.shape, np.dtype(r.shape_dtype.dtype))
-          for r in res if r.costs_memory]
+  return [(r.shape_dtype.shape, np.dtype(r.shape_dtype.dtype)) for r in res if r.costs_memory]
 
 
 def _block(w1, w2, scale, x, dtype):
   """Half matmuls around a float32 normalization, a relu and a float32 loss."""
   h = x.astype(dtype) @ w1.astype(dtype)
   h32 = h.astype(jnp.float32)
-  h32 = (h32 - h32.mean(-1, keepdims=True)) * jax.lax.rsqrt(
-      h32.var(-1, keepdims=True) + 1e-5) * scale
+  h32 = (h32 - h32.mean(-1, keepdims=True)) * jax.lax.rsqrt(h32.var(-1, keepdims=True) + 1e-5) * scale
   h = jax.nn.relu(h32.astype(dtype))
   out = (h @ w2.astype(dtype)).astype(jnp.float32)
   return jnp.mean(jax.nn.logsumexp(out, axis=-1))
@@ -43,10 +41,12 @@ def _block(w1, w2, scale, x, dtype):
 
 def _args(seed=0):
   rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.normal(0, 0.3, (16, 32)), jnp.float32),
-          jnp.asarray(rng.normal(0, 0.3, (32, 8)), jnp.float32),
-          jnp.asarray(rng.uniform(0.5, 1.5, (32,)), jnp.float32),
-          jnp.asarray(rng.normal(0, 1.0, (4, 16)), jnp.float32))
+  return (
+    jnp.asarray(rng.normal(0, 0.3, (16, 32)), jnp.float32),
+    jnp.asarray(rng.normal(0, 0.3, (32, 8)), jnp.float32),
+    jnp.asarray(rng.uniform(0.5, 1.5, (32,)), jnp.float32),
+    jnp.asarray(rng.normal(0, 1.0, (4, 16)), jnp.float32),
+  )
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -58,19 +58,16 @@ def test_only_half_precision_values_are_saved(dtype):
   assert any(d == F32 for _, d in default)
   assert any(d == np.dtype(bool) for _, d in default)
   assert ((16, 32), dtype) in default  # the cast copy of w1
-  saved = _saved(residuals(
-      jax.checkpoint(f, policy=jmp_train.half_precision_saveable), *_args()))
+  saved = _saved(residuals(jax.checkpoint(f, policy=jmp_train.half_precision_saveable), *_args()))
   assert saved, "the matmul outputs should be saved"
   assert all(d == dtype for _, d in saved), saved
   # No weight-shaped copy: the casts are recomputed from the arguments.
   assert all(shape[0] == 4 for shape, _ in saved), saved
-  assert sum(np.prod(s) * d.itemsize for s, d in saved) < sum(
-      np.prod(s) * d.itemsize for s, d in default)
+  assert sum(np.prod(s) * d.itemsize for s, d in saved) < sum(np.prod(s) * d.itemsize for s, d in default)
 
 
 def test_float32_function_saves_nothing_it_computed():
-  f = jax.checkpoint(lambda w1, w2, s, x: _block(w1, w2, s, x, F32),
-                     policy=jmp_train.half_precision_saveable)
+  f = jax.checkpoint(lambda w1, w2, s, x: _block(w1, w2, s, x, F32), policy=jmp_train.half_precision_saveable)
   assert _saved(residuals(f, *_args())) == []
 
 
@@ -80,8 +77,7 @@ def test_gradients_equal_those_without_remat(dtype):
   # values are the saved ones and the gradients agree bit for bit.
   f = lambda w1, w2, s, x: _block(w1, w2, s, x, dtype)
   g = jax.grad(f, argnums=(0, 1, 2))(*_args())
-  g_remat = jax.grad(jax.checkpoint(f, policy=jmp_train.half_precision_saveable),
-                     argnums=(0, 1, 2))(*_args())
+  g_remat = jax.grad(jax.checkpoint(f, policy=jmp_train.half_precision_saveable), argnums=(0, 1, 2))(*_args())
   for a, b in zip(g, g_remat):
     assert a.dtype == b.dtype == F32
     np.testing.assert_array_equal(a, b)
@@ -95,9 +91,7 @@ def test_jitted_gradients_as_accurate_as_without_remat(dtype):
   f = lambda w1, w2, s, x: _block(w1, w2, s, x, dtype)
   ref = jax.grad(lambda *a: _block(*a, F32), argnums=(0, 1, 2))(*_args())
   g = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(*_args())
-  g_remat = jax.jit(jax.grad(
-      jax.checkpoint(f, policy=jmp_train.half_precision_saveable),
-      argnums=(0, 1, 2)))(*_args())
+  g_remat = jax.jit(jax.grad(jax.checkpoint(f, policy=jmp_train.half_precision_saveable), argnums=(0, 1, 2)))(*_args())
   eps = float(jnp.finfo(dtype).eps)
   for r, a, b in zip(ref, g, g_remat):
     scale = float(jnp.max(jnp.abs(r)))
@@ -113,8 +107,7 @@ def test_policy_on_primitives():
   assert p(jax.lax.add_p, aval(BF16), aval(BF16))
   assert not p(jax.lax.add_p, aval(F32), aval(F32))
   assert not p(jax.lax.gt_p, aval(F16), aval(F16))  # boolean output
-  assert not p(jax.lax.convert_element_type_p, aval(F32),
-               new_dtype=F16, weak_type=False, sharding=None)
+  assert not p(jax.lax.convert_element_type_p, aval(F32), new_dtype=F16, weak_type=False, sharding=None)
 
 
 def _linen_case(name):
@@ -124,15 +117,15 @@ def _linen_case(name):
     x = jnp.linspace(0.0, 1.0, 2 * 8 * 8 * 3, dtype=jnp.float32).reshape(2, 8, 8, 3)
     return module, x, {"train": True, "mutable": ["batch_stats"]}
   # Equal widths: the eager operations share their compiled programs.
-  module = models.TransformerBlock(
-      vocab_size=32, d_model=32, num_heads=4, mlp_dim=32, max_len=8)
+  module = models.TransformerBlock(vocab_size=32, d_model=32, num_heads=4, mlp_dim=32, max_len=8)
   x = (jnp.arange(16, dtype=jnp.int32).reshape(2, 8) * 7) % 32
   return module, x, {}
 
 
 # One half dtype per model: the eager gradients take seconds per case.
-@pytest.mark.parametrize("name,dtype", [("resnet", F16), ("transformer", BF16)],
-                         ids=["resnet-float16", "transformer-bfloat16"])
+@pytest.mark.parametrize(
+  "name,dtype", [("resnet", F16), ("transformer", BF16)], ids=["resnet-float16", "transformer-bfloat16"]
+)
 def test_linen_policy_models_save_half_and_keep_gradients(name, dtype):
   module, x, kwargs = _linen_case(name)
   model = jflax.apply_policy(module, jmp_train.Policy(F32, dtype, F32))
@@ -185,8 +178,7 @@ def test_linen_remat_of_a_submodule_under_apply_policy():
 
 
 def test_nnx_remat_with_the_policy():
-  model = jflax.apply_policy(
-      models.NNXMLP(16, (32, 32), 8, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+  model = jflax.apply_policy(models.NNXMLP(16, (32, 32), 8, rngs=nnx.Rngs(0)), "mixed_bfloat16")
   x = jnp.linspace(-1.0, 1.0, 4 * 16, dtype=jnp.float32).reshape(4, 16)
 
   def loss(m, x):
@@ -207,21 +199,24 @@ def test_make_train_step_with_remat_policy(mode):
   module = models.ResNet(num_classes=8, stage_features=(8,))  # convolutions + BatchNorm
   model = jflax.apply_policy(module, "mixed_float16")
   n = 1 if mode == "single" else jax.device_count()
-  x = jnp.linspace(0.0, 1.0, 2 * n * 8 * 8 * 3, dtype=jnp.float32).reshape(
-      2 * n, 8, 8, 3)
+  x = jnp.linspace(0.0, 1.0, 2 * n * 8 * 8 * 3, dtype=jnp.float32).reshape(2 * n, 8, 8, 3)
   y = jnp.arange(2 * n, dtype=jnp.int32) % 8
   variables = fill(jax.eval_shape(module.init, jax.random.key(0), x[:1]))
-  loss_fn = lambda out, y: optax.softmax_cross_entropy_with_integer_labels(
-      out, y).mean()
+  loss_fn = lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
   runs = []
   for remat_policy in (None, jmp_train.half_precision_saveable):
     step = jmp_train.make_train_step(
-        model.apply, loss_fn, optax.sgd(0.1), policy="mixed_float16",
-        loss_scale=jmp_train.DynamicLossScale(2.0**10), cast_params=False,
-        mode=mode, remat_policy=remat_policy,
-        eval_apply_fn=lambda v, x: model.apply(v, x, train=False))
-    state = step.init(variables["params"],
-                      model_state={"batch_stats": variables["batch_stats"]})
+      model.apply,
+      loss_fn,
+      optax.sgd(0.1),
+      policy="mixed_float16",
+      loss_scale=jmp_train.DynamicLossScale(2.0**10),
+      cast_params=False,
+      mode=mode,
+      remat_policy=remat_policy,
+      eval_apply_fn=lambda v, x: model.apply(v, x, train=False),
+    )
+    state = step.init(variables["params"], model_state={"batch_stats": variables["batch_stats"]})
     losses = []
     for _ in range(3):
       state, metrics = step(state, (x, y) if mode == "single" else step.shard_batch((x, y)))
@@ -255,13 +250,11 @@ def test_residuals_are_classified():
   assert all(s.shape == (2, 8) for s in by_kind["constant"])
   assert by_kind["activation"]
   assert all(s.shape == (2, 8) for s in by_kind["activation"])
-  assert {s.dtype for s in by_kind["activation"]} <= {
-      jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(bool)}
+  assert {s.dtype for s in by_kind["activation"]} <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(bool)}
 
 
 def test_residuals_of_a_remat_function_are_only_its_inputs():
-  f = jax.checkpoint(lambda w, x: jnp.sum(jnp.sin(x @ w) ** 2),
-                     policy=jax.checkpoint_policies.nothing_saveable)
+  f = jax.checkpoint(lambda w, x: jnp.sum(jnp.sin(x @ w) ** 2), policy=jax.checkpoint_policies.nothing_saveable)
   w = jax.ShapeDtypeStruct((4, 8), jnp.float32)
   x = jax.ShapeDtypeStruct((2, 4), jnp.float32)
   res = saved_residuals(f, w, x)
@@ -270,8 +263,10 @@ def test_residuals_of_a_remat_function_are_only_its_inputs():
 
 def test_saved_residual_bytes():
   res = saved_residuals(
-      lambda w, x: jnp.sum(jnp.tanh(x @ w.astype(jnp.float16)).astype(jnp.float32)),
-      jnp.ones((3, 5)), jnp.ones((4, 3), jnp.float16))
+    lambda w, x: jnp.sum(jnp.tanh(x @ w.astype(jnp.float16)).astype(jnp.float32)),
+    jnp.ones((3, 5)),
+    jnp.ones((4, 3), jnp.float16),
+  )
   assert all(isinstance(r, SavedResidual) for r in res)
   by_kind = {r.kind: r for r in res}
   assert by_kind["cast_copy"].nbytes == 3 * 5 * 2

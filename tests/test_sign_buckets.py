@@ -19,9 +19,7 @@ BUCKETS = (("i",), ("g", "h"), ("a", "b", "c", "d", "e", "f"))
 def _pmapped(k=K, **kwargs):
   tx = sign_compression(AXIS, **kwargs)
   devices = jax.devices()[:k]
-  return jax.pmap(tx.init, axis_name=AXIS, devices=devices), jax.pmap(
-      tx.update, axis_name=AXIS, devices=devices
-  )
+  return jax.pmap(tx.init, axis_name=AXIS, devices=devices), jax.pmap(tx.update, axis_name=AXIS, devices=devices)
 
 
 # Column scales: the layout with the most cases (leaves split by columns,
@@ -31,10 +29,7 @@ def test_buckets_equal_separate_exchanges_bit_for_bit(scale="column", k=2):
   init, update = _pmapped(k, scale=scale, bucket_bytes=2000)
   state = init(replicated_zeros(k, WIDE_SHAPES))
   sub = {names: _pmapped(k, scale=scale) for names in BUCKETS}
-  sub_states = {
-      names: sub[names][0](replicated_zeros(k, {n: WIDE_SHAPES[n] for n in names}))
-      for names in BUCKETS
-  }
+  sub_states = {names: sub[names][0](replicated_zeros(k, {n: WIDE_SHAPES[n] for n in names})) for names in BUCKETS}
   for step in range(3):
     grads = make_grads(k, seed=60 + step, shapes=WIDE_SHAPES)
     out, state = update(grads, state)
@@ -47,13 +42,13 @@ def test_buckets_equal_separate_exchanges_bit_for_bit(scale="column", k=2):
     for names in BUCKETS:
       for j, n in enumerate(names):
         np.testing.assert_array_equal(
-            np.asarray(state.worker_residual[leaf_names.index(n)]),
-            np.asarray(sub_states[names].worker_residual[j]),
+          np.asarray(state.worker_residual[leaf_names.index(n)]),
+          np.asarray(sub_states[names].worker_residual[j]),
         )
-      server.append((min(leaf_names.index(n) for n in names),
-                     np.asarray(sub_states[names].server_residual)))
-    np.testing.assert_array_equal(np.asarray(state.server_residual),
-                                  np.concatenate([e for _, e in sorted(server)], axis=1))
+      server.append((min(leaf_names.index(n) for n in names), np.asarray(sub_states[names].server_residual)))
+    np.testing.assert_array_equal(
+      np.asarray(state.server_residual), np.concatenate([e for _, e in sorted(server)], axis=1)
+    )
 
 
 def test_each_bucket_has_its_own_packed_collectives():
@@ -137,17 +132,14 @@ def test_one_bit_adam_with_buckets_exchanges_each_bucket_on_its_own():
   packed = [op.kind for op in ops if op.dtypes == ("u8",)]
   assert sorted(packed) == ["all-gather"] * len(OPT_BUCKETS) + ["all-to-all"] * len(OPT_BUCKETS)
   # The server residual holds every bucket's chunk, as sign_compression's.
-  alone = jax.pmap(sign_compression(AXIS, scale="l2", bucket_bytes=2000).init,
-                   axis_name=AXIS, devices=devices)(params)
+  alone = jax.pmap(sign_compression(AXIS, scale="l2", bucket_bytes=2000).init, axis_name=AXIS, devices=devices)(params)
   assert state.compression.server_residual.shape == alone.server_residual.shape
 
 
 def test_one_bit_optimizer_state_serves_other_buckets():
   devices = jax.devices()[:K]
   params = replicated_zeros(K, WIDE_SHAPES)
-  state = jax.pmap(one_bit_momentum(0.1, axis_name=AXIS).init, axis_name=AXIS, devices=devices)(
-      params
-  )
+  state = jax.pmap(one_bit_momentum(0.1, axis_name=AXIS).init, axis_name=AXIS, devices=devices)(params)
   tx = one_bit_momentum(0.1, axis_name=AXIS, bucket_bytes=1000)
   other = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
   assert jax.tree.map(np.shape, other) == jax.tree.map(np.shape, state)

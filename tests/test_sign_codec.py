@@ -18,21 +18,28 @@ from jmp_train._src.compression import sign_codec
 from jmp_train._src.compression import sign_layout
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
-    AXIS, SHAPES, buffer_residual, make_grads, pmapped, ref_layout, ref_step, ref_unflatten,
-    replicated_zeros,
+  AXIS,
+  SHAPES,
+  buffer_residual,
+  make_grads,
+  pmapped,
+  ref_layout,
+  ref_step,
+  ref_unflatten,
+  replicated_zeros,
 )
 
 
 @pytest.mark.parametrize(
-    "dtype, mode, scale",
-    [
-        (jnp.float32, "nojit", "l1"),
-        (jnp.float32, "jit", "column"),
-        (jnp.bfloat16, "jit", "column"),
-        (jnp.float16, "jit", "column"),
-        (jnp.float16, "jit", "l2"),
-        (jnp.bfloat16, "jit", "l1"),
-    ],
+  "dtype, mode, scale",
+  [
+    (jnp.float32, "nojit", "l1"),
+    (jnp.float32, "jit", "column"),
+    (jnp.bfloat16, "jit", "column"),
+    (jnp.float16, "jit", "column"),
+    (jnp.float16, "jit", "l2"),
+    (jnp.bfloat16, "jit", "l1"),
+  ],
 )
 def test_local_error_feedback_matches_reference(dtype, mode, scale):
   # axis_name=None: quantization with error feedback on one device.
@@ -55,14 +62,12 @@ def test_local_error_feedback_matches_reference(dtype, mode, scale):
     expected = ref_unflatten(v[0] - ref_r[0], leaves, scale)
     for name, ref_leaf in zip(SHAPES, expected):
       np.testing.assert_allclose(
-          np.asarray(out[name], np.float32),
-          ref_leaf.astype(dtype).astype(np.float32),
-          rtol=1e-2 if dtype != jnp.float32 else 1e-5,
-          atol=1e-6,
+        np.asarray(out[name], np.float32),
+        ref_leaf.astype(dtype).astype(np.float32),
+        rtol=1e-2 if dtype != jnp.float32 else 1e-5,
+        atol=1e-6,
       )
-    np.testing.assert_allclose(
-        buffer_residual(state.worker_residual, SHAPES, scale), ref_r[0], rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(buffer_residual(state.worker_residual, SHAPES, scale), ref_r[0], rtol=1e-5, atol=1e-6)
 
 
 def test_local_update_keeps_empty_leaves_in_place():
@@ -107,9 +112,7 @@ def test_axis_missing():
     tx.init({"w": jnp.ones(3)})
   state = sign_compression("data", num_replicas=2).init({"w": jnp.ones(3)})
   mesh = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])
-  fn = jax.shard_map(
-      lambda g, s: tx.update(g, s), mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False
-  )
+  fn = jax.shard_map(lambda g, s: tx.update(g, s), mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
   with pytest.raises(ValueError, match=r"'data'"):
     jax.jit(fn).lower({"w": jnp.ones(3)}, state)
 
@@ -175,9 +178,7 @@ def test_column_statistics_in_one_pass_match_numpy(rows, cols):
   x[0, -1], x[-1, -1] = 0.0, -0.0  # both zeros count as non-negative
   packed, pos, neg, count = jax.jit(sign_codec._column_statistics)(jnp.asarray(x))
   nonneg = x >= 0
-  np.testing.assert_array_equal(
-      np.asarray(packed), np.packbits(nonneg.T.reshape(-1), bitorder="little")
-  )
+  np.testing.assert_array_equal(np.asarray(packed), np.packbits(nonneg.T.reshape(-1), bitorder="little"))
   np.testing.assert_array_equal(np.asarray(count), nonneg.sum(0))
   np.testing.assert_allclose(np.asarray(pos), np.maximum(x, 0).sum(0, dtype=np.float64), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(neg), np.minimum(x, 0).sum(0, dtype=np.float64), rtol=1e-6)
@@ -190,9 +191,7 @@ def test_packed_rows_in_one_pass_match_packing_and_sums_apart(scale, rows, n):
   x = np.random.default_rng(n).standard_normal((rows, n)).astype(np.float32)
   x[0, 0], x[-1, -1] = 0.0, -0.0
   packed, pairs = jax.jit(sign_codec._packed_rows, static_argnums=1)(jnp.asarray(x), scale)
-  np.testing.assert_array_equal(
-      np.asarray(packed), np.packbits(x >= 0, axis=-1, bitorder="little").reshape(-1)
-  )
+  np.testing.assert_array_equal(np.asarray(packed), np.packbits(x >= 0, axis=-1, bitorder="little").reshape(-1))
   for v, got in zip(x.astype(np.float64), np.asarray(pairs)):
     nonneg = v >= 0
     if scale == "column":
@@ -211,7 +210,8 @@ def test_column_worker_pairs_are_the_column_means(rows):
   layout = sign_layout.make_layout([x.shape], "column", 2)
   # Owner 0's pairs come first: those of its columns (split by columns) or all.
   pairs = jax.jit(lambda x: sign_codec.worker_step([x], None, layout, "column", decode=False)[1])(
-      jnp.asarray(x)).reshape(-1, 2)
+    jnp.asarray(x)
+  ).reshape(-1, 2)
   nonneg = x >= 0
   hi = np.where(nonneg, x, 0).sum(0) / np.maximum(nonneg.sum(0), 1)
   lo = np.where(nonneg, 0, x).sum(0) / np.maximum((~nonneg).sum(0), 1)
@@ -220,9 +220,7 @@ def test_column_worker_pairs_are_the_column_means(rows):
 
 
 def test_worker_residuals_have_the_leaf_shapes():
-  state = sign_compression(scale="column").init(
-      {"w": jnp.ones((3, 2, 4)), "b": jnp.ones(4), "s": jnp.ones(())}
-  )
+  state = sign_compression(scale="column").init({"w": jnp.ones((3, 2, 4)), "b": jnp.ones(4), "s": jnp.ones(())})
   assert [r.shape for r in state.worker_residual] == [(4,), (1,), (3, 2, 4)]
 
 
@@ -236,8 +234,8 @@ def test_donated_worker_keeps_no_gradient_sized_temporaries(scale):
   grads = [jnp.ones(s) for s in shapes]
   residual = tuple(jnp.zeros(s) for s in shapes)
   fn = jax.jit(
-      lambda g, r: sign_codec.worker_step(g, r, layout, scale, decode=False)[:3],
-      donate_argnums=1,
+    lambda g, r: sign_codec.worker_step(g, r, layout, scale, decode=False)[:3],
+    donate_argnums=1,
   )
   memory = fn.lower(grads, residual).compile().memory_analysis()
   if memory is None:
@@ -271,11 +269,11 @@ def test_decoding_packed_pieces_equals_decoding_the_unpacked_bits(pieces, length
   pairs = rng.standard_normal((2, pieces, 2)).astype(np.float32)
   n = pieces * length
   got = jax.jit(sign_codec._decode_rows_of, static_argnums=(2, 3))(
-      packed[:, : n // 8], jnp.asarray(pairs), pieces, length)
+    packed[:, : n // 8], jnp.asarray(pairs), pieces, length
+  )
   rows = bits[:, :n].reshape(2, pieces, length)
   np.testing.assert_array_equal(np.asarray(got), np.where(rows, pairs[:, :, :1], pairs[:, :, 1:]))
-  got = jax.jit(sign_codec._decode_columns_of, static_argnums=(2, 3))(
-      packed, jnp.asarray(pairs), 8 * length, pieces)
+  got = jax.jit(sign_codec._decode_columns_of, static_argnums=(2, 3))(packed, jnp.asarray(pairs), 8 * length, pieces)
   grid = bits.reshape(2, 8 * length, pieces)
   want = np.where(grid, pairs[:, None, :, 0], pairs[:, None, :, 1])
   np.testing.assert_array_equal(np.asarray(got), want)
@@ -295,7 +293,8 @@ def test_final_decode_takes_each_piece_pair_from_its_owner(scale, k):
   bits = rng.random((k, layout.chunk)) > 0.5
   pairs = rng.standard_normal((k, layout.max_local, 2)).astype(np.float32)
   got = jax.jit(lambda b, p: sign_codec.final_decode(b, p, layout, [jnp.float32] * len(shapes)))(
-      jnp.asarray(np.packbits(bits, axis=-1, bitorder="little")), jnp.asarray(pairs))
+    jnp.asarray(np.packbits(bits, axis=-1, bitorder="little")), jnp.asarray(pairs)
+  )
   flat = np.zeros(sum(int(np.prod(s)) for s in shapes), np.float32)
   for o in range(k):
     order = list(dict.fromkeys(piece[o]))  # the owner's pieces, in chunk order
@@ -317,10 +316,10 @@ def test_owner_step_is_one_program_and_updates_a_donated_server_residual_in_plac
   k, shapes = 4, [(64, 48), (48,), (48, 10)]
   layout = sign_layout.make_layout(shapes, scale, k)
   s, m = layout.chunk, layout.max_local
-  fn = jax.jit(lambda b, p, e, o: sign_codec.owner_step(b, p, e, o, layout, scale),
-               donate_argnums=(2,))
-  text = fn.lower(jnp.zeros((k, s // 8), jnp.uint8), jnp.zeros((k, m, 2)), jnp.zeros((s,)),
-                  jnp.int32(1)).compile().as_text()
+  fn = jax.jit(lambda b, p, e, o: sign_codec.owner_step(b, p, e, o, layout, scale), donate_argnums=(2,))
+  text = (
+    fn.lower(jnp.zeros((k, s // 8), jnp.uint8), jnp.zeros((k, m, 2)), jnp.zeros((s,)), jnp.int32(1)).compile().as_text()
+  )
   assert "conditional(" not in text
   assert not re.search(rf"= f32\[{s}\]\S* copy\(", text)
 
@@ -339,7 +338,7 @@ def test_state_mismatch():
   state = tx.init({"w": jnp.ones(100)})
   with pytest.raises(ValueError, match="replica"):
     jax.pmap(tx.update, axis_name="i", devices=jax.devices()[:2])(
-        {"w": jnp.ones((2, 100))}, jax.tree.map(lambda x: jnp.stack([x, x]), state)
+      {"w": jnp.ones((2, 100))}, jax.tree.map(lambda x: jnp.stack([x, x]), state)
     )
 
 
@@ -349,9 +348,7 @@ def test_init_with_num_replicas_equals_mapped_init():
   tx = sign_compression(AXIS, num_replicas=k)
   state = tx.init({n: jnp.zeros(s) for n, s in SHAPES.items()})
   mapped = init(replicated_zeros(k))
-  assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(
-      lambda x: (x.shape[1:], x.dtype), mapped
-  )
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(lambda x: (x.shape[1:], x.dtype), mapped)
 
 
 def test_specs_for_a_chain():
@@ -368,5 +365,3 @@ def test_public_names():
     assert hasattr(jmp_train, name)
   assert "collective_bytes" in jmp_train.diagnostics.__all__  # a diagnostic, exported once
   assert "collective_bytes" not in jmp_train.__all__
-
-

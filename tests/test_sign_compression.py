@@ -11,8 +11,17 @@ import numpy as np
 import pytest
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
-    SHAPES, WIDE_SHAPES, assert_residual_zero, buffer_residual, make_grads,
-    per_replica_leaves, pmapped, ref_flatten, ref_step, ref_to_chunks, replicated_zeros,
+  SHAPES,
+  WIDE_SHAPES,
+  assert_residual_zero,
+  buffer_residual,
+  make_grads,
+  per_replica_leaves,
+  pmapped,
+  ref_flatten,
+  ref_step,
+  ref_to_chunks,
+  replicated_zeros,
 )
 
 
@@ -21,9 +30,7 @@ from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "k, scale", [(2, "column"), (4, "column"), (8, "column"), (4, "l1"), (4, "l2")]
-)
+@pytest.mark.parametrize("k, scale", [(2, "column"), (4, "column"), (8, "column"), (4, "l1"), (4, "l2")])
 def test_matches_numpy_reference_and_conserves(k, scale):
   init, update = pmapped(k, scale=scale)
   state = init(replicated_zeros(k))
@@ -33,7 +40,7 @@ def test_matches_numpy_reference_and_conserves(k, scale):
     e_old = np.asarray(state.server_residual)
     out, state = update(grads, state)
     ref_out, ref_r, ref_e, v, u, ref_flat = ref_step(
-        [per_replica_leaves(grads, j) for j in range(k)], r_old, e_old, scale
+      [per_replica_leaves(grads, j) for j in range(k)], r_old, e_old, scale
     )
     for name, ref_leaf in zip(SHAPES, ref_out):
       got = np.asarray(out[name])
@@ -97,12 +104,12 @@ def test_without_error_feedback_residuals_stay_zero():
     assert_residual_zero(state.worker_residual)
     np.testing.assert_array_equal(np.asarray(state.server_residual), 0.0)
     ref_out, *_ = ref_step(
-        [per_replica_leaves(grads, j) for j in range(k)],
-        buffer_residual(state.worker_residual, SHAPES, "column"),
-        np.zeros(state.server_residual.shape, np.float32),
-        "column",
-        error_feedback=False,
-        server_error_feedback=False,
+      [per_replica_leaves(grads, j) for j in range(k)],
+      buffer_residual(state.worker_residual, SHAPES, "column"),
+      np.zeros(state.server_residual.shape, np.float32),
+      "column",
+      error_feedback=False,
+      server_error_feedback=False,
     )
     for name, ref_leaf in zip(SHAPES, ref_out):
       np.testing.assert_allclose(np.asarray(out[name][0]), ref_leaf, rtol=2e-5, atol=1e-6)
@@ -123,9 +130,7 @@ def test_empty_leaves_pass_through_and_leave_the_others_alone(scale):
     assert out_e[name].shape == (k,) + shape
   for name in grads:
     np.testing.assert_array_equal(np.asarray(out_e[name]), np.asarray(out[name]), err_msg=name)
-  np.testing.assert_array_equal(
-      np.asarray(state_e.server_residual), np.asarray(state.server_residual)
-  )
+  np.testing.assert_array_equal(np.asarray(state_e.server_residual), np.asarray(state.server_residual))
 
 
 def test_warmup_is_exact_pmean_then_compressed():
@@ -137,23 +142,19 @@ def test_warmup_is_exact_pmean_then_compressed():
     out, state = update(grads, state)
     if step < 2:
       for name in SHAPES:
-        np.testing.assert_allclose(
-            np.asarray(out[name][0]), np.asarray(grads[name]).mean(0), rtol=1e-6, atol=1e-7
-        )
+        np.testing.assert_allclose(np.asarray(out[name][0]), np.asarray(grads[name]).mean(0), rtol=1e-6, atol=1e-7)
       assert_residual_zero(state.worker_residual)
       np.testing.assert_array_equal(np.asarray(state.server_residual), 0.0)
     else:
       ref_out, ref_r, *_ = ref_step(
-          [per_replica_leaves(grads, j) for j in range(k)],
-          np.zeros_like(buffer_residual(state.worker_residual, SHAPES, "column")),
-          np.zeros(state.server_residual.shape, np.float32),
-          "column",
+        [per_replica_leaves(grads, j) for j in range(k)],
+        np.zeros_like(buffer_residual(state.worker_residual, SHAPES, "column")),
+        np.zeros(state.server_residual.shape, np.float32),
+        "column",
       )
       for name, ref_leaf in zip(SHAPES, ref_out):
         np.testing.assert_allclose(np.asarray(out[name][0]), ref_leaf, rtol=2e-5, atol=1e-6)
-      np.testing.assert_allclose(
-          buffer_residual(state.worker_residual, SHAPES, "column"), ref_r, rtol=2e-5, atol=2e-6
-      )
+      np.testing.assert_allclose(buffer_residual(state.worker_residual, SHAPES, "column"), ref_r, rtol=2e-5, atol=2e-6)
   assert np.asarray(state.count)[0] == 3
 
 
@@ -186,11 +187,7 @@ def test_non_finite_gradient_keeps_residuals(bad):
   # The non-finite value reaches the output, on every replica alike.
   assert not np.isfinite(np.asarray(out["dense"])).all()
   for j in range(k):
-    np.testing.assert_array_equal(
-        np.isfinite(np.asarray(out["dense"][j])), np.isfinite(np.asarray(out["dense"][0]))
-    )
-
-
+    np.testing.assert_array_equal(np.isfinite(np.asarray(out["dense"][j])), np.isfinite(np.asarray(out["dense"][0])))
 
 
 @pytest.mark.parametrize("k", [3, 8])
@@ -205,9 +202,7 @@ def test_word_packed_leaves_match_numpy_reference(k):
     r_old = buffer_residual(state.worker_residual, WIDE_SHAPES, "column")
     e_old = np.asarray(state.server_residual)
     out, state = update(grads, state)
-    ref_out, ref_r, ref_e, *_ = ref_step(
-        [per_replica_leaves(grads, j) for j in range(k)], r_old, e_old, "column"
-    )
+    ref_out, ref_r, ref_e, *_ = ref_step([per_replica_leaves(grads, j) for j in range(k)], r_old, e_old, "column")
     for name, ref_leaf in zip(WIDE_SHAPES, ref_out):
       got = np.asarray(out[name])
       np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))

@@ -25,9 +25,10 @@ NUM_PROCESSES = 2
 def test_two_processes_equal_one_process(tmp_path):
   outs = [tmp_path / f"params_{i}.npz" for i in range(NUM_PROCESSES)]
   _processes.run_workers(
-      "_multiprocess_worker.py",
-      [[str(i), str(NUM_PROCESSES), "{port}", str(out)] for i, out in enumerate(outs)],
-      timeout=240)
+    "_multiprocess_worker.py",
+    [[str(i), str(NUM_PROCESSES), "{port}", str(out)] for i, out in enumerate(outs)],
+    timeout=240,
+  )
 
   collectives = {}
   expected = worker.train(jax.devices()[: 2 * NUM_PROCESSES], collectives=collectives)

@@ -15,7 +15,12 @@ import jmp_train
 from jmp_train import SignCompressionState, sign_compression, sign_compression_specs
 
 from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
-    AXIS, MIXED_DTYPES, SHAPES, make_grads, pmapped, replicated_zeros,
+  AXIS,
+  MIXED_DTYPES,
+  SHAPES,
+  make_grads,
+  pmapped,
+  replicated_zeros,
 )
 
 
@@ -45,14 +50,10 @@ def test_shard_map_equals_pmap():
   def local_update(g, s):
     return tx.update(jax.tree.map(lambda x: x[0], g), s)
 
-  update = jax.jit(
-      jax.shard_map(local_update, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs))
-  )
+  update = jax.jit(jax.shard_map(local_update, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
   p_init, p_update = pmapped(k, scale="column")
   state, p_state = init(params), p_init(replicated_zeros(k))
-  assert all(
-      tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in state.worker_residual
-  )
+  assert all(tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in state.worker_residual)
   for step in range(3):
     grads = make_grads(k, seed=10 + step)
     out, state = update(jax.device_put(grads, NamedSharding(mesh, P(AXIS))), state)
@@ -61,9 +62,7 @@ def test_shard_map_equals_pmap():
       np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(p_out[name][0]))
     for r, p_r in zip(state.worker_residual, p_state.worker_residual, strict=True):
       np.testing.assert_array_equal(np.asarray(r).reshape(k, -1), np.asarray(p_r).reshape(k, -1))
-    np.testing.assert_array_equal(
-        np.asarray(state.server_residual), np.asarray(p_state.server_residual).reshape(-1)
-    )
+    np.testing.assert_array_equal(np.asarray(state.server_residual), np.asarray(p_state.server_residual).reshape(-1))
 
 
 # ---------------------------------------------------------------------------
@@ -128,9 +127,7 @@ def test_checkpoint_restore_continues_bit_for_bit(tmp_path):
     updates, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
     return optax.apply_updates(p, updates), s
 
-  step = jax.jit(
-      jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
-  )
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
   grads = [jax.device_put(make_grads(k, seed=60 + t), NamedSharding(mesh, P(AXIS))) for t in range(4)]
   for t in range(2):
     params, opt_state = step(params, opt_state, grads[t])
@@ -147,9 +144,7 @@ def test_checkpoint_restore_continues_bit_for_bit(tmp_path):
   restored = checkpointer.restore(path, target)
   sc_state = restored["opt_state"][0]
   assert isinstance(sc_state, SignCompressionState)
-  assert all(
-      tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in sc_state.worker_residual
-  )
+  assert all(tuple(r.sharding.spec) == (AXIS,) + (None,) * (r.ndim - 1) for r in sc_state.worker_residual)
   assert max(np.abs(np.asarray(r)).max() for r in sc_state.worker_residual) > 0
   for r, want in zip(sc_state.worker_residual, opt_state[0].worker_residual, strict=True):
     np.testing.assert_array_equal(np.asarray(r), np.asarray(want))
@@ -168,9 +163,9 @@ def test_checkpoint_restore_continues_bit_for_bit(tmp_path):
 def test_loss_scaled_overflow_on_one_replica_skips_everywhere():
   k = 4
   tx = jmp_train.loss_scaled(
-      optax.chain(sign_compression(AXIS), optax.sgd(0.1)),
-      jmp_train.DynamicLossScale(scale=2.0**10),
-      axis_name=AXIS,
+    optax.chain(sign_compression(AXIS), optax.sgd(0.1)),
+    jmp_train.DynamicLossScale(scale=2.0**10),
+    axis_name=AXIS,
   )
   devices = jax.devices()[:k]
   init = jax.pmap(tx.init, axis_name=AXIS, devices=devices)

@@ -23,13 +23,12 @@ from jmp_train import one_bit_adam, one_bit_momentum, sign_compression, sign_com
 
 AXIS = "batch"
 # Leaves split by columns (word-packed and not), by rows and by entries.
-SHAPES = {"conv": (3, 3, 4, 8), "b0": (8,), "w1": (72, 48), "b1": (48,), "w2": (48, 10),
-          "b2": (10,)}
+SHAPES = {"conv": (3, 3, 4, 8), "b0": (8,), "w1": (72, 48), "b1": (48,), "w2": (48, 10), "b2": (10,)}
 
 FACTORIES = {
-    "sign_compression": lambda **kw: sign_compression(AXIS, **kw),
-    "one_bit_momentum": lambda **kw: one_bit_momentum(0.1, 0.9, axis_name=AXIS, **kw),
-    "one_bit_adam": lambda **kw: one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1, **kw),
+  "sign_compression": lambda **kw: sign_compression(AXIS, **kw),
+  "one_bit_momentum": lambda **kw: one_bit_momentum(0.1, 0.9, axis_name=AXIS, **kw),
+  "one_bit_adam": lambda **kw: one_bit_adam(1e-3, axis_name=AXIS, warmup_steps=1, **kw),
 }
 
 
@@ -41,15 +40,13 @@ def _lines(name: str, k: int) -> int:
   params = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in SHAPES.items()}
   specs = sign_compression_specs(jax.eval_shape(make(num_replicas=k).init, params), AXIS)
   tx = make()
-  state = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs), params)
+  state = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs), params)
   grads = {n: jax.ShapeDtypeStruct((k,) + s, jnp.float32) for n, s in SHAPES.items()}
 
   def local_update(g, s, p):
     return tx.update(jax.tree.map(lambda x: x[0], g), s, p)
 
-  step = jax.shard_map(local_update, mesh=mesh, in_specs=(P(AXIS), specs, P()),
-                       out_specs=(P(), specs))
+  step = jax.shard_map(local_update, mesh=mesh, in_specs=(P(AXIS), specs, P()), out_specs=(P(), specs))
   return len(jax.jit(step).lower(grads, state, params).as_text().splitlines())
 
 

@@ -41,9 +41,9 @@ class _Net(nn.Module):
 _NET = _Net()
 # NumPy-filled variables: an eager init compiles each op, in this process and
 # in each worker of the multi-process test.
-_VARS = fill(jax.eval_shape(
-    _NET.init, {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)},
-    jnp.ones((2, 6))))
+_VARS = fill(
+  jax.eval_shape(_NET.init, {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, jnp.ones((2, 6)))
+)
 
 
 def _xent(logits, labels):
@@ -61,14 +61,14 @@ def _batch(i, n=16):
 def _make(mode="single", policy="float32", **kwargs):
   kwargs.setdefault("optimizer", optax.sgd(0.1, momentum=0.9))
   return jmp_train.make_train_step(
-      _NET.apply,
-      _xent,
-      kwargs.pop("optimizer"),
-      policy=policy,
-      mode=mode,
-      has_aux=True,
-      eval_apply_fn=functools.partial(_NET.apply, train=False),
-      **kwargs,
+    _NET.apply,
+    _xent,
+    kwargs.pop("optimizer"),
+    policy=policy,
+    mode=mode,
+    has_aux=True,
+    eval_apply_fn=functools.partial(_NET.apply, train=False),
+    **kwargs,
   )
 
 
@@ -87,15 +87,15 @@ def _run(step, state, steps, start=0):
 @functools.lru_cache(maxsize=None)
 def _cached(mode, policy, loss_scale_name=None, compression=False):
   loss_scale = {
-      None: None,
-      "dynamic": jmp_train.DynamicLossScale(2.0**10, growth_interval=3),
-      "huge": jmp_train.StaticLossScale(2.0**24),
+    None: None,
+    "dynamic": jmp_train.DynamicLossScale(2.0**10, growth_interval=3),
+    "huge": jmp_train.StaticLossScale(2.0**24),
   }[loss_scale_name]
   return _make(
-      mode,
-      policy,
-      loss_scale=loss_scale,
-      compression=sign_compression("batch") if compression else None,
+    mode,
+    policy,
+    loss_scale=loss_scale,
+    compression=sign_compression("batch") if compression else None,
   )
 
 
@@ -112,8 +112,7 @@ def test_single_step_metrics_dtypes_and_learning(policy):
   before = jax.tree.map(np.asarray, state)
   state, history = _run(step, state, 6)
   metrics = history[-1]
-  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "consecutive_skipped_steps",
-                          "grad_norm", "accuracy"}
+  assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "consecutive_skipped_steps", "grad_norm", "accuracy"}
   for name in ("loss", "loss_scale", "grad_norm", "accuracy"):
     assert metrics[name].shape == () and metrics[name].dtype == F32, name
   assert metrics["skipped_steps"].dtype == np.int32
@@ -123,8 +122,10 @@ def test_single_step_metrics_dtypes_and_learning(policy):
   chex.assert_trees_all_equal_shapes_and_dtypes(before, jax.tree.map(np.asarray, state))
   assert int(state.step) == 6
   assert history[-1]["loss"] < history[0]["loss"]
-  assert not np.array_equal(before.model_state["batch_stats"]["BatchNorm_0"]["mean"],
-                            np.asarray(state.model_state["batch_stats"]["BatchNorm_0"]["mean"]))
+  assert not np.array_equal(
+    before.model_state["batch_stats"]["BatchNorm_0"]["mean"],
+    np.asarray(state.model_state["batch_stats"]["BatchNorm_0"]["mean"]),
+  )
   # A scale that changes value does not retrace the step.
   assert step._step._cache_size() == 1  # pylint: disable=protected-access
   evaluation = step.evaluate(state, step.shard_batch(_batch(100)))
@@ -138,11 +139,10 @@ def test_compute_dtype_reaches_the_model():
     seen.append((variables["params"]["w"].dtype, x.dtype))
     return x @ variables["params"]["w"]
 
-  for policy, expected in [("mixed_float16", (F16, F16)), ("mixed_bfloat16", (BF16, BF16)),
-                           ("float32", (F32, F32))]:
+  for policy, expected in [("mixed_float16", (F16, F16)), ("mixed_bfloat16", (BF16, BF16)), ("float32", (F32, F32))]:
     step = jmp_train.make_train_step(
-        apply_fn, lambda out, y: (assert_f32(out), jnp.mean((out - y) ** 2))[1],
-        optax.sgd(0.1), policy=policy)
+      apply_fn, lambda out, y: (assert_f32(out), jnp.mean((out - y) ** 2))[1], optax.sgd(0.1), policy=policy
+    )
     state = step.init({"w": jnp.ones((3, 2))})
     state, _ = step(state, (np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32)))
     assert seen[-1] == expected
@@ -168,8 +168,7 @@ def test_overflow_skips_the_whole_update():
 
 
 def test_dynamic_scale_backs_off_then_trains():
-  step = _make("single", "mixed_float16",
-               loss_scale=jmp_train.DynamicLossScale(2.0**24, growth_interval=100))
+  step = _make("single", "mixed_float16", loss_scale=jmp_train.DynamicLossScale(2.0**24, growth_interval=100))
   state = _init(step)
   state, history = _run(step, state, 14)
   scales = [float(h["loss_scale"]) for h in history]
@@ -189,14 +188,14 @@ def test_data_parallel_matches_single_device(mode):
   params = nn.Dense(4).init(jax.random.PRNGKey(0), jnp.ones((1, 6)))["params"]
   results = {}
   for m in ("single", mode):
-    step = jmp_train.make_train_step(apply_fn, _xent, optax.sgd(0.1, momentum=0.9),
-                                     policy="float32", mode=m, has_aux=True)
+    step = jmp_train.make_train_step(
+      apply_fn, _xent, optax.sgd(0.1, momentum=0.9), policy="float32", mode=m, has_aux=True
+    )
     state = step.init(params)
     state, history = _run(step, state, 3)
     results[m] = (step.unreplicate(state.params), history)
   chex.assert_trees_all_close(results["single"][0], results[mode][0], atol=1e-6)
-  np.testing.assert_allclose(results["single"][1][-1]["loss"], results[mode][1][-1]["loss"],
-                             rtol=1e-6)
+  np.testing.assert_allclose(results["single"][1][-1]["loss"], results[mode][1][-1]["loss"], rtol=1e-6)
 
 
 def test_compressed_step_learns_and_keeps_replicas_identical():
@@ -212,8 +211,11 @@ def test_compressed_step_learns_and_keeps_replicas_identical():
   for stat in jax.tree.leaves(state.model_state):
     stat = np.asarray(stat)
     np.testing.assert_array_equal(stat, np.broadcast_to(stat[0], stat.shape))
-  residuals = [np.asarray(x) for x in jax.tree.leaves(state.opt_state)
-               if np.ndim(x) > 1 and np.asarray(x).dtype == F32 and np.asarray(x).shape[0] == 8]
+  residuals = [
+    np.asarray(x)
+    for x in jax.tree.leaves(state.opt_state)
+    if np.ndim(x) > 1 and np.asarray(x).dtype == F32 and np.asarray(x).shape[0] == 8
+  ]
   assert any(not np.array_equal(r[0], r[1]) for r in residuals)
 
 
@@ -300,9 +302,10 @@ def test_two_processes_match_one(tmp_path):
   tests_dir = str(ROOT / "tests")
   port = _processes.free_port()
   done = run_processes(
-      [[sys.executable, str(script), str(i), "2", str(port), str(tmp_path), tests_dir]
-       for i in range(2)],
-      env, timeout=240)
+    [[sys.executable, str(script), str(i), "2", str(port), str(tmp_path), tests_dir] for i in range(2)],
+    env,
+    timeout=240,
+  )
   assert all(code == 0 for code, _ in done), "\n".join(log for _, log in done)[-3000:]
   # The same run in this process, on its 8 devices.
   step = _cached("shard_map", "mixed_float16", "dynamic", True)
@@ -314,8 +317,7 @@ def test_two_processes_match_one(tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / f"resumed{pid}.npy"), resumed)
     np.testing.assert_array_equal(np.load(tmp_path / f"kernel{pid}.npy"), reference)
     # The loss is a pmean: its summation order may differ across processes.
-    np.testing.assert_allclose(np.load(tmp_path / f"loss{pid}.npy"), history[-1]["loss"],
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.load(tmp_path / f"loss{pid}.npy"), history[-1]["loss"], rtol=1e-6)
 
 
 def test_flax_nnx_model_through_the_documented_adapter():
@@ -324,8 +326,8 @@ def test_flax_nnx_model_through_the_documented_adapter():
   model = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   step = jmp_train.make_train_step(
-      lambda v, x: nnx.merge(graphdef, v["params"])(x), _xent, optax.sgd(0.5),
-      policy="mixed_bfloat16", has_aux=True)
+    lambda v, x: nnx.merge(graphdef, v["params"])(x), _xent, optax.sgd(0.5), policy="mixed_bfloat16", has_aux=True
+  )
   state = step.init(params)
   state, history = _run(step, state, 4)
   assert history[-1]["loss"] < history[0]["loss"]

@@ -19,10 +19,10 @@ from jmp_train._src.compression.sign_compression import sign_compression
 def _tree():
   rng = np.random.default_rng(0)
   return {
-      "a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
-      "b": jnp.asarray(rng.normal(size=(7,)), jnp.float32),
-      "c": jnp.asarray(rng.normal(size=(2, 2)), jnp.bfloat16),
-      "d": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+    "a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(7,)), jnp.float32),
+    "c": jnp.asarray(rng.normal(size=(2, 2)), jnp.bfloat16),
+    "d": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
   }
 
 
@@ -37,8 +37,7 @@ def test_flatten_unflatten_round_trip(bucket_bytes, dtype):
     assert {b.dtype for b in flat} == {np.dtype(dtype)}
   back = buckets.unflatten_from_buckets(flat, tree, bucket_bytes, dtype)
   chex.assert_trees_all_equal_shapes_and_dtypes(back, tree)
-  expected = tree if dtype in (None, jnp.float32) else jax.tree.map(
-      lambda x: x.astype(dtype).astype(x.dtype), tree)
+  expected = tree if dtype in (None, jnp.float32) else jax.tree.map(lambda x: x.astype(dtype).astype(x.dtype), tree)
   chex.assert_trees_all_equal(back, expected)
 
 
@@ -88,11 +87,14 @@ def test_bucketed_mean_averages_a_large_leaf_where_it_is():
   # copy into a flat buffer shared with the small ones, which bucket_sizes
   # would make: one bucket of 2060 elements).
   tree = {"big": jnp.ones((64, 32)), "s1": jnp.ones(8), "s2": jnp.ones(4)}
-  fn = jax.pmap(lambda t: buckets.bucketed_mean(t, "i", 1024), axis_name="i",
-                devices=jax.devices()[:2])
+  fn = jax.pmap(lambda t: buckets.bucketed_mean(t, "i", 1024), axis_name="i", devices=jax.devices()[:2])
   stacked = jax.tree.map(lambda x: jnp.stack([x, 3 * x]), tree)
-  operands = sorted(shape for op in jmp_train.diagnostics.collective_ops(fn.lower(stacked).compile())
-                    if op.kind == "all-reduce" for _, shape in op.operand_types)
+  operands = sorted(
+    shape
+    for op in jmp_train.diagnostics.collective_ops(fn.lower(stacked).compile())
+    if op.kind == "all-reduce"
+    for _, shape in op.operand_types
+  )
   assert operands == [(12,), (2048,)]
   expected = jax.tree.map(lambda x: jnp.stack([2 * x, 2 * x]), tree)
   chex.assert_trees_all_close(fn(stacked), expected)
@@ -107,7 +109,6 @@ def test_bucketed_mean_equals_the_mean_per_leaf():
 
 
 class _Mlp(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     for width in (64, 64, 64):
@@ -127,9 +128,13 @@ def _gradient_all_reduces(step, state, batch):
   scalar metric and loss-scale reductions are not gradient exchanges.
   """
   compiled = step.lower(state, batch).compile()
-  return [(dtype, shape) for op in jmp_train.diagnostics.collective_ops(compiled)
-          if op.kind == "all-reduce" for dtype, shape in op.operand_types
-          if np.prod(shape) > 1]
+  return [
+    (dtype, shape)
+    for op in jmp_train.diagnostics.collective_ops(compiled)
+    if op.kind == "all-reduce"
+    for dtype, shape in op.operand_types
+    if np.prod(shape) > 1
+  ]
 
 
 @pytest.mark.parametrize("mode", ["pmap", "shard_map"])
@@ -138,8 +143,9 @@ def test_compiled_step_runs_one_all_reduce_per_bucket(mode, reduce_dtype):
   params = _Mlp().init(jax.random.PRNGKey(0), jnp.ones((1, 6)))["params"]
   n = sum(x.size for x in jax.tree.leaves(params))
   bucket_bytes = 4 * 64 * 64  # about one hidden layer
-  step = jmp_train.make_train_step(_Mlp().apply, _xent, optax.sgd(0.1), mode=mode,
-                                   bucket_bytes=bucket_bytes, grad_reduce_dtype=reduce_dtype)
+  step = jmp_train.make_train_step(
+    _Mlp().apply, _xent, optax.sgd(0.1), mode=mode, bucket_bytes=bucket_bytes, grad_reduce_dtype=reduce_dtype
+  )
   state = step.init(params)
   x = np.ones((16, 6), np.float32)
   batch = step.shard_batch((x, np.zeros(16, np.int32)))
@@ -148,12 +154,12 @@ def test_compiled_step_runs_one_all_reduce_per_bucket(mode, reduce_dtype):
   assert len(layout) > 1 and any(len(b) > 1 for b in layout)
   leaves = jax.tree.leaves(params)
   assert sorted(int(np.prod(shape)) for _, shape in operands) == sorted(
-      sum(leaves[i].size for i in bucket) for bucket in layout)
+    sum(leaves[i].size for i in bucket) for bucket in layout
+  )
   wire = np.dtype(reduce_dtype or "float32")
   if wire == jnp.bfloat16 and jax.default_backend() == "cpu":
     wire = np.dtype("float32")  # XLA:CPU runs bfloat16 all-reduces in float32.
-  assert {dtype for dtype, _ in operands} == {
-      {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[wire.name]}
+  assert {dtype for dtype, _ in operands} == {{"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[wire.name]}
   bytes_moved = jmp_train.diagnostics.collective_bytes(step.lower(state, batch).compile())
   scalars = 64  # the metrics and the loss scale: a few scalars
   assert n * wire.itemsize <= bytes_moved["all-reduce"] <= n * wire.itemsize + scalars
@@ -167,8 +173,7 @@ def test_bucketed_step_matches_the_per_leaf_step():
   batch = (x, np.arange(16, dtype=np.int32) % 4)
   results = []
   for bucket_bytes in (1, 10**8):  # one bucket per leaf / one bucket in all
-    step = jmp_train.make_train_step(_Mlp().apply, _xent, optax.sgd(0.1), mode="shard_map",
-                                     bucket_bytes=bucket_bytes)
+    step = jmp_train.make_train_step(_Mlp().apply, _xent, optax.sgd(0.1), mode="shard_map", bucket_bytes=bucket_bytes)
     state, _ = step(step.init(params), step.shard_batch(batch))
     results.append(step.unreplicate(state.params))
   chex.assert_trees_all_close(results[0], results[1], rtol=1e-6, atol=1e-7)
@@ -179,8 +184,7 @@ def test_compression_as_the_whole_optimizer_keeps_state_per_replica():
   whole = optax.chain(sign_compression("batch"), optax.sgd(0.05))
   # Four replicas: the 1-bit exchange's program grows with their number.
   mesh = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])
-  step = jmp_train.make_train_step(_Mlp().apply, _xent, None, compression=whole,
-                                   mode="shard_map", mesh=mesh)
+  step = jmp_train.make_train_step(_Mlp().apply, _xent, None, compression=whole, mode="shard_map", mesh=mesh)
   state = step.init(params)
   rng = np.random.default_rng(1)
   for _ in range(3):
@@ -191,8 +195,7 @@ def test_compression_as_the_whole_optimizer_keeps_state_per_replica():
   assert np.isfinite(float(metrics["loss"]))
   kernel = np.asarray(state.params["Dense_0"]["kernel"])
   np.testing.assert_array_equal(kernel, np.broadcast_to(kernel[0], kernel.shape))
-  residuals = [np.asarray(r) for r in jax.tree.leaves(state.opt_state)
-               if np.ndim(r) > 1 and np.shape(r)[0] == 4]
+  residuals = [np.asarray(r) for r in jax.tree.leaves(state.opt_state) if np.ndim(r) > 1 and np.shape(r)[0] == 4]
   assert any(not np.array_equal(r[0], r[1]) for r in residuals)
   # No gradient all-reduce of its own: the compression averages.
   assert not _gradient_all_reduces(step, state, step.shard_batch((x, y)))
@@ -200,7 +203,7 @@ def test_compression_as_the_whole_optimizer_keeps_state_per_replica():
 
 @pytest.mark.parametrize("bad", ["int8", "float17", jnp.float64])
 def test_an_unsupported_reduce_dtype_names_the_valid_ones(bad):
-  with pytest.raises(ValueError, match="grad_reduce_dtype .* is not supported; valid: None, "
-                                       "float32, bfloat16, float16"):
-    jmp_train.make_train_step(_Mlp().apply, _xent, optax.sgd(0.1), mode="pmap",
-                              grad_reduce_dtype=bad)
+  with pytest.raises(
+    ValueError, match="grad_reduce_dtype .* is not supported; valid: None, float32, bfloat16, float16"
+  ):
+    jmp_train.make_train_step(_Mlp().apply, _xent, optax.sgd(0.1), mode="pmap", grad_reduce_dtype=bad)

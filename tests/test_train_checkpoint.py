@@ -22,21 +22,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _step():
   return jmp_train.make_train_step(
-      lambda v, x: x @ v["params"]["w"], lambda out, y: jnp.mean((out - y) ** 2),
-      optax.adam(0.1))
+    lambda v, x: x @ v["params"]["w"], lambda out, y: jnp.mean((out - y) ** 2), optax.adam(0.1)
+  )
 
 
 def test_restore_into_another_shape_names_the_leaf_and_both_shapes(tmp_path):
   step = _step()
   path = jmp_train.save_checkpoint(tmp_path / "ckpt", step.init({"w": jnp.ones((3, 2))}))
-  with pytest.raises(ValueError, match=r"\.params\['w'\] has shape \(3, 2\) in the "
-                                       r"checkpoint but \(4, 2\) in the template"):
+  with pytest.raises(
+    ValueError,
+    match=r"\.params\['w'\] has shape \(3, 2\) in the "
+    r"checkpoint but \(4, 2\) in the template",
+  ):
     jmp_train.restore_checkpoint(path, step.init({"w": jnp.ones((4, 2))}))
-  with pytest.raises(ValueError, match=r"\['w'\] has dtype float32 in the checkpoint but "
-                                       r"bfloat16"):
+  with pytest.raises(
+    ValueError,
+    match=r"\['w'\] has dtype float32 in the checkpoint but "
+    r"bfloat16",
+  ):
     jmp_train.restore_checkpoint(
-        path, step.init({"w": jnp.ones((3, 2))}).replace(
-            params={"w": jnp.ones((3, 2), jnp.bfloat16)}))
+      path, step.init({"w": jnp.ones((3, 2))}).replace(params={"w": jnp.ones((3, 2), jnp.bfloat16)})
+    )
   with pytest.raises(FileNotFoundError, match="No checkpoint at"):
     jmp_train.restore_checkpoint(tmp_path / "missing", step.init({"w": jnp.ones((3, 2))}))
 
@@ -66,8 +72,9 @@ def test_no_traceback_noise_at_interpreter_exit(tmp_path):
   script.write_text(_QUIET)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run([sys.executable, str(script), str(tmp_path), str(ROOT)],
-                          env=env, capture_output=True, text=True, timeout=240)
+  result = subprocess.run(
+    [sys.executable, str(script), str(tmp_path), str(ROOT)], env=env, capture_output=True, text=True, timeout=240
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert "ValueError: Cannot restore" in result.stdout
   assert "TypeError: Cannot checkpoint the leaf .model_state['x']" in result.stdout
@@ -104,10 +111,10 @@ def test_a_failed_save_leaves_nothing_a_restore_accepts(tmp_path, monkeypatch):
 def test_nnx_state_round_trips(tmp_path):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0)),
-                         nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
-  step = jmp_train.make_train_step(model, lambda out, y: jnp.mean((out - y) ** 2),
-                                   optax.sgd(0.1))
+  model = nnx.Sequential(
+    nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+  )
+  step = jmp_train.make_train_step(model, lambda out, y: jnp.mean((out - y) ** 2), optax.sgd(0.1))
   state, _ = step(step.init(model), (np.ones((4, 3), np.float32), np.zeros((4, 4), np.float32)))
   path = jmp_train.save_checkpoint(tmp_path / "nnx", state)
   restored = jmp_train.restore_checkpoint(path, step.init(model))

@@ -43,8 +43,9 @@ def test_300_queued_data_parallel_steps_of_the_demo_model_run_without_raised_tim
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-  done = subprocess.run([sys.executable, "-c", _LOOP.format(steps=300)], env=env,
-                        capture_output=True, text=True, timeout=400)
+  done = subprocess.run(
+    [sys.executable, "-c", _LOOP.format(steps=300)], env=env, capture_output=True, text=True, timeout=400
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert "steps 300 loss" in done.stdout, done.stdout
 
@@ -67,8 +68,8 @@ def test_a_step_on_cpu_devices_returns_computed_arrays(monkeypatch):
   block = jax.block_until_ready
   monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(1) or block(x))
   step = jmp_train.make_train_step(
-      lambda v, x: x @ v["params"]["w"], lambda out, y: jnp.mean((out - y) ** 2),
-      optax.sgd(0.1), mode="shard_map")
+    lambda v, x: x @ v["params"]["w"], lambda out, y: jnp.mean((out - y) ** 2), optax.sgd(0.1), mode="shard_map"
+  )
   state = step.init({"w": jnp.ones((3, 2))})
   batch = step.shard_batch((jnp.ones((8, 3)), jnp.zeros((8, 2))))
   state, metrics = step(state, batch)

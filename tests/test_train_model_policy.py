@@ -27,8 +27,10 @@ import jmp_train.diagnostics as diag
 import jmp_train.flax
 
 F32 = jnp.float32
-_PRODUCT = re.compile(r"stablehlo\.(?:dot_general|convolution).*:\s*\(tensor<(?:\d+x)*(\w+)>, "
-                      r"tensor<(?:\d+x)*(\w+)>\)")
+_PRODUCT = re.compile(
+  r"stablehlo\.(?:dot_general|convolution).*:\s*\(tensor<(?:\d+x)*(\w+)>, "
+  r"tensor<(?:\d+x)*(\w+)>\)"
+)
 
 
 def product_dtypes(lowered) -> list[tuple[str, str]]:
@@ -56,7 +58,6 @@ class DeclaredNet(nn.Module):
 
 
 class DeclaredNNX(nnx.Module):
-
   def __init__(self, rngs):
     self.conv = nnx.Conv(3, 8, (3, 3), dtype=F32, param_dtype=F32, rngs=rngs)
     self.bn = nnx.BatchNorm(8, dtype=F32, rngs=rngs)
@@ -89,9 +90,12 @@ def _plain_apply(variables, x, **kwargs):
 @pytest.mark.parametrize("form", ["module", "apply", "partial", "plain function"])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_products_of_a_declared_float32_linen_model_run_in_the_compute_dtype(form, policy):
-  apply_fn = {"module": NET, "apply": NET.apply,
-              "partial": functools.partial(NET.apply, train=True),
-              "plain function": _plain_apply}[form]
+  apply_fn = {
+    "module": NET,
+    "apply": NET.apply,
+    "partial": functools.partial(NET.apply, train=True),
+    "plain function": _plain_apply,
+  }[form]
   half = {"mixed_bfloat16": "bf16", "mixed_float16": "f16"}[policy]
   step, state = _linen_step(apply_fn, policy=policy, loss_scale=jmp_train.StaticLossScale(1.0))
   with warnings.catch_warnings():
@@ -123,8 +127,7 @@ def test_autocast_and_flax_mechanisms_and_bad_values():
   step, state = _linen_step(NET.apply, policy="mixed_bfloat16", model_policy="autocast")
   assert set(product_dtypes(step.lower(state, (X, Y)))) == {("bf16", "bf16")}
   with pytest.raises(TypeError, match="model_policy='flax'.*model_policy='autocast'"):
-    jmp_train.make_train_step(_plain_apply, _ce, optax.sgd(0.1), policy="mixed_bfloat16",
-                              model_policy="flax")
+    jmp_train.make_train_step(_plain_apply, _ce, optax.sgd(0.1), policy="mixed_bfloat16", model_policy="flax")
   with pytest.raises(ValueError, match="model_policy must be one of"):
     jmp_train.make_train_step(NET.apply, _ce, optax.sgd(0.1), model_policy="everything")
 
@@ -132,7 +135,6 @@ def test_autocast_and_flax_mechanisms_and_bad_values():
 def test_a_product_the_policy_cannot_reach_is_named_in_a_warning():
 
   class ForcedFloat32(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       h = nn.Dense(8)(x.mean((1, 2)))
@@ -142,11 +144,13 @@ def test_a_product_the_policy_cannot_reach_is_named_in_a_warning():
   model = ForcedFloat32()
   params = model.init(jax.random.key(0), X)["params"]
   step = jmp_train.make_train_step(model.apply, _ce, optax.sgd(0.1), policy="mixed_bfloat16")
-  with pytest.warns(UserWarning, match=r"1 matrix product.*wider than bfloat16.*"
-                    r"dot_general float32\[4, 8\] x float32\[8, 10\].*model_policy='autocast'"):
+  with pytest.warns(
+    UserWarning,
+    match=r"1 matrix product.*wider than bfloat16.*"
+    r"dot_general float32\[4, 8\] x float32\[8, 10\].*model_policy='autocast'",
+  ):
     step.lower(step.init(params), (X, Y))
-  quiet = jmp_train.make_train_step(model.apply, _ce, optax.sgd(0.1), policy="mixed_bfloat16",
-                                    model_policy="inputs")
+  quiet = jmp_train.make_train_step(model.apply, _ce, optax.sgd(0.1), policy="mixed_bfloat16", model_policy="inputs")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     quiet.lower(quiet.init(params), (X, Y))
@@ -157,8 +161,7 @@ def test_linen_model_under_mixed_float8_gets_fp8_products_from_example_inputs():
   model_state = {"batch_stats": VARIABLES["batch_stats"]}
   with pytest.raises(ValueError, match=r"fp8_meta.*step.init\(params, \.\.\., inputs="):
     step.init(VARIABLES["params"], model_state=model_state)
-  state = step.init(VARIABLES["params"], model_state=model_state,
-                    inputs=jax.ShapeDtypeStruct(X.shape, X.dtype))
+  state = step.init(VARIABLES["params"], model_state=model_state, inputs=jax.ShapeDtypeStruct(X.shape, X.dtype))
   assert sorted(state.model_state) == ["batch_stats", "fp8_meta"]
   report = diag.fp8_products(step.lower(state, (X, Y)))
   assert len(report.products) >= 5 and not report.not_fp8, str(report)
@@ -168,11 +171,9 @@ def test_regularizer_adds_flax_examples_l2_penalty_to_the_objective():
   weight_decay, lr = 1e-2, 0.1
 
   def l2(params):  # Flax's ImageNet example: kernels only, 0.5 * wd * sum of squares.
-    return weight_decay * 0.5 * sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params)
-                                    if p.ndim > 1)
+    return weight_decay * 0.5 * sum(jnp.sum(p**2) for p in jax.tree.leaves(params) if p.ndim > 1)
 
-  step = jmp_train.make_train_step(functools.partial(NET.apply, train=True), _ce,
-                                   optax.sgd(lr), regularizer=l2)
+  step = jmp_train.make_train_step(functools.partial(NET.apply, train=True), _ce, optax.sgd(lr), regularizer=l2)
   params, stats = VARIABLES["params"], {"batch_stats": VARIABLES["batch_stats"]}
   new_state, metrics = step(step.init(params, model_state=stats), (X, Y))
 
@@ -183,18 +184,17 @@ def test_regularizer_adds_flax_examples_l2_penalty_to_the_objective():
   loss, grads = jax.jit(jax.value_and_grad(objective))(params)
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
   expected = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7),
-               new_state.params, expected)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), new_state.params, expected)
   with pytest.raises(TypeError, match="regularizer must be None or a function"):
     jmp_train.make_train_step(NET.apply, _ce, optax.sgd(lr), regularizer=1e-4)
-  bad = jmp_train.make_train_step(functools.partial(NET.apply, train=True), _ce, optax.sgd(lr),
-                                  regularizer=lambda p: jax.tree.leaves(p)[0])
+  bad = jmp_train.make_train_step(
+    functools.partial(NET.apply, train=True), _ce, optax.sgd(lr), regularizer=lambda p: jax.tree.leaves(p)[0]
+  )
   with pytest.raises(ValueError, match="regularizer must return a scalar"):
     bad.lower(bad.init(params, model_state=stats), (X, Y))
 
 
 class SyncBatchNorm(nn.Module):
-
   @nn.compact
   def __call__(self, x, train: bool = True):
     x = nn.Dense(4, dtype=F32)(x)
@@ -214,8 +214,7 @@ def test_flax_users_mistakes_give_errors_naming_the_fix():
   with pytest.raises(ValueError, match=r"axis named 'batch'.*mode='shard_map'.*axis_name=None"):
     single.lower(single.init(params, model_state={"batch_stats": stats}), batch)
   mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",))
-  other_axis = jmp_train.make_train_step(model, _mse, optax.sgd(0.1), mode="shard_map",
-                                         axis_name="data", mesh=mesh)
+  other_axis = jmp_train.make_train_step(model, _mse, optax.sgd(0.1), mode="shard_map", axis_name="data", mesh=mesh)
   state = other_axis.init(params, model_state={"batch_stats": stats})
   with pytest.raises(ValueError, match=r"the step maps 'data'.*axis_name='data'"):
     other_axis.lower(state, other_axis.shard_batch(batch))
@@ -230,18 +229,23 @@ def test_flax_users_mistakes_give_errors_naming_the_fix():
   with pytest.raises(ValueError, match=forgot + r".*model_state holds \['BatchNorm_0'\]"):
     step.lower(step.init(params, model_state=stats), sharded)
   state = step.init(params, model_state={"batch_stats": stats})
-  with pytest.raises(ValueError, match=r"evaluate.*eval_apply_fn=functools.partial\("
-                     r"model.apply, train=False\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"evaluate.*eval_apply_fn=functools.partial\("
+    r"model.apply, train=False\)",
+  ):
     step.evaluate(state, sharded)
 
 
 def test_hand_wrapped_fp8_model_without_its_scaling_state_names_the_fix():
-  model = jmp_train.flax.apply_policy(SyncBatchNorm(), jmp_train.get_policy(
-      "p=f32,c=bf16,o=f32,matmul=fp8,fp8_history=16"))
+  model = jmp_train.flax.apply_policy(
+    SyncBatchNorm(), jmp_train.get_policy("p=f32,c=bf16,o=f32,matmul=fp8,fp8_history=16")
+  )
   variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
   mesh = Mesh(np.asarray(jax.devices()[:2]), ("batch",))
-  step = jmp_train.make_train_step(model.apply, _mse, optax.sgd(0.1), policy="mixed_float8",
-                                   cast_params=False, mode="shard_map", mesh=mesh)
+  step = jmp_train.make_train_step(
+    model.apply, _mse, optax.sgd(0.1), policy="mixed_float8", cast_params=False, mode="shard_map", mesh=mesh
+  )
   stats = {"batch_stats": variables["batch_stats"]}
   batch = step.shard_batch((jnp.ones((4, 3)), jnp.zeros((4, 4))))
   with pytest.raises(ValueError, match=r"scaling state in the 'fp8_meta' collection.*inputs="):

@@ -54,8 +54,7 @@ def _run(step, state, steps):
 def test_nnx_module_with_batch_norm_and_dropout(mode):
   model = _NnxNet(nnx.Rngs(0, dropout=1))
   mean_before = np.asarray(model.norm.mean[...])
-  step = jmp_train.make_train_step(model, _xent, optax.sgd(0.1), policy="mixed_bfloat16",
-                                   mode=mode)
+  step = jmp_train.make_train_step(model, _xent, optax.sgd(0.1), policy="mixed_bfloat16", mode=mode)
   state = step.init(model)
   state, losses = _run(step, state, 4)
   assert all(np.isfinite(losses))
@@ -77,15 +76,13 @@ def test_nnx_module_with_batch_norm_and_dropout(mode):
   second = step.evaluate(state, step.shard_batch(_batch(9)))
   assert float(first["loss"]) == float(second["loss"])
   nnx.update(model, nnx.state(trained))
-  np.testing.assert_array_equal(np.asarray(model.norm.mean[...]),
-                                np.asarray(trained.norm.mean[...]))
+  np.testing.assert_array_equal(np.asarray(model.norm.mean[...]), np.asarray(trained.norm.mean[...]))
 
 
 def test_nnx_dropout_masks_differ_between_steps_and_replicas():
   # Two replicas fed the same examples see different dropout masks, so the
   # averaged gradient differs from the one-device gradient of the same batch.
-  model = nnx.Sequential(nnx.Linear(6, 4, rngs=nnx.Rngs(0)),
-                         nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3)))
+  model = nnx.Sequential(nnx.Linear(6, 4, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3)))
   single = jmp_train.make_train_step(model, _xent, optax.sgd(0.0))
   state = single.init(model)
   x, y = _batch(0, n=8)
@@ -113,11 +110,14 @@ def test_linen_module_stands_for_its_apply():
   chex.assert_trees_all_equal(a.params, b.params)
 
 
-@pytest.mark.parametrize("batch, expected", [
+@pytest.mark.parametrize(
+  "batch, expected",
+  [
     ({"x": np.ones((4, 6)), "y": np.zeros(4)}, "got a dict with keys \\['x', 'y'\\]"),
     ((np.ones((4, 6)),), "got a tuple of length 1"),
     (np.ones((4, 6)), "got a single array of shape \\(4, 6\\)"),
-])
+  ],
+)
 def test_a_batch_that_is_not_a_pair_names_what_was_given(batch, expected):
   step = jmp_train.make_train_step(nn.Dense(4), _xent, optax.sgd(0.1))
   state = step.init(nn.Dense(4).init(jax.random.PRNGKey(0), jnp.ones((1, 6)))["params"])
@@ -127,30 +127,34 @@ def test_a_batch_that_is_not_a_pair_names_what_was_given(batch, expected):
     step.evaluate(state, batch)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"optimizer": optax.sgd}, "optimizer must be an optax.GradientTransformation.*'sgd' "
-                               "looks like a factory"),
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    ({"optimizer": optax.sgd}, "optimizer must be an optax.GradientTransformation.*'sgd' looks like a factory"),
     ({"optimizer": "sgd"}, "optimizer must be an optax.GradientTransformation, got str"),
     ({"optimizer": None}, "optimizer must be an optax.GradientTransformation, got NoneType"),
     ({"loss_fn": "mse"}, "loss_fn must be callable"),
     ({"apply_fn": {"params": 1}}, "apply_fn must be callable"),
     ({"compression": optax.sgd, "mode": "pmap"}, "compression must be"),
-    ({"optimizer": jmp_train.one_bit_adam(1e-3, axis_name="batch", warmup_steps=2),
-      "mode": "shard_map"}, "complete optimizer on local gradients .* pass it as compression=, "
-                            "with optimizer=None"),
-    ({"optimizer": jmp_train.one_bit_momentum(0.1, axis_name="batch"), "mode": "pmap"},
-     "pass it as compression="),
-    ({"optimizer": jmp_train.sign_compression("batch"), "mode": "shard_map"},
-     "compressor of local gradients .* pass it as compression=, and an optax optimizer"),
-    ({"optimizer": jmp_train.compressed_mean("batch"), "mode": "shard_map"},
-     "pass it as compression="),
-])
+    (
+      {"optimizer": jmp_train.one_bit_adam(1e-3, axis_name="batch", warmup_steps=2), "mode": "shard_map"},
+      "complete optimizer on local gradients .* pass it as compression=, with optimizer=None",
+    ),
+    ({"optimizer": jmp_train.one_bit_momentum(0.1, axis_name="batch"), "mode": "pmap"}, "pass it as compression="),
+    (
+      {"optimizer": jmp_train.sign_compression("batch"), "mode": "shard_map"},
+      "compressor of local gradients .* pass it as compression=, and an optax optimizer",
+    ),
+    ({"optimizer": jmp_train.compressed_mean("batch"), "mode": "shard_map"}, "pass it as compression="),
+  ],
+)
 def test_bad_arguments_raise_type_error_at_construction(kwargs, message):
   arguments = {"apply_fn": nn.Dense(4).apply, "loss_fn": _xent, "optimizer": optax.sgd(0.1)}
   arguments.update(kwargs)
   with pytest.raises(TypeError, match=message):
-    jmp_train.make_train_step(arguments.pop("apply_fn"), arguments.pop("loss_fn"),
-                              arguments.pop("optimizer"), **arguments)
+    jmp_train.make_train_step(
+      arguments.pop("apply_fn"), arguments.pop("loss_fn"), arguments.pop("optimizer"), **arguments
+    )
 
 
 def test_float16_compute_without_a_loss_scale_warns_once_at_construction():

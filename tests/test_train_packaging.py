@@ -23,8 +23,7 @@ def _pyproject():
 def test_build_backend_floor_reads_the_spdx_license():
   config = _pyproject()
   assert isinstance(config["project"]["license"], str)  # an SPDX expression
-  floors = [re.fullmatch(r"setuptools>=(\d+)(?:\.\d+)*", r) for r in
-            config["build-system"]["requires"]]
+  floors = [re.fullmatch(r"setuptools>=(\d+)(?:\.\d+)*", r) for r in config["build-system"]["requires"]]
   (floor,) = [int(m.group(1)) for m in floors if m]
   assert floor >= 77, "setuptools reads an SPDX license string from version 77"
 
@@ -44,8 +43,7 @@ def test_console_script_and_extras_are_coherent():
   examples = tomllib.loads((ROOT / "examples" / "pyproject.toml").read_text())["project"]
   assert examples["scripts"] == {"jmp-train": "jmp_train_examples.cli:main"}
   assert any(d.startswith("tqdm") for d in examples["dependencies"])
-  assert {re.split(r"[<>=]", d)[0] for d in examples["optional-dependencies"]["full"]} == {
-      "matplotlib", "scikit-learn"}
+  assert {re.split(r"[<>=]", d)[0] for d in examples["optional-dependencies"]["full"]} == {"matplotlib", "scikit-learn"}
   extras = config["project"]["optional-dependencies"]
   assert any(d.startswith("matplotlib") for d in extras["plot"])
   assert any(d.startswith("orbax-checkpoint") for d in extras["checkpoint"])
@@ -70,7 +68,8 @@ def test_library_and_console_script_import_without_the_extras(tmp_path):
   script.write_text(_NO_EXTRAS)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run([sys.executable, str(script), str(ROOT)], env=env,
-                          capture_output=True, text=True, timeout=120)
+  result = subprocess.run(
+    [sys.executable, str(script), str(ROOT)], env=env, capture_output=True, text=True, timeout=120
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert "usage" in result.stdout.lower()

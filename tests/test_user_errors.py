@@ -24,8 +24,7 @@ def _mse(out, y):
 
 
 def _linear_step():
-  return jmp_train.make_train_step(
-      lambda v, x: x @ v["params"]["w"], _mse, optax.adam(0.1))
+  return jmp_train.make_train_step(lambda v, x: x @ v["params"]["w"], _mse, optax.adam(0.1))
 
 
 _BATCH = (np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32))
@@ -49,8 +48,7 @@ def test_restore_from_an_empty_or_missing_folder_names_it(tmp_path):
       jmp_train.restore_checkpoint(tmp_path / name, state)
 
 
-def test_restore_from_a_corrupt_checkpoint_raises_one_quiet_value_error(
-    tmp_path, capfd, caplog, monkeypatch):
+def test_restore_from_a_corrupt_checkpoint_raises_one_quiet_value_error(tmp_path, capfd, caplog, monkeypatch):
   caplog.set_level(logging.INFO)
   # Outside pytest these print "Exception ignored in ..." on stderr.
   unraisables = []
@@ -84,11 +82,15 @@ def test_restore_from_a_corrupt_checkpoint_raises_one_quiet_value_error(
     # others' complaints behind).
     largest = max((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data = bytearray(largest.read_bytes())
-    data[len(data) // 8: len(data) // 2] = bytes(len(data) // 2 - len(data) // 8)
+    data[len(data) // 8 : len(data) // 2] = bytes(len(data) // 2 - len(data) // 8)
     largest.write_bytes(bytes(data))
 
-  bad = [corrupt("truncated", truncate), corrupt("truncated_btree", truncate_btree),
-         corrupt("garbage", garbage_metadata), corrupt("scrambled", scramble)]
+  bad = [
+    corrupt("truncated", truncate),
+    corrupt("truncated_btree", truncate_btree),
+    corrupt("garbage", garbage_metadata),
+    corrupt("scrambled", scramble),
+  ]
   other = tmp_path / "other"
   other.mkdir()
   (other / "notes.txt").write_text("not a checkpoint")
@@ -133,8 +135,7 @@ def test_save_onto_an_existing_checkpoint_names_force(tmp_path):
 
 def test_forgetting_the_loss_scale_gives_a_short_message():
   params = {f"layer_{i}": {"kernel": jnp.ones((8, 8)), "bias": jnp.zeros(8)} for i in range(20)}
-  grad_fn = jmp_train.scaled_value_and_grad(
-      lambda p, x: sum(jnp.sum(x @ layer["kernel"]) for layer in p.values()))
+  grad_fn = jmp_train.scaled_value_and_grad(lambda p, x: sum(jnp.sum(x @ layer["kernel"]) for layer in p.values()))
   with pytest.raises(TypeError) as info:
     grad_fn(params, jnp.ones((2, 8)))
   message = str(info.value)
@@ -149,13 +150,12 @@ def test_forgetting_the_loss_scale_gives_a_short_message():
 
 def test_integer_parameters_are_named():
   params = {"dense": {"kernel": jnp.ones((3, 2), jnp.int32), "bias": jnp.zeros(2)}}
-  grad_fn = jmp_train.scaled_value_and_grad(
-      lambda params, x: jnp.sum(x @ params["dense"]["kernel"]))
+  grad_fn = jmp_train.scaled_value_and_grad(lambda params, x: jnp.sum(x @ params["dense"]["kernel"]))
   with pytest.raises(TypeError, match=r"params\['dense'\]\['kernel'\] has dtype int32.*float"):
     grad_fn(2.0, params, jnp.ones((4, 3)))
   step = jmp_train.make_train_step(
-      lambda v, x: x @ v["params"]["dense"]["kernel"] + v["params"]["dense"]["bias"], _mse,
-      optax.sgd(0.1))
+    lambda v, x: x @ v["params"]["dense"]["kernel"] + v["params"]["dense"]["bias"], _mse, optax.sgd(0.1)
+  )
   with pytest.raises(TypeError) as info:
     step(step.init(params), _BATCH)
   message = str(info.value)
@@ -173,8 +173,7 @@ def test_a_flax_tutorial_loss_fn_names_the_expected_signature():
     step(step.init({"w": jnp.ones((3, 2))}), _BATCH)
   message = str(info.value)
   assert message.startswith("make_train_step calls loss_fn(outputs, targets)"), message
-  for part in ("(inputs, targets)", "has_aux=True", "loss_fn(model, batch)",
-               "string indexing"):
+  for part in ("(inputs, targets)", "has_aux=True", "loss_fn(model, batch)", "string indexing"):
     assert part in message, message
 
   # A genuine error inside a loss_fn of the right signature is left alone.
@@ -186,8 +185,9 @@ def test_a_flax_tutorial_loss_fn_names_the_expected_signature():
     step(step.init({"w": jnp.ones((3, 2))}), _BATCH)
 
   # The tutorial's (loss, logits) without has_aux.
-  step = jmp_train.make_train_step(lambda v, x: x @ v["params"]["w"],
-                                   lambda out, y: (_mse(out, y), out), optax.sgd(0.1))
+  step = jmp_train.make_train_step(
+    lambda v, x: x @ v["params"]["w"], lambda out, y: (_mse(out, y), out), optax.sgd(0.1)
+  )
   with pytest.raises(TypeError, match=r"tuple of length 2.*has_aux=True"):
     step(step.init({"w": jnp.ones((3, 2))}), _BATCH)
 
@@ -197,7 +197,6 @@ def test_dropout_without_rngs_says_what_make_train_step_expects():
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   class Model(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       return nn.Dropout(0.5, deterministic=False)(nn.Dense(2)(x))
@@ -245,8 +244,11 @@ def test_a_batch_not_laid_out_for_the_mode_names_shard_batch(monkeypatch):
 
   step = jmp_train.make_train_step(_linear_apply, _mse, optax.sgd(0.1), mode="shard_map")
   state = step.init({"w": jnp.ones((3, 2))})
-  with pytest.raises(ValueError, match=r"leaf \[0\] has shape \(12, 3\).*mesh's 8 devices.*"
-                                       r"step\.shard_batch\(batch\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"leaf \[0\] has shape \(12, 3\).*mesh's 8 devices.*"
+    r"step\.shard_batch\(batch\)",
+  ):
     step(state, (x[:12], y[:12]))
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(ValueError, match=r"host array \(ndarray\).*multi-process.*shard_batch"):
@@ -283,8 +285,7 @@ def test_an_apply_policy_model_has_flax_dtype_attributes():
     model.dtype = jnp.float32  # read-only: the policy decides
   # Not fields: the variables are still exactly the wrapped module's.
   x = jnp.ones((2, 3))
-  shapes = lambda m: jax.tree.map(lambda v: (v.shape, v.dtype),
-                                  jax.eval_shape(m.init, jax.random.PRNGKey(0), x))
+  shapes = lambda m: jax.tree.map(lambda v: (v.shape, v.dtype), jax.eval_shape(m.init, jax.random.PRNGKey(0), x))
   assert shapes(model) == shapes(dense)
   assert model.clone().dtype == jnp.bfloat16
   out = model.apply(dense.init(jax.random.PRNGKey(0), x), x)
@@ -295,19 +296,24 @@ def test_half_weights_with_a_plain_optimizer_warn_at_construction():
   import warnings  # pylint: disable=g-import-not-at-top
 
   make = lambda optimizer, policy="bfloat16", **kwargs: jmp_train.make_train_step(
-      _linear_apply, _mse, optimizer, policy=policy, **kwargs)
+    _linear_apply, _mse, optimizer, policy=policy, **kwargs
+  )
   for optimizer, policy, part in [
-      (optax.sgd(0.1), "bfloat16", "(bfloat16, policy"),
-      (optax.adam(1e-3), "params=float16,compute=float32,output=float32", "scale_by_adam"),
-      (jmp_train.adam_8bit(1e-3), "bfloat16", "|w|*2**-8"),  # narrow state, not a rule
+    (optax.sgd(0.1), "bfloat16", "(bfloat16, policy"),
+    (optax.adam(1e-3), "params=float16,compute=float32,output=float32", "scale_by_adam"),
+    (jmp_train.adam_8bit(1e-3), "bfloat16", "|w|*2**-8"),  # narrow state, not a rule
   ]:
     with pytest.warns(UserWarning, match="^Half-precision parameters") as record:
       make(optimizer, policy)
     message = str(record[0].message)
     assert record[0].filename == __file__, record[0].filename  # the user's call
     assert part in message, message
-    for fix in ("jmp_train.stochastic_rounding(seed=0)", "jmp_train.kahan_compensation()",
-                "jmp_train.modified_momentum_sgd(", "policy='mixed_float16'"):
+    for fix in (
+      "jmp_train.stochastic_rounding(seed=0)",
+      "jmp_train.kahan_compensation()",
+      "jmp_train.modified_momentum_sgd(",
+      "policy='mixed_float16'",
+    ):
       assert fix in message, message
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -315,13 +321,12 @@ def test_half_weights_with_a_plain_optimizer_warn_at_construction():
     make(jmp_train.modified_momentum_sgd(0.1), "params=float16,compute=float32,output=float32")
     make(optax.chain(optax.adam(1e-3), jmp_train.stochastic_rounding(seed=0)))
     make(optax.inject_hyperparams(jmp_train.modified_momentum_sgd)(learning_rate=0.1))
-    make(optax.MultiSteps(optax.chain(optax.sgd(0.1), jmp_train.kahan_compensation()),
-                          2).gradient_transformation())
+    make(optax.MultiSteps(optax.chain(optax.sgd(0.1), jmp_train.kahan_compensation()), 2).gradient_transformation())
 
 
-def test_a_mismatched_restore_of_a_checkpoint_manager_step_names_the_leaf_quietly(
-    tmp_path, capfd, caplog, monkeypatch):
+def test_a_mismatched_restore_of_a_checkpoint_manager_step_names_the_leaf_quietly(tmp_path, capfd, caplog, monkeypatch):
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
   ocp = pytest.importorskip("orbax.checkpoint")
 
   caplog.set_level(logging.INFO)
@@ -345,10 +350,8 @@ def test_a_mismatched_restore_of_a_checkpoint_manager_step_names_the_leaf_quietl
     # manager.restore(...) with these templates: orbax's error and about a
     # dozen "Event loop is closed" tracebacks. Through restore_checkpoint:
     for like, problem in [
-        (make(8, optax.adam(1e-3)),
-         "the leaf .params['bias'] has shape (4,) in the checkpoint but (8,) in the template"),
-        (make(4, optax.sgd(0.1)),
-         "the checkpoint's leaf ['opt_state'][0]['count'] (shape (), int32) is not in"),
+      (make(8, optax.adam(1e-3)), "the leaf .params['bias'] has shape (4,) in the checkpoint but (8,) in the template"),
+      (make(4, optax.sgd(0.1)), "the checkpoint's leaf ['opt_state'][0]['count'] (shape (), int32) is not in"),
     ]:
       with pytest.raises(ValueError) as info:
         jmp_train.restore_checkpoint(step_folder, like)

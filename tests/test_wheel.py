@@ -44,11 +44,20 @@ def test_wheel_contents_check_names_what_is_not_the_library(tmp_path):
   import zipfile
 
   check = runpy.run_path(str(ROOT / ".ci" / "wheel_contents.py"))
-  library = ["jmp_train/__init__.py", "jmp_train/_src/train/step.py", "jmp_train/py.typed",
-             "jmp_train-0.1.0.dist-info/METADATA", "jmp_train-0.1.0.dist-info/RECORD"]
+  library = [
+    "jmp_train/__init__.py",
+    "jmp_train/_src/train/step.py",
+    "jmp_train/py.typed",
+    "jmp_train-0.1.0.dist-info/METADATA",
+    "jmp_train-0.1.0.dist-info/RECORD",
+  ]
   assert check["foreign_files"](library) == []
-  extra = ["jmp_train_examples/cli.py", "benchmarks/bench_fp8.py", "tests/test_train.py",
-           "jmp_train-0.1.0.dist-info/entry_points.txt"]
+  extra = [
+    "jmp_train_examples/cli.py",
+    "benchmarks/bench_fp8.py",
+    "tests/test_train.py",
+    "jmp_train-0.1.0.dist-info/entry_points.txt",
+  ]
   assert check["foreign_files"](library + extra) == extra
   wheel = tmp_path / "jmp_train-0.1.0-py3-none-any.whl"
   with zipfile.ZipFile(wheel, "w") as z:

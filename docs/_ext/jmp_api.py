@@ -34,37 +34,49 @@ NOTEBOOKS_DIR = DOCS / "_notebooks"
 # prefixes under ``jmp_train._src``); a name goes to the section with the
 # longest matching prefix, a name matching none to "Other".
 NAMESPACES = (
-    ("jmp_train", "jmp_train", "``jmp_train``", (
-        ("Dtype policies", ("policy", "dtypes")),
-        ("Autocast", ("autocast",)),
-        ("Loss scaling", ("loss_scaling", "leaf_checks")),
-        ("Half-precision weights", (
-            "low_precision.kahan_compensation",
-            "low_precision.modified_momentum",
-            "low_precision.stochastic_rounding")),
-        ("8-bit optimizer state", (
-            "low_precision.quantized_state", "low_precision.optimizers_8bit")),
-        ("FP8", ("fp8",)),
-        ("Data parallelism and compression", ("compression", "buckets")),
-        ("Train step and checkpoints", ("train",)),
-    )),
-    ("flax", "jmp_train.flax", "``jmp_train.flax``", (
-        ("Policies on modules", ("flax.policy", "flax.nnx_modules")),
-        ("Attention", ("flax.attention",)),
-        ("FP8 layers", ("fp8",)),
-    )),
-    ("diagnostics", "jmp_train.diagnostics", "``jmp_train.diagnostics``", (
-        ("Value ranges and loss scales", (
-            "diagnostics.histograms", "diagnostics.fractions",
-            "diagnostics.plotting")),
-        ("FP8 casts", ("diagnostics.fp8_casts",)),
-        ("FP8 products", ("diagnostics.fp8_products",)),
-        ("Tensor Cores", ("diagnostics.tensor_cores",)),
-        ("Precision audit", ("diagnostics.precision_audit",)),
-        ("Saved residuals", ("diagnostics.residuals",)),
-        ("Collectives", ("diagnostics.hlo",)),
-        ("Tables", ("tables",)),
-    )),
+  (
+    "jmp_train",
+    "jmp_train",
+    "``jmp_train``",
+    (
+      ("Dtype policies", ("policy", "dtypes")),
+      ("Autocast", ("autocast",)),
+      ("Loss scaling", ("loss_scaling", "leaf_checks")),
+      (
+        "Half-precision weights",
+        ("low_precision.kahan_compensation", "low_precision.modified_momentum", "low_precision.stochastic_rounding"),
+      ),
+      ("8-bit optimizer state", ("low_precision.quantized_state", "low_precision.optimizers_8bit")),
+      ("FP8", ("fp8",)),
+      ("Data parallelism and compression", ("compression", "buckets")),
+      ("Train step and checkpoints", ("train",)),
+    ),
+  ),
+  (
+    "flax",
+    "jmp_train.flax",
+    "``jmp_train.flax``",
+    (
+      ("Policies on modules", ("flax.policy", "flax.nnx_modules")),
+      ("Attention", ("flax.attention",)),
+      ("FP8 layers", ("fp8",)),
+    ),
+  ),
+  (
+    "diagnostics",
+    "jmp_train.diagnostics",
+    "``jmp_train.diagnostics``",
+    (
+      ("Value ranges and loss scales", ("diagnostics.histograms", "diagnostics.fractions", "diagnostics.plotting")),
+      ("FP8 casts", ("diagnostics.fp8_casts",)),
+      ("FP8 products", ("diagnostics.fp8_products",)),
+      ("Tensor Cores", ("diagnostics.tensor_cores",)),
+      ("Precision audit", ("diagnostics.precision_audit",)),
+      ("Saved residuals", ("diagnostics.residuals",)),
+      ("Collectives", ("diagnostics.hlo",)),
+      ("Tables", ("tables",)),
+    ),
+  ),
 )
 
 _SRC = "jmp_train._src."
@@ -119,9 +131,7 @@ def _entry(namespace: str, name: str, obj) -> list[str]:
   kind = _kind(obj)
   target = f"{namespace}.{name}"
   if kind == "class":
-    lines = [
-        f".. autoclass:: {target}", "   :members:",
-        f"   :inherited-members: {inherited_stop_classes(obj)}"]
+    lines = [f".. autoclass:: {target}", "   :members:", f"   :inherited-members: {inherited_stop_classes(obj)}"]
     if public_bases(obj) != [object]:
       lines.append("   :show-inheritance:")
     return lines + [""]
@@ -133,8 +143,7 @@ def _entry(namespace: str, name: str, obj) -> list[str]:
 
 
 def _holds_classes(obj) -> bool:
-  return isinstance(obj, (tuple, list, frozenset, set)) and any(
-      inspect.isclass(x) for x in obj)
+  return isinstance(obj, (tuple, list, frozenset, set)) and any(inspect.isclass(x) for x in obj)
 
 
 def _heading(text: str, char: str) -> list[str]:
@@ -150,18 +159,21 @@ def api_page(stem: str, namespace: str, title: str, sections) -> str:
     groups.setdefault(_section(origins[name], sections), []).append(name)
   order = [t for t, _ in sections] + ["Other"]
   lines = [
-      ".. This page is written by docs/_ext/jmp_api.py from "
-      f"{namespace}.__all__; do not edit.", "",
-      f".. _api-{stem}:", "",
+    f".. This page is written by docs/_ext/jmp_api.py from {namespace}.__all__; do not edit.",
+    "",
+    f".. _api-{stem}:",
+    "",
   ]
   lines += _heading(title, "=")
   if namespace == "jmp_train":
     lines += [".. module:: jmp_train", ""]
     lines += [
-        "Every name below is reached as ``jmp_train.NAME`` (loaded on first "
-        "use: ``import jmp_train`` imports no JAX until a name is used). "
-        "Optimizers are optax ``GradientTransformation`` objects and chain "
-        "with optax's own.", ""]
+      "Every name below is reached as ``jmp_train.NAME`` (loaded on first "
+      "use: ``import jmp_train`` imports no JAX until a name is used). "
+      "Optimizers are optax ``GradientTransformation`` objects and chain "
+      "with optax's own.",
+      "",
+    ]
   else:
     lines += [f".. automodule:: {namespace}", "", f".. currentmodule:: {namespace}", ""]
   for section in order:
@@ -295,18 +307,18 @@ def _constant_comment(namespace: str, name: str) -> list[str]:
     lines = source.splitlines()
     follow = None
     for node in tree.body:
-      targets = (node.targets if isinstance(node, ast.Assign)
-                 else [node.target] if isinstance(node, ast.AnnAssign) else [])
+      targets = (
+        node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+      )
       if any(isinstance(t, ast.Name) and t.id == name for t in targets):
         comment = []
-        for above in reversed(lines[:node.lineno - 1]):
+        for above in reversed(lines[: node.lineno - 1]):
           if not above.startswith("#"):
             break
           comment.insert(0, above.lstrip("#:").removeprefix(" "))
         # Comments are Markdown-ish: `x` is code.
         return [re.sub(r"(?<!`)`([^`]+)`(?!`)", r"``\1``", c) for c in comment]
-      if isinstance(node, ast.ImportFrom) and node.module and any(
-          (a.asname or a.name) == name for a in node.names):
+      if isinstance(node, ast.ImportFrom) and node.module and any((a.asname or a.name) == name for a in node.names):
         follow = node.module
     if follow is None:
       return []
@@ -331,12 +343,11 @@ def _process_docstring(app, what, name, obj, options, lines):
 # Defaults whose repr is not Python (Flax's sentinels, classes, functions):
 # they would break the signature's parsing.
 _REPRS = (
-    # jax.typing.ArrayLike, expanded by typing.
-    (re.compile(r"Array \| ndarray \| bool \| number \| bool \| int \| float \| complex"),
-     "ArrayLike"),
-    (re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>"), r"\1"),
-    (re.compile(r"<function (?:[\w.<>]+\.)?(\w+) at 0x[0-9a-f]+>"), r"\1"),
-    (re.compile(r"<[\w.]+ object(?: at 0x[0-9a-f]+)?>"), "..."),
+  # jax.typing.ArrayLike, expanded by typing.
+  (re.compile(r"Array \| ndarray \| bool \| number \| bool \| int \| float \| complex"), "ArrayLike"),
+  (re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>"), r"\1"),
+  (re.compile(r"<function (?:[\w.<>]+\.)?(\w+) at 0x[0-9a-f]+>"), r"\1"),
+  (re.compile(r"<[\w.]+ object(?: at 0x[0-9a-f]+)?>"), "..."),
 )
 
 
@@ -361,6 +372,7 @@ def _process_signature(app, what, name, obj, options, signature, return_annotati
   """Shows a default that is a public constant by its name, not its repr."""
   del app, what, name, obj, options
   from sphinx.util.inspect import object_description
+
   if not signature:
     return None
   changed = signature

@@ -59,19 +59,20 @@ def _read(fd: int) -> dict:
 
 def _holder(holder: dict) -> str:
   since = holder.get("started")
-  return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
-          + (f", since {since}" if since else ""))
+  return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}" + (f", since {since}" if since else "")
 
 
 def _busy(directory: str, holder: dict, path: str, other_host: bool = False) -> CheckpointDirBusy:
   if other_host:
     return CheckpointDirBusy(
-        f"--checkpoint-dir {directory} is locked by a run on another host "
-        f"({_holder(holder)}); wait for it to finish or pass another --checkpoint-dir "
-        f"(if no run is going on there, delete {path})")
+      f"--checkpoint-dir {directory} is locked by a run on another host "
+      f"({_holder(holder)}); wait for it to finish or pass another --checkpoint-dir "
+      f"(if no run is going on there, delete {path})"
+    )
   return CheckpointDirBusy(
-      f"--checkpoint-dir {directory} is in use by another jmp-train run "
-      f"({_holder(holder)}); wait for it to finish, or pass another --checkpoint-dir")
+    f"--checkpoint-dir {directory} is in use by another jmp-train run "
+    f"({_holder(holder)}); wait for it to finish, or pass another --checkpoint-dir"
+  )
 
 
 def _acquire(directory: str) -> int:
@@ -101,10 +102,12 @@ def _acquire(directory: str) -> int:
     os.close(fd)
     raise _busy(directory, previous, path, other_host=True)
   if previous:
-    print(f"jmp-train: taking over the lock of --checkpoint-dir {directory}: the run "
-          f"that held it ({_holder(previous)}) is no longer running", file=sys.stderr)
-  record = {"pid": os.getpid(), "host": host,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    print(
+      f"jmp-train: taking over the lock of --checkpoint-dir {directory}: the run "
+      f"that held it ({_holder(previous)}) is no longer running",
+      file=sys.stderr,
+    )
+  record = {"pid": os.getpid(), "host": host, "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
   os.ftruncate(fd, 0)
   os.lseek(fd, 0, os.SEEK_SET)
   os.write(fd, (json.dumps(record) + "\n").encode())

@@ -24,18 +24,18 @@ _PROG = "jmp-train"
 
 # Plain text for --help (no reST markup).
 _DESCRIPTION = (
-    "Trains a character-level Transformer on the Python standard library's source "
-    "(or an MLP on scikit-learn's digits) in nine configurations, under one warm-up + "
-    "cosine-decay learning-rate schedule, and compares them: float32; mixed float16 "
-    "without and with dynamic loss scaling; mixed bfloat16; float16 weights with plain "
-    "momentum SGD and with the modified momentum SGD; 8 data-parallel devices with a "
-    "float32 all-reduce, 1-bit compression without error feedback, and 1-bit SGD with "
-    "error feedback. Prints one table and writes results.json and (with matplotlib) "
-    "results.png to --out."
+  "Trains a character-level Transformer on the Python standard library's source "
+  "(or an MLP on scikit-learn's digits) in nine configurations, under one warm-up + "
+  "cosine-decay learning-rate schedule, and compares them: float32; mixed float16 "
+  "without and with dynamic loss scaling; mixed bfloat16; float16 weights with plain "
+  "momentum SGD and with the modified momentum SGD; 8 data-parallel devices with a "
+  "float32 all-reduce, 1-bit compression without error feedback, and 1-bit SGD with "
+  "error feedback. Prints one table and writes results.json and (with matplotlib) "
+  "results.png to --out."
 )
 _EPILOG = (
-    "Without matplotlib the table and results.json are still written; "
-    "pip install 'jmp_train[plot]' adds the figure. JMP_TRAIN_DEBUG=1 shows tracebacks."
+  "Without matplotlib the table and results.json are still written; "
+  "pip install 'jmp_train[plot]' adds the figure. JMP_TRAIN_DEBUG=1 shows tracebacks."
 )
 
 
@@ -76,64 +76,113 @@ def build_parser() -> argparse.ArgumentParser:
   """The CLI's argument parser."""
   # Names only; importing the demo module here would import JAX first.
   config_names = (
-      "f32", "f16", "f16-dls", "bf16", "f16w-sgd", "f16w-mmsgd",
-      "8dev-f32", "8dev-1bit-noef", "8dev-1bit", "8dev-diloco", "8dev-diloco-1bit",
+    "f32",
+    "f16",
+    "f16-dls",
+    "bf16",
+    "f16w-sgd",
+    "f16w-mmsgd",
+    "8dev-f32",
+    "8dev-1bit-noef",
+    "8dev-1bit",
+    "8dev-diloco",
+    "8dev-diloco-1bit",
   )
   default_configs = tuple(n for n in config_names if "diloco" not in n)
   parser = _Parser(prog=_PROG, description=_DESCRIPTION, epilog=_EPILOG)
-  parser.add_argument("--task", choices=("text", "digits"), default="text",
-                      help="char-level LM on the stdlib source, or MLP on sklearn digits "
-                           "(default: %(default)s)")
-  parser.add_argument("--steps", type=_positive_int, default=None,
-                      help="training steps per configuration (default 200; 20 with --quick)")
-  parser.add_argument("--batch", type=_positive_int, default=None,
-                      help="global batch size, a multiple of 8 (default 32; 16 with --quick)")
-  parser.add_argument("--seq-len", type=_positive_int, default=None,
-                      help="tokens per sequence for --task text (default 64; 16 with --quick)")
-  parser.add_argument("--d-model", type=_positive_int, default=None,
-                      help="model width, a multiple of 16 (default 64; 16 with --quick)")
-  parser.add_argument("--layers", type=_positive_int, default=None,
-                      help="Transformer layers (text) or hidden layers (digits) (default 1)")
-  parser.add_argument("--hidden", type=_positive_int, default=128,
-                      help="hidden width of the digits MLP (default: %(default)s)")
-  parser.add_argument("--lr", type=_positive_float, default=None,
-                      help="peak learning rate of every configuration (default 0.15)")
-  parser.add_argument("--final-lr", type=_fraction, default=0.01,
-                      help="the rate the cosine decay ends at, as a fraction of --lr "
-                           "(default: %(default)s)")
-  parser.add_argument("--one-bit-scale", choices=("l1", "l2", "column"), default="l1",
-                      help="reconstruction value of the 1-bit rows: per tensor mean |v| (l1), "
-                           "per tensor l2 norm, or per column (default: %(default)s)")
-  parser.add_argument("--init", choices=("flax", "gpt2"), default="flax",
-                      help="text task weights: Flax's default initializers, or GPT-2's "
-                           "(normal 0.02, residual projections / sqrt(2 layers)) "
-                           "(default: %(default)s)")
-  parser.add_argument("--configs", default=",".join(default_configs),
-                      help="comma-separated subset of " + ", ".join(config_names)
-                           + " (default: all but the 8dev-diloco rows, which train with "
-                           "local steps and an average every 8 steps)")
+  parser.add_argument(
+    "--task",
+    choices=("text", "digits"),
+    default="text",
+    help="char-level LM on the stdlib source, or MLP on sklearn digits (default: %(default)s)",
+  )
+  parser.add_argument(
+    "--steps", type=_positive_int, default=None, help="training steps per configuration (default 200; 20 with --quick)"
+  )
+  parser.add_argument(
+    "--batch", type=_positive_int, default=None, help="global batch size, a multiple of 8 (default 32; 16 with --quick)"
+  )
+  parser.add_argument(
+    "--seq-len",
+    type=_positive_int,
+    default=None,
+    help="tokens per sequence for --task text (default 64; 16 with --quick)",
+  )
+  parser.add_argument(
+    "--d-model", type=_positive_int, default=None, help="model width, a multiple of 16 (default 64; 16 with --quick)"
+  )
+  parser.add_argument(
+    "--layers", type=_positive_int, default=None, help="Transformer layers (text) or hidden layers (digits) (default 1)"
+  )
+  parser.add_argument(
+    "--hidden", type=_positive_int, default=128, help="hidden width of the digits MLP (default: %(default)s)"
+  )
+  parser.add_argument(
+    "--lr", type=_positive_float, default=None, help="peak learning rate of every configuration (default 0.15)"
+  )
+  parser.add_argument(
+    "--final-lr",
+    type=_fraction,
+    default=0.01,
+    help="the rate the cosine decay ends at, as a fraction of --lr (default: %(default)s)",
+  )
+  parser.add_argument(
+    "--one-bit-scale",
+    choices=("l1", "l2", "column"),
+    default="l1",
+    help="reconstruction value of the 1-bit rows: per tensor mean |v| (l1), "
+    "per tensor l2 norm, or per column (default: %(default)s)",
+  )
+  parser.add_argument(
+    "--init",
+    choices=("flax", "gpt2"),
+    default="flax",
+    help="text task weights: Flax's default initializers, or GPT-2's "
+    "(normal 0.02, residual projections / sqrt(2 layers)) "
+    "(default: %(default)s)",
+  )
+  parser.add_argument(
+    "--configs",
+    default=",".join(default_configs),
+    help="comma-separated subset of "
+    + ", ".join(config_names)
+    + " (default: all but the 8dev-diloco rows, which train with "
+    "local steps and an average every 8 steps)",
+  )
   parser.add_argument("--out", default="jmp_train_output", help="output folder (default: %(default)s)")
-  parser.add_argument("--seed", type=_nonnegative_int, default=0,
-                      help="seed of weights and data (default: %(default)s)")
-  parser.add_argument("--max-skipped-steps", type=_positive_int, default=100,
-                      help="stop with an error once this many steps in a row were skipped "
-                           "for non-finite gradients (default: %(default)s)")
-  parser.add_argument("--checkpoint-dir", default=None,
-                      help="save each configuration's training state there (orbax); the "
-                           "same command run again resumes each from its latest complete "
-                           "checkpoint (with the same --num-processes); one run at a time "
-                           "per folder")
-  parser.add_argument("--checkpoint-every", type=_positive_int, default=None,
-                      help="steps between checkpoints, with --checkpoint-dir (default 50)")
-  parser.add_argument("--num-processes", type=_positive_int, default=1,
-                      help="run the 8-device configurations as N local processes "
-                           "(jax.distributed, gloo, 127.0.0.1); N in 1, 2, 4, 8")
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny sizes and few steps (CI smoke test)")
-  parser.add_argument("--no-plot", dest="plot", action="store_false",
-                      help="skip results.png (no matplotlib needed)")
-  parser.add_argument("--no-progress", dest="progress", action="store_false",
-                      help="no progress bar")
+  parser.add_argument(
+    "--seed", type=_nonnegative_int, default=0, help="seed of weights and data (default: %(default)s)"
+  )
+  parser.add_argument(
+    "--max-skipped-steps",
+    type=_positive_int,
+    default=100,
+    help="stop with an error once this many steps in a row were skipped "
+    "for non-finite gradients (default: %(default)s)",
+  )
+  parser.add_argument(
+    "--checkpoint-dir",
+    default=None,
+    help="save each configuration's training state there (orbax); the "
+    "same command run again resumes each from its latest complete "
+    "checkpoint (with the same --num-processes); one run at a time "
+    "per folder",
+  )
+  parser.add_argument(
+    "--checkpoint-every",
+    type=_positive_int,
+    default=None,
+    help="steps between checkpoints, with --checkpoint-dir (default 50)",
+  )
+  parser.add_argument(
+    "--num-processes",
+    type=_positive_int,
+    default=1,
+    help="run the 8-device configurations as N local processes (jax.distributed, gloo, 127.0.0.1); N in 1, 2, 4, 8",
+  )
+  parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps (CI smoke test)")
+  parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip results.png (no matplotlib needed)")
+  parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
   parser.add_argument("--_process", default=None, help=argparse.SUPPRESS)
   parser.config_names = config_names  # type: ignore[attr-defined]
   return parser
@@ -145,43 +194,40 @@ def _settings(args: argparse.Namespace, config_names) -> dict:
   unknown = [c for c in configs if c not in config_names]
   if not configs or unknown:
     raise _UsageError(
-        f"unknown configuration(s) {', '.join(map(repr, unknown)) or '(none given)'} "
-        f"in --configs; valid: {', '.join(config_names)}"
+      f"unknown configuration(s) {', '.join(map(repr, unknown)) or '(none given)'} "
+      f"in --configs; valid: {', '.join(config_names)}"
     )
   if len(set(configs)) != len(configs):
     raise _UsageError(f"--configs lists a configuration twice: {args.configs!r}")
   settings = dict(
-      task=args.task,
-      steps=args.steps or (20 if quick else 200),
-      batch=args.batch or (16 if quick else 32),
-      seq_len=args.seq_len or (16 if quick else 64),
-      d_model=args.d_model or (16 if quick else 64),
-      layers=args.layers or 1,
-      hidden=32 if quick and args.hidden == 128 else args.hidden,
-      learning_rate=args.lr or 0.15,
-      final_lr_fraction=args.final_lr,
-      one_bit_scale=args.one_bit_scale,
-      init=args.init,
-      configs=configs,
-      out=args.out,
-      seed=args.seed,
-      eval_batches=1 if quick else 4,
-      max_skipped_steps=args.max_skipped_steps,
-      checkpoint_dir=args.checkpoint_dir,
-      checkpoint_every=args.checkpoint_every or 50,
-      num_processes=args.num_processes,
-      plot=args.plot,
-      progress=args.progress,
+    task=args.task,
+    steps=args.steps or (20 if quick else 200),
+    batch=args.batch or (16 if quick else 32),
+    seq_len=args.seq_len or (16 if quick else 64),
+    d_model=args.d_model or (16 if quick else 64),
+    layers=args.layers or 1,
+    hidden=32 if quick and args.hidden == 128 else args.hidden,
+    learning_rate=args.lr or 0.15,
+    final_lr_fraction=args.final_lr,
+    one_bit_scale=args.one_bit_scale,
+    init=args.init,
+    configs=configs,
+    out=args.out,
+    seed=args.seed,
+    eval_batches=1 if quick else 4,
+    max_skipped_steps=args.max_skipped_steps,
+    checkpoint_dir=args.checkpoint_dir,
+    checkpoint_every=args.checkpoint_every or 50,
+    num_processes=args.num_processes,
+    plot=args.plot,
+    progress=args.progress,
   )
   if settings["batch"] % _NUM_DEVICES:
     raise _UsageError(
-        f"--batch {settings['batch']} must be a multiple of {_NUM_DEVICES} "
-        "(the 8-device configurations split it evenly)"
+      f"--batch {settings['batch']} must be a multiple of {_NUM_DEVICES} (the 8-device configurations split it evenly)"
     )
   if args.num_processes not in (1, 2, 4, 8):
-    raise _UsageError(
-        f"--num-processes {args.num_processes} must divide {_NUM_DEVICES}: 1, 2, 4 or 8"
-    )
+    raise _UsageError(f"--num-processes {args.num_processes} must divide {_NUM_DEVICES}: 1, 2, 4 or 8")
   if args.checkpoint_every is not None and args.checkpoint_dir is None:
     raise _UsageError("--checkpoint-every needs --checkpoint-dir")
   if settings["d_model"] % 16 and args.task == "text":
@@ -211,23 +257,19 @@ def _check_optional_dependencies(settings: dict) -> str | None:
       import sklearn  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
     except ImportError:
       raise _DependencyError(
-          "--task digits needs scikit-learn: pip install 'jmp_train_examples[full]' "
-          "(or use --task text)"
+        "--task digits needs scikit-learn: pip install 'jmp_train_examples[full]' (or use --task text)"
       ) from None
   if settings["checkpoint_dir"] is not None:
     try:
       import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
     except ImportError:
-      raise _DependencyError(
-          "--checkpoint-dir needs orbax-checkpoint: pip install 'jmp_train[checkpoint]'"
-      ) from None
+      raise _DependencyError("--checkpoint-dir needs orbax-checkpoint: pip install 'jmp_train[checkpoint]'") from None
   if settings["plot"]:
     try:
       import matplotlib  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
     except ImportError:
       settings["plot"] = False
-      return ("results.png not drawn: matplotlib is not installed; "
-              "pip install 'jmp_train[plot]' to get the figure")
+      return "results.png not drawn: matplotlib is not installed; pip install 'jmp_train[plot]' to get the figure"
   return None
 
 
@@ -254,8 +296,12 @@ def _setup_jax(process: str | None) -> None:
   # A process that dies (kill -9, out of memory) stops sending heartbeats:
   # the others stop within _HEARTBEAT_S (jax's defaults wait minutes).
   jax.distributed.initialize(
-      f"127.0.0.1:{port}", num_processes=n, process_id=pid,
-      heartbeat_timeout_seconds=_HEARTBEAT_S, shutdown_timeout_seconds=_SHUTDOWN_S)
+    f"127.0.0.1:{port}",
+    num_processes=n,
+    process_id=pid,
+    heartbeat_timeout_seconds=_HEARTBEAT_S,
+    shutdown_timeout_seconds=_SHUTDOWN_S,
+  )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 2
       except OSError as e:
-        print(f"{_PROG}: error: --checkpoint-dir {settings['checkpoint_dir']}: cannot write "
-              f"there ({e.strerror or type(e).__name__})", file=sys.stderr)
+        print(
+          f"{_PROG}: error: --checkpoint-dir {settings['checkpoint_dir']}: cannot write "
+          f"there ({e.strerror or type(e).__name__})",
+          file=sys.stderr,
+        )
         return 2
     return _run(args, argv, settings)
 
@@ -326,35 +375,44 @@ def _run(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
       rows = demo.run_demo(s, argv_base=_strip(argv), worker=args._process is not None)  # pylint: disable=protected-access
     if args._process is None:  # pylint: disable=protected-access
       print(demo.format_table(rows))
-      print(f"\nwritten: {os.path.join(s.out, 'results.json')}"
-            + (f", {os.path.join(s.out, 'results.png')}" if s.plot else ""))
+      print(
+        f"\nwritten: {os.path.join(s.out, 'results.json')}"
+        + (f", {os.path.join(s.out, 'results.png')}" if s.plot else "")
+      )
       if plot_note:
         print(plot_note)
       failed = [r for r in rows if r.get("failed")]
       if failed:
         # After everything is written: the table and results.json flag the rows.
-        print(f"{_PROG}: error: "
-              + "; ".join(f"configuration {r['config']!r} failed: {r['failed']} (train_loss "
-                          f"{r['train_loss']:.4g}, val_loss {r['val_loss']:.4g})"
-                          for r in failed)
-              + "; marked failed in results.json (try dynamic loss scaling, a bfloat16 "
-              "policy, or a lower --lr)", file=sys.stderr)
+        print(
+          f"{_PROG}: error: "
+          + "; ".join(
+            f"configuration {r['config']!r} failed: {r['failed']} (train_loss "
+            f"{r['train_loss']:.4g}, val_loss {r['val_loss']:.4g})"
+            for r in failed
+          )
+          + "; marked failed in results.json (try dynamic loss scaling, a bfloat16 "
+          "policy, or a lower --lr)",
+          file=sys.stderr,
+        )
         return 1
   except KeyboardInterrupt:
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 130
   except _terminated():
-    print(f"{_PROG}: terminated (SIGTERM); run the same command again to resume "
-          "from the latest checkpoint" if settings["checkpoint_dir"] else
-          f"{_PROG}: terminated (SIGTERM)", file=sys.stderr)
+    print(
+      f"{_PROG}: terminated (SIGTERM); run the same command again to resume from the latest checkpoint"
+      if settings["checkpoint_dir"]
+      else f"{_PROG}: terminated (SIGTERM)",
+      file=sys.stderr,
+    )
     return 128 + signal.SIGTERM
   except Exception as e:  # pylint: disable=broad-except
     # One line, never a traceback; JMP_TRAIN_DEBUG=1 shows it.
     if os.environ.get("JMP_TRAIN_DEBUG"):
       raise
     message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    print(f"{_PROG}: error: {type(e).__name__ + ': ' if not isinstance(e, _known()) else ''}"
-          f"{message}", file=sys.stderr)
+    print(f"{_PROG}: error: {type(e).__name__ + ': ' if not isinstance(e, _known()) else ''}{message}", file=sys.stderr)
     return 1
   return 0
 
@@ -393,8 +451,7 @@ class _LauncherWatch:
     # The launcher may have died before prctl: then the parent has changed.
     self._gone = os.getppid() != self._parent
     if not self._gone:
-      threading.Thread(target=self._watch, args=(not pdeathsig,), daemon=True,
-                       name="jmp-train-launcher-watch").start()
+      threading.Thread(target=self._watch, args=(not pdeathsig,), daemon=True, name="jmp-train-launcher-watch").start()
 
   def orphaned(self) -> bool:
     return self._gone or os.getppid() != self._parent

@@ -16,12 +16,12 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 __all__ = [
-    "Dataset",
-    "load_text_corpus",
-    "load_digits",
-    "text_windows",
-    "char_lm_batches",
-    "TEXT_VOCAB_SIZE",
+  "Dataset",
+  "load_text_corpus",
+  "load_digits",
+  "text_windows",
+  "char_lm_batches",
+  "TEXT_VOCAB_SIZE",
 ]
 
 # Byte-level vocabulary: fixed, and a multiple of 8 for Tensor Cores.
@@ -29,14 +29,43 @@ TEXT_VOCAB_SIZE = 256
 
 # Fixed, version-stable stdlib modules so the corpus is deterministic.
 _CORPUS_MODULES = (
-    "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py",
-    "collections/__init__.py", "configparser.py", "contextlib.py", "copy.py",
-    "csv.py", "dataclasses.py", "datetime.py", "decimal.py", "difflib.py",
-    "enum.py", "fractions.py", "functools.py", "glob.py", "gzip.py",
-    "heapq.py", "inspect.py", "json/decoder.py", "json/encoder.py",
-    "logging/__init__.py", "pathlib.py", "pickle.py", "pprint.py",
-    "random.py", "shutil.py", "statistics.py", "string.py", "subprocess.py",
-    "tarfile.py", "textwrap.py", "threading.py", "typing.py", "zipfile.py",
+  "argparse.py",
+  "ast.py",
+  "base64.py",
+  "bisect.py",
+  "calendar.py",
+  "collections/__init__.py",
+  "configparser.py",
+  "contextlib.py",
+  "copy.py",
+  "csv.py",
+  "dataclasses.py",
+  "datetime.py",
+  "decimal.py",
+  "difflib.py",
+  "enum.py",
+  "fractions.py",
+  "functools.py",
+  "glob.py",
+  "gzip.py",
+  "heapq.py",
+  "inspect.py",
+  "json/decoder.py",
+  "json/encoder.py",
+  "logging/__init__.py",
+  "pathlib.py",
+  "pickle.py",
+  "pprint.py",
+  "random.py",
+  "shutil.py",
+  "statistics.py",
+  "string.py",
+  "subprocess.py",
+  "tarfile.py",
+  "textwrap.py",
+  "threading.py",
+  "typing.py",
+  "zipfile.py",
 )
 
 
@@ -83,9 +112,7 @@ def load_text_corpus(max_bytes: int | None = 2_000_000) -> np.ndarray:
   return corpus[:max_bytes] if max_bytes is not None else corpus
 
 
-def text_windows(
-    corpus: np.ndarray, rng: np.random.Generator, n: int, seq_len: int
-) -> tuple[np.ndarray, np.ndarray]:
+def text_windows(corpus: np.ndarray, rng: np.random.Generator, n: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
   """``n`` windows of ``corpus`` at random positions, targets shifted by 1.
 
   The ``n`` start positions come from one ``rng.integers`` call: generators
@@ -112,7 +139,7 @@ def text_windows(
 
 
 def char_lm_batches(
-    corpus: np.ndarray, batch_size: int, seq_len: int, seed: int = 0
+  corpus: np.ndarray, batch_size: int, seq_len: int, seed: int = 0
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """Yields ``(inputs, targets)`` windows of ``corpus``, targets shifted by 1.
 
@@ -126,10 +153,7 @@ def char_lm_batches(
     ``int32`` arrays of shape ``(batch_size, seq_len)``.
   """
   if corpus.ndim != 1 or len(corpus) <= seq_len + 1:
-    raise ValueError(
-        f"corpus must be 1-D and longer than seq_len + 1 = {seq_len + 1}, "
-        f"got shape {corpus.shape}."
-    )
+    raise ValueError(f"corpus must be 1-D and longer than seq_len + 1 = {seq_len + 1}, got shape {corpus.shape}.")
   rng = np.random.default_rng(seed)
   while True:
     yield text_windows(corpus, rng, batch_size, seq_len)
@@ -152,9 +176,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
   try:
     from sklearn import datasets  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError(
-        "load_digits needs scikit-learn: pip install 'jmp_train_examples[full]'"
-    ) from e
+    raise ImportError("load_digits needs scikit-learn: pip install 'jmp_train_examples[full]'") from e
   if not 0.0 < test_fraction < 1.0:
     raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")
   digits = datasets.load_digits()

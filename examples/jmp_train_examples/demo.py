@@ -38,7 +38,6 @@ need 8 devices of one kind, which on a one-GPU machine are 8 simulated CPU
 devices (:func:`jmp_train_examples.cli.main` creates them).
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -75,8 +74,18 @@ from jmp_train_examples.processes import free_port, run_processes
 from jmp_train_examples.stopping import Terminated
 
 __all__ = [
-    "CONFIGS", "COLUMNS", "DemoError", "DemoSettings", "RunConfig", "format_table", "run_demo",
-    "learning_rate_schedule", "data_parallel_optimizer", "TASKS", "gpt2_init", "write_atomic",
+  "CONFIGS",
+  "COLUMNS",
+  "DemoError",
+  "DemoSettings",
+  "RunConfig",
+  "format_table",
+  "run_demo",
+  "learning_rate_schedule",
+  "data_parallel_optimizer",
+  "TASKS",
+  "gpt2_init",
+  "write_atomic",
 ]
 
 # Lines that say why a process failed: a Python exception, an absl fatal
@@ -121,7 +130,7 @@ def _unresponsive_peers(log: str) -> list[int] | None:
   for m in _UNHEALTHY.finditer(log):
     # The list ends at "The tasks have crashed..." or a blank line; its
     # items are "1" or "/job:jax_worker/replica:0/task:1" (the last number).
-    block = re.split(r"The tasks|\n\s*\n", log[m.end():m.end() + 400])[0]
+    block = re.split(r"The tasks|\n\s*\n", log[m.end() : m.end() + 400])[0]
     for part in re.split(r"[,\n]", block):
       numbers = re.findall(r"\d+", part)
       if numbers:
@@ -137,16 +146,14 @@ def _summary(code: int, log: str, ended: bool) -> str:
   """One line on how a worker ended, from its exit status and output."""
   if ended:
     return "still running after another process had stopped: killed by the launcher"
-  how = (f"exit status {code}" if code >= 0 else
-         "aborted (SIGABRT)" if -code == signal.SIGABRT else _signal_name(-code))
+  how = f"exit status {code}" if code >= 0 else "aborted (SIGABRT)" if -code == signal.SIGABRT else _signal_name(-code)
   peers = _unresponsive_peers(log)
   if peers:
-    why = ("jax.distributed lost its heartbeats from process "
-           + ", ".join(map(str, peers)))
+    why = "jax.distributed lost its heartbeats from process " + ", ".join(map(str, peers))
   else:
     why = _failure_line(log)
   if len(why) > _SUMMARY_CHARS:
-    why = why[:_SUMMARY_CHARS - 3] + "..."
+    why = why[: _SUMMARY_CHARS - 3] + "..."
   return f"{how}: {why}"
 
 
@@ -174,9 +181,7 @@ def _worker_xla_flags(flags: str) -> str:
   Each worker sets its own device count (8 / N); every other flag (a GPU
   flag, a collective timeout) reaches the workers as the user set it.
   """
-  return " ".join(
-      f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")
-  )
+  return " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def _job_error(n: int, results: Sequence[tuple[int, str]]) -> Exception | None:
@@ -188,16 +193,12 @@ def _job_error(n: int, results: Sequence[tuple[int, str]]) -> Exception | None:
   outside.
   """
   ended = [bool(getattr(r, "ended", False)) for r in results]
-  lost = [(pid, code) for pid, (code, _) in enumerate(results)
-          if _killed(code) and not ended[pid]]
+  lost = [(pid, code) for pid, (code, _) in enumerate(results) if _killed(code) and not ended[pid]]
   if lost:
     pid, code = lost[0]
-    return DemoError(
-        f"process {pid} of {n} was lost ({_signal_name(-code)}); "
-        "the others stopped without it")
+    return DemoError(f"process {pid} of {n} was lost ({_signal_name(-code)}); the others stopped without it")
   codes = [code for code, _ in results]
-  if (not any(ended) and 128 + signal.SIGTERM in codes
-      and all(code in (0, 128 + signal.SIGTERM) for code in codes)):
+  if not any(ended) and 128 + signal.SIGTERM in codes and all(code in (0, 128 + signal.SIGTERM) for code in codes):
     # SIGTERM to a worker: all of them saved the same step and stopped.
     return Terminated()
   failed = [pid for pid, (code, _) in enumerate(results) if code != 0 and not ended[pid]]
@@ -209,17 +210,19 @@ def _job_error(n: int, results: Sequence[tuple[int, str]]) -> Exception | None:
       # heartbeats, and it was still running after the peer had gone.
       suspect = next((p for p in stuck if p in peers), stuck[0])
       return DemoError(
-          f"process {suspect} of {n} stopped responding (alive but not answering: "
-          f"process {pid} gave up on its heartbeats and stopped, it did not); "
-          "the launcher killed it")
+        f"process {suspect} of {n} stopped responding (alive but not answering: "
+        f"process {pid} gave up on its heartbeats and stopped, it did not); "
+        "the launcher killed it"
+      )
   if failed:
     pid = failed[0]
     return DemoError(f"process {pid} of {n} failed: {_failure_line(results[pid][1])}")
   if stuck:
     done = [pid for pid in range(n) if not ended[pid]]
     return DemoError(
-        f"process {stuck[0]} of {n} did not finish: still running long after process "
-        f"{done[0] if done else '?'} had ended; the launcher killed it")
+      f"process {stuck[0]} of {n} did not finish: still running long after process "
+      f"{done[0] if done else '?'} had ended; the launcher killed it"
+    )
   return None
 
 
@@ -237,11 +240,23 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
   lock = checkpoint_lock.held_fd(s.checkpoint_dir)
   with tempfile.TemporaryDirectory(prefix=f"{WORKER_FOLDER_PREFIX}{os.getpid()}_") as tmp:
     commands = [
-        [sys.executable, "-m", "jmp_train_examples", *argv_base,
-         "--configs", ",".join(names), "--out", tmp, "--no-plot", "--no-progress",
-         "--num-processes", "1",
-         "--_process", f"{pid},{s.num_processes},{port},{os.getpid()}"]
-        for pid in range(s.num_processes)
+      [
+        sys.executable,
+        "-m",
+        "jmp_train_examples",
+        *argv_base,
+        "--configs",
+        ",".join(names),
+        "--out",
+        tmp,
+        "--no-plot",
+        "--no-progress",
+        "--num-processes",
+        "1",
+        "--_process",
+        f"{pid},{s.num_processes},{port},{os.getpid()}",
+      ]
+      for pid in range(s.num_processes)
     ]
     results = run_processes(commands, env, **({"pass_fds": (lock,)} if lock is not None else {}))
     error = _job_error(s.num_processes, results)
@@ -249,9 +264,10 @@ def _run_processes(s: DemoSettings, names: Sequence[str], argv_base: list[str]) 
       if not isinstance(error, Terminated):
         for pid, (code, log) in enumerate(results):
           if code != 0:
-            print(f"process {pid} of {s.num_processes}: "
-                  f"{_summary(code, log, bool(getattr(results[pid], 'ended', False)))}",
-                  file=sys.stderr)
+            print(
+              f"process {pid} of {s.num_processes}: {_summary(code, log, bool(getattr(results[pid], 'ended', False)))}",
+              file=sys.stderr,
+            )
             if os.environ.get("JMP_TRAIN_DEBUG"):
               print(log, file=sys.stderr)
       raise error
@@ -277,8 +293,7 @@ def _run_all(s: DemoSettings, argv_base: Sequence[str]) -> tuple[list[dict], dic
   if s.progress:
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
-    bar = tqdm(total=s.steps * len(local), desc="jmp-train", unit="step",
-               dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=s.steps * len(local), desc="jmp-train", unit="step", dynamic_ncols=True, file=sys.stderr)
   try:
     rows, curves = run_configs(s, local, bar, task)
   finally:
@@ -286,8 +301,11 @@ def _run_all(s: DemoSettings, argv_base: Sequence[str]) -> tuple[list[dict], dic
       bar.close()
   if remote:
     if s.progress:
-      print(f"running {', '.join(remote)} in {s.num_processes} processes "
-            "(jax.distributed, gloo on 127.0.0.1)...", file=sys.stderr, flush=True)
+      print(
+        f"running {', '.join(remote)} in {s.num_processes} processes (jax.distributed, gloo on 127.0.0.1)...",
+        file=sys.stderr,
+        flush=True,
+      )
     more_rows, more_curves = _run_processes(s, remote, list(argv_base))
     rows += more_rows
     curves.update(more_curves)
@@ -309,39 +327,38 @@ def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = F
   Returns:
     The table rows.
   """
-  if (len(data_parallel_devices()) < NUM_DEVICES
-      and any(CONFIGS[n].devices > 1 for n in s.configs)):
+  if len(data_parallel_devices()) < NUM_DEVICES and any(CONFIGS[n].devices > 1 for n in s.configs):
     raise DemoError(
-        f"the 8-device configurations need {NUM_DEVICES} devices, JAX has "
-        f"{jax.device_count()}; run through `jmp-train` (it sets them up), or "
-        "leave the 8dev-* configurations out of --configs."
+      f"the 8-device configurations need {NUM_DEVICES} devices, JAX has "
+      f"{jax.device_count()}; run through `jmp-train` (it sets them up), or "
+      "leave the 8dev-* configurations out of --configs."
     )
   out = pathlib.Path(s.out)
   out.mkdir(parents=True, exist_ok=True)
   if worker:
     rows, curves = run_configs(s, s.configs)
     if jax.process_index() == 0:
-      write_atomic(out / "worker.json", json.dumps(
-          {"rows": rows, "curves": {k: _json_curves(v) for k, v in curves.items()}}))
+      write_atomic(
+        out / "worker.json", json.dumps({"rows": rows, "curves": {k: _json_curves(v) for k, v in curves.items()}})
+      )
     return rows
   t0, cpu0 = time.perf_counter(), time.process_time()
-  with (checkpoint_lock.hold(s.checkpoint_dir) if s.checkpoint_dir is not None
-        else contextlib.nullcontext()):
+  with checkpoint_lock.hold(s.checkpoint_dir) if s.checkpoint_dir is not None else contextlib.nullcontext():
     rows, curves = _run_all(s, argv_base)
   _mark_failed(rows, curves)
   payload = {
-      "settings": dataclasses.asdict(s),
-      "machine": {
-          "backend": jax.default_backend(),
-          "devices": jax.device_count(),
-          "cpu_count": os.cpu_count(),
-          "jax": jax.__version__,
-      },
-      "timing": {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0},
-      "columns": list(COLUMNS),
-      "comparisons": {k: list(v) for k, v in COMPARISONS.items()},
-      "rows": rows,
-      "curves": {k: _json_curves(v) for k, v in curves.items()},
+    "settings": dataclasses.asdict(s),
+    "machine": {
+      "backend": jax.default_backend(),
+      "devices": jax.device_count(),
+      "cpu_count": os.cpu_count(),
+      "jax": jax.__version__,
+    },
+    "timing": {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0},
+    "columns": list(COLUMNS),
+    "comparisons": {k: list(v) for k, v in COMPARISONS.items()},
+    "rows": rows,
+    "curves": {k: _json_curves(v) for k, v in curves.items()},
   }
   write_atomic(out / "results.json", json.dumps(payload, indent=2, default=_jsonable) + "\n")
   if s.plot:
@@ -359,8 +376,7 @@ def _mark_failed(rows: list[dict], curves: dict) -> None:
   table and ``results.json`` are written.
   """
   for r in rows:
-    losses = [r.get("train_loss"), r.get("val_loss"),
-              (curves.get(r["config"], {}).get("loss") or [None])[-1]]
+    losses = [r.get("train_loss"), r.get("val_loss"), (curves.get(r["config"], {}).get("loss") or [None])[-1]]
     if any(v is not None and not np.isfinite(v) for v in losses):
       r["failed"] = "loss is not finite"
 
@@ -394,8 +410,8 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> None:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
     raise DemoError(
-        f"cannot write {path}: {e.strerror or e}; "
-        + ("the previous file is unchanged" if path.exists() else "nothing was written")
+      f"cannot write {path}: {e.strerror or e}; "
+      + ("the previous file is unchanged" if path.exists() else "nothing was written")
     ) from e
 
 

@@ -16,10 +16,19 @@ import optax
 import jmp_train
 
 __all__ = [
-    "COLUMNS", "COMPARISONS", "CONFIGS", "DEFAULT_CONFIGS", "DILOCO_SYNC_EVERY", "DemoError",
-    "DemoSettings", "NUM_DEVICES",
-    "RunConfig", "data_parallel_optimizer", "learning_rate_schedule",
-    "single_device_optimizer", "warmup_steps",
+  "COLUMNS",
+  "COMPARISONS",
+  "CONFIGS",
+  "DEFAULT_CONFIGS",
+  "DILOCO_SYNC_EVERY",
+  "DemoError",
+  "DemoSettings",
+  "NUM_DEVICES",
+  "RunConfig",
+  "data_parallel_optimizer",
+  "learning_rate_schedule",
+  "single_device_optimizer",
+  "warmup_steps",
 ]
 
 NUM_DEVICES = 8
@@ -66,29 +75,48 @@ class RunConfig(NamedTuple):
 _F16_WEIGHTS = "params=float16,compute=float16,output=float32"
 
 CONFIGS: dict[str, RunConfig] = {
-    c.name: c
-    for c in (
-        RunConfig("f32", "float32", "float32"),
-        RunConfig("f16", "mixed float16, no loss scaling", "mixed_float16"),
-        RunConfig("f16-dls", "mixed float16, dynamic loss scaling", "mixed_float16", "dynamic"),
-        RunConfig("bf16", "mixed bfloat16", "mixed_bfloat16"),
-        RunConfig("f16w-sgd", "float16 weights, momentum SGD (optax.sgd)",
-                  _F16_WEIGHTS, "dynamic", "momentum"),
-        RunConfig("f16w-mmsgd", "float16 weights, modified momentum SGD",
-                  _F16_WEIGHTS, "dynamic", "modified-momentum"),
-        RunConfig("8dev-f32", "8 devices, float32 all-reduce", "float32",
-                  devices=NUM_DEVICES, reference="8dev-f32"),
-        RunConfig("8dev-1bit-noef", "8 devices, 1-bit, no error feedback", "float32",
-                  devices=NUM_DEVICES, compression="1bit-noef", reference="8dev-f32"),
-        RunConfig("8dev-1bit", "8 devices, 1-bit SGD + error feedback", "float32",
-                  devices=NUM_DEVICES, compression="1bit", reference="8dev-f32"),
-        RunConfig("8dev-diloco", f"8 devices, DiLoCo: local steps, average every "
-                  f"{DILOCO_SYNC_EVERY}", "float32", devices=NUM_DEVICES, compression="diloco",
-                  reference="8dev-f32"),
-        RunConfig("8dev-diloco-1bit", f"8 devices, DiLoCo, 1-bit average every "
-                  f"{DILOCO_SYNC_EVERY}", "float32", devices=NUM_DEVICES,
-                  compression="diloco-1bit", reference="8dev-f32"),
-    )
+  c.name: c
+  for c in (
+    RunConfig("f32", "float32", "float32"),
+    RunConfig("f16", "mixed float16, no loss scaling", "mixed_float16"),
+    RunConfig("f16-dls", "mixed float16, dynamic loss scaling", "mixed_float16", "dynamic"),
+    RunConfig("bf16", "mixed bfloat16", "mixed_bfloat16"),
+    RunConfig("f16w-sgd", "float16 weights, momentum SGD (optax.sgd)", _F16_WEIGHTS, "dynamic", "momentum"),
+    RunConfig("f16w-mmsgd", "float16 weights, modified momentum SGD", _F16_WEIGHTS, "dynamic", "modified-momentum"),
+    RunConfig("8dev-f32", "8 devices, float32 all-reduce", "float32", devices=NUM_DEVICES, reference="8dev-f32"),
+    RunConfig(
+      "8dev-1bit-noef",
+      "8 devices, 1-bit, no error feedback",
+      "float32",
+      devices=NUM_DEVICES,
+      compression="1bit-noef",
+      reference="8dev-f32",
+    ),
+    RunConfig(
+      "8dev-1bit",
+      "8 devices, 1-bit SGD + error feedback",
+      "float32",
+      devices=NUM_DEVICES,
+      compression="1bit",
+      reference="8dev-f32",
+    ),
+    RunConfig(
+      "8dev-diloco",
+      f"8 devices, DiLoCo: local steps, average every {DILOCO_SYNC_EVERY}",
+      "float32",
+      devices=NUM_DEVICES,
+      compression="diloco",
+      reference="8dev-f32",
+    ),
+    RunConfig(
+      "8dev-diloco-1bit",
+      f"8 devices, DiLoCo, 1-bit average every {DILOCO_SYNC_EVERY}",
+      "float32",
+      devices=NUM_DEVICES,
+      compression="diloco-1bit",
+      reference="8dev-f32",
+    ),
+  )
 }
 
 # What a run without --configs trains: every row but the DiLoCo ones (asked
@@ -97,15 +125,24 @@ DEFAULT_CONFIGS = tuple(name for name in CONFIGS if "diloco" not in name)
 
 # The three comparisons of the figure, each with its reference first.
 COMPARISONS = {
-    "loss scaling": ("f32", "f16", "f16-dls", "bf16"),
-    "weight updates": ("f32", "f16w-sgd", "f16w-mmsgd"),
-    "compression": ("8dev-f32", "8dev-1bit-noef", "8dev-1bit", "8dev-diloco", "8dev-diloco-1bit"),
+  "loss scaling": ("f32", "f16", "f16-dls", "bf16"),
+  "weight updates": ("f32", "f16w-sgd", "f16w-mmsgd"),
+  "compression": ("8dev-f32", "8dev-1bit-noef", "8dev-1bit", "8dev-diloco", "8dev-diloco-1bit"),
 }
 
 COLUMNS = (
-    "config", "train_loss", "val_loss", "val_loss_gap", "val_acc", "steps_per_s", "skipped",
-    "loss_scale", "underflow_f16", "underflow_f16_logits", "state_bytes",
-    "wire_bytes_per_step",
+  "config",
+  "train_loss",
+  "val_loss",
+  "val_loss_gap",
+  "val_acc",
+  "steps_per_s",
+  "skipped",
+  "loss_scale",
+  "underflow_f16",
+  "underflow_f16_logits",
+  "state_bytes",
+  "wire_bytes_per_step",
 )
 
 
@@ -151,11 +188,11 @@ def learning_rate_schedule(s: DemoSettings) -> optax.Schedule:
   final_lr_fraction`` at the last step (``optax.warmup_cosine_decay_schedule``).
   """
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
-      peak_value=s.learning_rate,
-      warmup_steps=warmup_steps(s),
-      decay_steps=max(2, s.steps),
-      end_value=s.learning_rate * s.final_lr_fraction,
+    init_value=0.0,
+    peak_value=s.learning_rate,
+    warmup_steps=warmup_steps(s),
+    decay_steps=max(2, s.steps),
+    end_value=s.learning_rate * s.final_lr_fraction,
   )
 
 
@@ -170,13 +207,12 @@ def single_device_optimizer(cfg: RunConfig, s: DemoSettings) -> optax.GradientTr
   if cfg.optimizer == "modified-momentum":
     return jmp_train.modified_momentum_sgd(lr, momentum=m)
   raise ValueError(
-      f"Unknown optimizer {cfg.optimizer!r}; valid: 'momentum', 'momentum-lr-in-buffer', "
-      "'modified-momentum'."
+    f"Unknown optimizer {cfg.optimizer!r}; valid: 'momentum', 'momentum-lr-in-buffer', 'modified-momentum'."
   )
 
 
 def data_parallel_optimizer(
-    cfg: RunConfig, s: DemoSettings, axis_name: str = "batch"
+  cfg: RunConfig, s: DemoSettings, axis_name: str = "batch"
 ) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
   """``(compression, optimizer)`` of an 8-device row, for ``make_train_step``.
 
@@ -211,21 +247,23 @@ def data_parallel_optimizer(
     return None, optax.sgd(lr, momentum=m)
   if cfg.compression == "1bit-noef":
     compression = jmp_train.sign_compression(
-        axis_name, error_feedback=False, server_error_feedback=False, scale=s.one_bit_scale)
+      axis_name, error_feedback=False, server_error_feedback=False, scale=s.one_bit_scale
+    )
     return compression, optax.sgd(lr, momentum=m)
   if cfg.compression == "1bit":
     # It averages across replicas and applies the learning rate itself.
     tx = jmp_train.one_bit_momentum(
-        lr, m, axis_name=axis_name, warmup_steps=s.one_bit_warmup_steps,
-        scale=s.one_bit_scale)
+      lr, m, axis_name=axis_name, warmup_steps=s.one_bit_warmup_steps, scale=s.one_bit_scale
+    )
     return tx, optax.identity()
   if cfg.compression in ("diloco", "diloco-1bit"):
-    exchange = (jmp_train.sign_compression(axis_name, scale=s.one_bit_scale)
-                if cfg.compression == "diloco-1bit" else None)
-    tx = jmp_train.diloco(optax.sgd(lr, momentum=m), sync_every=DILOCO_SYNC_EVERY,
-                          axis_name=axis_name, compression=exchange)
+    exchange = (
+      jmp_train.sign_compression(axis_name, scale=s.one_bit_scale) if cfg.compression == "diloco-1bit" else None
+    )
+    tx = jmp_train.diloco(
+      optax.sgd(lr, momentum=m), sync_every=DILOCO_SYNC_EVERY, axis_name=axis_name, compression=exchange
+    )
     return tx, optax.identity()
   raise ValueError(
-      f"Unknown compression {cfg.compression!r}; valid: 'none', '1bit', '1bit-noef', "
-      "'diloco', 'diloco-1bit'."
+    f"Unknown compression {cfg.compression!r}; valid: 'none', '1bit', '1bit-noef', 'diloco', 'diloco-1bit'."
   )

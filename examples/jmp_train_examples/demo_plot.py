@@ -24,18 +24,24 @@ __all__ = ["build_figure", "percent_gap", "plot"]
 
 # Baseline: black solid; the others in distinct colours, line styles and markers.
 _STYLES = (
-    dict(color="black", ls="-", lw=2.2),
-    dict(color="tab:red", ls="--", lw=1.8, marker="o"),
-    dict(color="tab:blue", ls="-.", lw=1.8, marker="s"),
-    dict(color="tab:green", ls=":", lw=2.2, marker="^"),
-    dict(color="tab:purple", ls="--", lw=1.8, marker="v"),
-    dict(color="tab:brown", ls="-.", lw=1.8, marker="D"),
+  dict(color="black", ls="-", lw=2.2),
+  dict(color="tab:red", ls="--", lw=1.8, marker="o"),
+  dict(color="tab:blue", ls="-.", lw=1.8, marker="s"),
+  dict(color="tab:green", ls=":", lw=2.2, marker="^"),
+  dict(color="tab:purple", ls="--", lw=1.8, marker="v"),
+  dict(color="tab:brown", ls="-.", lw=1.8, marker="D"),
 )
 # A gap panel's y-axis spans at least this many percent either side of zero,
 # so that rows within a fraction of a percent of their baseline draw flat.
 _MIN_GAP_RANGE = 2.0
-_FONT = {"font.size": 11, "axes.titlesize": 13, "axes.labelsize": 11,
-         "legend.fontsize": 10, "xtick.labelsize": 10, "ytick.labelsize": 10}
+_FONT = {
+  "font.size": 11,
+  "axes.titlesize": 13,
+  "axes.labelsize": 11,
+  "legend.fontsize": 10,
+  "xtick.labelsize": 10,
+  "ytick.labelsize": 10,
+}
 
 
 def percent_gap(values: Sequence[float], baseline: Sequence[float]) -> np.ndarray:
@@ -94,8 +100,7 @@ def _loss_panel(ax, title: str, names: Sequence[str], curves: dict, window: int)
     x, y = _smooth(curves[name]["loss"], window)
     if not len(x):
       continue
-    ax.plot(x, y, markevery=_markevery(i - 1, len(names) - 1, len(x)), markersize=5,
-            label=name, **style)
+    ax.plot(x, y, markevery=_markevery(i - 1, len(names) - 1, len(x)), markersize=5, label=name, **style)
     drawn.append(y)
     if _diverged_at(curves[name]["loss"]) is None:
       kept.append(y)
@@ -107,7 +112,7 @@ def _loss_panel(ax, title: str, names: Sequence[str], curves: dict, window: int)
   # Zoom on the later steps, where the curves separate; keep the start
   # visible. A row whose loss went non-finite leaves the top of the panel.
   drawn = kept or drawn
-  tail = np.concatenate([y[len(y) // 3:] for y in drawn])
+  tail = np.concatenate([y[len(y) // 3 :] for y in drawn])
   lo, hi = float(tail.min()), float(np.concatenate(drawn).max())
   top = min(hi, lo + 3 * (float(tail.max()) - lo) + 1e-3)
   ax.set_ylim(lo - 0.05 * (top - lo), top)
@@ -121,8 +126,8 @@ def _gap_limits(gaps: Sequence[np.ndarray], diverged: Sequence[bool]) -> tuple[f
   leaves the panel instead of flattening the others.
   """
   finite = np.concatenate(
-      [np.clip(g[np.isfinite(g)], -100, 100) if d else g[np.isfinite(g)]
-       for g, d in zip(gaps, diverged)] + [np.zeros(1)])
+    [np.clip(g[np.isfinite(g)], -100, 100) if d else g[np.isfinite(g)] for g, d in zip(gaps, diverged)] + [np.zeros(1)]
+  )
   lo = min(-_MIN_GAP_RANGE, float(np.percentile(finite, 1)))
   hi = max(_MIN_GAP_RANGE, float(np.percentile(finite, 99)))
   pad = 0.08 * (hi - lo)
@@ -148,14 +153,12 @@ def _spread(ys: Sequence[float], gap: float) -> list[float]:
   return result
 
 
-def _gap_panel(ax, names: Sequence[str], rows: dict, curves: dict, window: int,
-               steps: int) -> None:
+def _gap_panel(ax, names: Sequence[str], rows: dict, curves: dict, window: int, steps: int) -> None:
   """Each row's train loss as a percent gap to its baseline's, and its validation gap."""
   base = names[0]
   ax.set_xlabel("step")
   if base not in curves:
-    ax.text(0.5, 0.5, f"{base} (the baseline) not run", ha="center", va="center",
-            transform=ax.transAxes)
+    ax.text(0.5, 0.5, f"{base} (the baseline) not run", ha="center", va="center", transform=ax.transAxes)
     return
   ax.axhline(0.0, label=f"{base} (baseline)", **_STYLES[0])
   _, yb = _smooth(curves[base]["loss"], window)
@@ -175,8 +178,7 @@ def _gap_panel(ax, names: Sequence[str], rows: dict, curves: dict, window: int,
     step = _diverged_at(curves[name]["loss"])
     if step is not None:
       label += f" (non-finite loss from step {step})"
-    ax.plot(x[:n], gap, markevery=_markevery(i, len(others), n), markersize=5, label=label,
-            **style)
+    ax.plot(x[:n], gap, markevery=_markevery(i, len(others), n), markersize=5, label=label, **style)
     gaps.append(gap)
     diverged.append(step is not None)
     val_gap = rows.get(name, {}).get("val_loss_gap")
@@ -194,17 +196,33 @@ def _gap_panel(ax, names: Sequence[str], rows: dict, curves: dict, window: int,
   # The final validation-loss gaps, right of the axes (a marker on the
   # axis at the value, the number beside it), spread so none overlap.
   if ends:
-    ax.text(1.01, 1.01, "validation\nloss gap\nat the end", transform=ax.transAxes,
-            ha="left", va="bottom", fontsize="small", color="dimgrey")
+    ax.text(
+      1.01,
+      1.01,
+      "validation\nloss gap\nat the end",
+      transform=ax.transAxes,
+      ha="left",
+      va="bottom",
+      fontsize="small",
+      color="dimgrey",
+    )
     at = [min(max(v, lo), hi) for _, v, _ in ends]
     ys = _spread(at, 0.08 * (hi - lo))
     for (_, v, color), y0, y in zip(ends, at, ys):
-      ax.plot([1.0], [y0], marker="<", color=color, markersize=8, clip_on=False,
-              transform=ax.get_yaxis_transform())
-      ax.annotate(_percent(v), xy=(1.0, y0), xycoords=("axes fraction", "data"),
-                  xytext=(1.035, y), textcoords=("axes fraction", "data"), va="center",
-                  ha="left", color=color, fontweight="bold", annotation_clip=False,
-                  arrowprops=dict(arrowstyle="-", color=color, lw=0.8, shrinkA=0, shrinkB=4))
+      ax.plot([1.0], [y0], marker="<", color=color, markersize=8, clip_on=False, transform=ax.get_yaxis_transform())
+      ax.annotate(
+        _percent(v),
+        xy=(1.0, y0),
+        xycoords=("axes fraction", "data"),
+        xytext=(1.035, y),
+        textcoords=("axes fraction", "data"),
+        va="center",
+        ha="left",
+        color=color,
+        fontweight="bold",
+        annotation_clip=False,
+        arrowprops=dict(arrowstyle="-", color=color, lw=0.8, shrinkA=0, shrinkB=4),
+      )
   ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
 
 
@@ -225,15 +243,20 @@ def _loss_scale_panel(ax, curves: dict) -> None:
   for i, group in enumerate(groups):
     scale = np.log2(np.asarray(curves[group[0]]["loss_scale"], np.float64))
     values.append(scale)
-    ax.step(np.arange(1, len(scale) + 1), scale, where="post", label=" = ".join(group),
-            markevery=_markevery(i, len(groups), len(scale)), markersize=5,
-            **styles[group[0]])
+    ax.step(
+      np.arange(1, len(scale) + 1),
+      scale,
+      where="post",
+      label=" = ".join(group),
+      markevery=_markevery(i, len(groups), len(scale)),
+      markersize=5,
+      **styles[group[0]],
+    )
   ax.set_title("Dynamic loss scale after each step")
   ax.set_xlabel("step")
   ax.set_ylabel("log2(loss scale)")
   if not names:
-    ax.text(0.5, 0.5, "no row with loss scaling", ha="center", va="center",
-            transform=ax.transAxes)
+    ax.text(0.5, 0.5, "no row with loss scaling", ha="center", va="center", transform=ax.transAxes)
     return
   finite = np.concatenate(values)
   finite = finite[np.isfinite(finite)]
@@ -249,24 +272,26 @@ def _histogram_panels(axes, rows: dict, curves: dict) -> None:
   source = "f32" if "f32" in curves else next(iter(curves), None)
   scaled = rows.get("f16-dls", {}).get("loss_scale")
   scales = (1.0, float(scaled)) if scaled else (1.0, 2.0**15)
-  which = (("params", "parameter", "underflow_f16"),
-           ("logits", "logit", "underflow_f16_logits"))
+  which = (("params", "parameter", "underflow_f16"), ("logits", "logit", "underflow_f16_logits"))
   for ax, (key, noun, column) in zip(axes, which):
     if source is None or "grads" not in curves[source]:
       ax.set_axis_off()
       continue
     jmp_train.diagnostics.plot_gradient_histogram(
-        curves[source]["grads"][key], scales=scales, target_dtype="float16", ax=ax,
-        title=(f"float32 {noun} gradients of {source}'s final weights, 1 validation batch\n"
-               f"scale 1 (column {column} = {rows[source][column]:.2%})\n"
-               f"and scale {scales[1]:g} (" + ("f16-dls's final loss scale" if scaled
-                                          else "the initial loss scale") + ")"),
+      curves[source]["grads"][key],
+      scales=scales,
+      target_dtype="float16",
+      ax=ax,
+      title=(
+        f"float32 {noun} gradients of {source}'s final weights, 1 validation batch\n"
+        f"scale 1 (column {column} = {rows[source][column]:.2%})\n"
+        f"and scale {scales[1]:g} (" + ("f16-dls's final loss scale" if scaled else "the initial loss scale") + ")"
+      ),
     )
     ax.title.set_fontsize("medium")
     # The legend below the axes, clear of the x label.
     handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles, labels, fontsize="small", loc="upper center",
-              bbox_to_anchor=(0.5, -0.12), ncol=1, frameon=False)
+    ax.legend(handles, labels, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1, frameon=False)
 
 
 def build_figure(rows: Sequence[dict], curves: dict, s: Any, schedule: Any = None):
@@ -309,10 +334,11 @@ def build_figure(rows: Sequence[dict], curves: dict, s: Any, schedule: Any = Non
         twin.plot(np.arange(1, s.steps + 1), lr, color="grey", lw=0.8, alpha=0.6)
         twin.set_ylabel("learning rate (grey)", color="grey")
     _loss_scale_panel(fig.add_subplot(grid[2, 0]), curves)
-    _histogram_panels([fig.add_subplot(grid[2, 1]), fig.add_subplot(grid[2, 2])],
-                      by_name, curves)
-    fig.suptitle(f"jmp-train: {s.task}, batch {s.batch}, {s.steps} steps, seed {s.seed}; "
-                 "gap = 100 · (loss / baseline's loss − 1)", fontsize="x-large")
+    _histogram_panels([fig.add_subplot(grid[2, 1]), fig.add_subplot(grid[2, 2])], by_name, curves)
+    fig.suptitle(
+      f"jmp-train: {s.task}, batch {s.batch}, {s.steps} steps, seed {s.seed}; gap = 100 · (loss / baseline's loss − 1)",
+      fontsize="x-large",
+    )
   return fig
 
 

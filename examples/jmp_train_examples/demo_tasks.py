@@ -45,8 +45,9 @@ def _text_task(s: DemoSettings) -> Task:
   train, val = corpus[:split], corpus[split:]
   if s.seq_len + 1 >= len(val):
     raise DemoError(
-        f"--seq-len {s.seq_len} does not fit in the {len(val):,}-byte validation "
-        f"text; use --seq-len {len(val) - 2} or less")
+      f"--seq-len {s.seq_len} does not fit in the {len(val):,}-byte validation "
+      f"text; use --seq-len {len(val) - 2} or less"
+    )
 
   def windows(source, rng, n):
     return data_lib.text_windows(source, rng, n, s.seq_len)
@@ -59,18 +60,18 @@ def _text_task(s: DemoSettings) -> Task:
     return [windows(source, rng, s.batch) for _ in range(s.eval_batches)]
 
   model = TransformerBlock(
-      vocab_size=data_lib.TEXT_VOCAB_SIZE,
-      d_model=s.d_model,
-      num_heads=max(1, s.d_model // 16),
-      mlp_dim=4 * s.d_model,
-      num_layers=s.layers,
-      max_len=s.seq_len,
+    vocab_size=data_lib.TEXT_VOCAB_SIZE,
+    d_model=s.d_model,
+    num_heads=max(1, s.d_model // 16),
+    mlp_dim=4 * s.d_model,
+    num_layers=s.layers,
+    max_len=s.seq_len,
   )
   return Task(
-      model,
-      np.zeros((1, s.seq_len), np.int32),
-      train_batch,
-      {"train": eval_set(train, 1), "val": eval_set(val, 2)},
+    model,
+    np.zeros((1, s.seq_len), np.int32),
+    train_batch,
+    {"train": eval_set(train, 1), "val": eval_set(val, 2)},
   )
 
 
@@ -85,8 +86,9 @@ def _digits_task(s: DemoSettings) -> Task:
     # Validation runs over whole batches of the held-out images.
     most = len(ds.x_test) // NUM_DEVICES * NUM_DEVICES
     raise DemoError(
-        f"--batch {s.batch} is more than the {len(ds.x_test)} held-out digits "
-        f"images the validation loss is taken over; use --batch {most} or less")
+      f"--batch {s.batch} is more than the {len(ds.x_test)} held-out digits "
+      f"images the validation loss is taken over; use --batch {most} or less"
+    )
 
   def train_batch(i):
     idx = np.random.default_rng((s.seed, i)).integers(0, len(ds.x_train), s.batch)
@@ -94,15 +96,14 @@ def _digits_task(s: DemoSettings) -> Task:
 
   def eval_set(x, y):
     n = (len(x) // s.batch) * s.batch
-    return [(x[j:j + s.batch], y[j:j + s.batch]) for j in range(0, n, s.batch)]
+    return [(x[j : j + s.batch], y[j : j + s.batch]) for j in range(0, n, s.batch)]
 
   model = MLP(features=(s.hidden,) * max(1, s.layers), num_classes=10)
   return Task(
-      model,
-      np.zeros((1, 64), np.float32),
-      train_batch,
-      {"train": eval_set(ds.x_train, ds.y_train)[: s.eval_batches * 4],
-       "val": eval_set(ds.x_test, ds.y_test)},
+    model,
+    np.zeros((1, 64), np.float32),
+    train_batch,
+    {"train": eval_set(ds.x_train, ds.y_train)[: s.eval_batches * 4], "val": eval_set(ds.x_test, ds.y_test)},
   )
 
 

@@ -32,6 +32,7 @@ from jmp_train_examples.stopping import preempted
 
 __all__ = ["data_parallel_devices", "run_config", "run_configs"]
 
+
 def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> jmp_train.TrainStep:
   model = jmp_train.flax.apply_policy(task.model, cfg.policy)
   loss_scale = None
@@ -50,18 +51,18 @@ def _build_step(cfg: RunConfig, task: Task, s: DemoSettings) -> jmp_train.TrainS
     # shows what the modified momentum SGD of "f16w-mmsgd" fixes.
     warnings.filterwarnings("ignore", "Half-precision parameters", UserWarning)
     return jmp_train.make_train_step(
-        functools.partial(model.apply, train=True),
-        loss_fn,
-        optimizer,
-        policy=cfg.policy,
-        loss_scale=loss_scale,
-        compression=compression,
-        mode="shard_map" if cfg.devices > 1 else "single",
-        mesh=_data_parallel_mesh() if cfg.devices > 1 else None,
-        has_aux=True,
-        # apply_policy casts inside the model, keeping normalisation in float32.
-        cast_params=False,
-        eval_apply_fn=functools.partial(model.apply, train=False),
+      functools.partial(model.apply, train=True),
+      loss_fn,
+      optimizer,
+      policy=cfg.policy,
+      loss_scale=loss_scale,
+      compression=compression,
+      mode="shard_map" if cfg.devices > 1 else "single",
+      mesh=_data_parallel_mesh() if cfg.devices > 1 else None,
+      has_aux=True,
+      # apply_policy casts inside the model, keeping normalisation in float32.
+      cast_params=False,
+      eval_apply_fn=functools.partial(model.apply, train=False),
     )
 
 
@@ -107,7 +108,7 @@ def _local_rows(batch, step: jmp_train.TrainStep):
   if step.mode == "single" or jax.process_count() == 1:
     return batch
   n, i = jax.process_count(), jax.process_index()
-  return jax.tree.map(lambda x: x[i * len(x) // n:(i + 1) * len(x) // n], batch)
+  return jax.tree.map(lambda x: x[i * len(x) // n : (i + 1) * len(x) // n], batch)
 
 
 def _make_probe(task: Task):
@@ -120,10 +121,10 @@ def _make_probe(task: Task):
     g_logits = jax.grad(lambda z: loss_fn(z, targets)[0])(logits)
     (g_params,) = vjp(g_logits)
     return {
-        "params": g_params,
-        "logits": g_logits,
-        "underflow_f16": jmp_train.diagnostics.underflow_fraction(g_params, jnp.float16),
-        "underflow_f16_logits": jmp_train.diagnostics.underflow_fraction(g_logits, jnp.float16),
+      "params": g_params,
+      "logits": g_logits,
+      "underflow_f16": jmp_train.diagnostics.underflow_fraction(g_params, jnp.float16),
+      "underflow_f16_logits": jmp_train.diagnostics.underflow_fraction(g_logits, jnp.float16),
     }
 
   return probe
@@ -147,20 +148,32 @@ def _check_skipped(metrics, s: DemoSettings, name: str, step: int) -> None:
   consecutive = int(metrics.get("consecutive_skipped_steps", 0))
   if consecutive >= s.max_skipped_steps:
     raise DemoError(
-        f"configuration {name!r} cannot learn: the last {consecutive} steps (to step "
-        f"{step}) were all skipped for non-finite gradients, at loss scale "
-        f"{float(metrics['loss_scale']):g} (--max-skipped-steps {s.max_skipped_steps}); "
-        "the model makes NaN or inf by itself (try a float32 or bfloat16 policy, or a "
-        "lower --lr)."
+      f"configuration {name!r} cannot learn: the last {consecutive} steps (to step "
+      f"{step}) were all skipped for non-finite gradients, at loss scale "
+      f"{float(metrics['loss_scale']):g} (--max-skipped-steps {s.max_skipped_steps}); "
+      "the model makes NaN or inf by itself (try a float32 or bfloat16 policy, or a "
+      "lower --lr)."
     )
 
 
 # Settings that change what a configuration computes: a checkpoint written
 # under others cannot be resumed.
 _RUN_SETTINGS = (
-    "task", "steps", "batch", "seq_len", "d_model", "layers", "hidden", "learning_rate",
-    "warmup_fraction", "final_lr_fraction", "momentum", "one_bit_warmup_steps",
-    "one_bit_scale", "init", "seed",
+  "task",
+  "steps",
+  "batch",
+  "seq_len",
+  "d_model",
+  "layers",
+  "hidden",
+  "learning_rate",
+  "warmup_fraction",
+  "final_lr_fraction",
+  "momentum",
+  "one_bit_warmup_steps",
+  "one_bit_scale",
+  "init",
+  "seed",
 )
 
 
@@ -186,11 +199,10 @@ class _Checkpoints:
     self._ocp, self._s, self.name = ocp, s, name
     self.directory = os.path.abspath(os.path.join(s.checkpoint_dir, name))
     self.settings = {k: getattr(s, k) for k in _RUN_SETTINGS}
-    self.layout = {"processes": processes, "backend": backend or jax.default_backend(),
-                   "jax": jax.__version__}
+    self.layout = {"processes": processes, "backend": backend or jax.default_backend(), "jax": jax.__version__}
     self.manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True))
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
+    )
 
   def check(self) -> None:
     """Raises if the latest checkpoint cannot be resumed here (reads its JSON only)."""
@@ -199,43 +211,44 @@ class _Checkpoints:
       return
     with deferred():
       try:
-        restored = self.manager.restore(
-            latest, args=self._ocp.args.Composite(record=self._ocp.args.JsonRestore()))
+        restored = self.manager.restore(latest, args=self._ocp.args.Composite(record=self._ocp.args.JsonRestore()))
       except (ValueError, OSError, KeyError):
         return  # a damaged record: restore() passes over its step, with a warning
     self._check_record(restored["record"], warn=True)
 
   def _check_record(self, record: dict, warn: bool = False) -> None:
     if record.get("settings") != self.settings:
-      changed = sorted(k for k in self.settings
-                       if record.get("settings", {}).get(k) != self.settings[k])
+      changed = sorted(k for k in self.settings if record.get("settings", {}).get(k) != self.settings[k])
       raise DemoError(
-          f"the checkpoint of {self.name!r} in {self.directory} was trained with other "
-          f"settings ({', '.join(changed)} differ); rerun with those, or pass another "
-          "--checkpoint-dir."
+        f"the checkpoint of {self.name!r} in {self.directory} was trained with other "
+        f"settings ({', '.join(changed)} differ); rerun with those, or pass another "
+        "--checkpoint-dir."
       )
     # Checkpoints written before the layout was recorded resume as before.
     layout = record.get("layout", {})
     then, now = layout.get("processes"), self.layout["processes"]
     if then is not None and then != now:
       raise DemoError(
-          f"the checkpoint of {self.name!r} in {self.directory} was written by {then} "
-          f"process(es) (--num-processes {then}); this run has {now}, and would not "
-          "continue bit for bit (the cross-process sums add in another order); rerun "
-          f"with --num-processes {then}, or pass another --checkpoint-dir."
+        f"the checkpoint of {self.name!r} in {self.directory} was written by {then} "
+        f"process(es) (--num-processes {then}); this run has {now}, and would not "
+        "continue bit for bit (the cross-process sums add in another order); rerun "
+        f"with --num-processes {then}, or pass another --checkpoint-dir."
       )
     then, now = layout.get("backend"), self.layout["backend"]
     if then is not None and then != now:
       raise DemoError(
-          f"the checkpoint of {self.name!r} in {self.directory} was written on {then}, "
-          f"this run is on {now}, and would not continue bit for bit; rerun on {then} "
-          "(JAX_PLATFORMS), or pass another --checkpoint-dir."
+        f"the checkpoint of {self.name!r} in {self.directory} was written on {then}, "
+        f"this run is on {now}, and would not continue bit for bit; rerun on {then} "
+        "(JAX_PLATFORMS), or pass another --checkpoint-dir."
       )
     if warn and layout.get("jax") not in (None, self.layout["jax"]):
       warnings.warn(
-          f"the checkpoint of {self.name!r} was written with jax {layout['jax']}, this is "
-          f"jax {self.layout['jax']}: the resumed run may differ from an uninterrupted one "
-          "in the last bits", RuntimeWarning, stacklevel=3)
+        f"the checkpoint of {self.name!r} was written with jax {layout['jax']}, this is "
+        f"jax {self.layout['jax']}: the resumed run may differ from an uninterrupted one "
+        "in the last bits",
+        RuntimeWarning,
+        stacklevel=3,
+      )
 
   def restore(self, state):
     """``(state, step, record)`` of the newest intact checkpoint, else ``(state, 0, None)``.
@@ -251,8 +264,7 @@ class _Checkpoints:
       latest, state = jmp_train.restore_latest_checkpoint(self.directory, state)
       for damaged in [n for n in self.manager.all_steps() if n > latest]:
         self.manager.delete(damaged)  # passed over: the run saves that step again
-      record = self.manager.restore(
-          latest, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+      record = self.manager.restore(latest, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
     self._check_record(record)
     return state, latest, record
 
@@ -261,10 +273,10 @@ class _Checkpoints:
 
   def save(self, n: int, state, curves: dict[str, list[float]], metrics) -> None:
     record = {
-        "settings": self.settings,
-        "layout": self.layout,
-        **curves,
-        "metrics": {k: float(metrics[k]) for k in ("loss_scale", "skipped_steps")},
+      "settings": self.settings,
+      "layout": self.layout,
+      **curves,
+      "metrics": {k: float(metrics[k]) for k in ("loss_scale", "skipped_steps")},
     }
     with deferred():  # SIGTERM: after the save has started
       # Items "state" and "record", with their checksums (restore() verifies them).
@@ -312,8 +324,7 @@ def _train(step, compiled, state, task, s, progress, name="?", checkpoints=None)
     # SIGTERM to any worker process: all save this step and stop.
     stop = preempted(i + 1)
     if checkpoints is not None and (checkpoints.due(i + 1) or stop):
-      curves = {"loss": _host_curve(prior["loss"], losses),
-                "loss_scale": _host_curve(prior["loss_scale"], scales)}
+      curves = {"loss": _host_curve(prior["loss"], losses), "loss_scale": _host_curve(prior["loss_scale"], scales)}
       checkpoints.save(i + 1, state, curves, metrics)
     if stop:
       raise Terminated()
@@ -324,29 +335,25 @@ def _train(step, compiled, state, task, s, progress, name="?", checkpoints=None)
   ran = s.steps - begin
   elapsed = time.perf_counter() - start if start is not None else 0.0
   steps_per_s = (ran - 1) / elapsed if ran > 1 and elapsed > 0 else float("nan")
-  curves = {"loss": _host_curve(prior["loss"], losses),
-            "loss_scale": _host_curve(prior["loss_scale"], scales)}
+  curves = {"loss": _host_curve(prior["loss"], losses), "loss_scale": _host_curve(prior["loss_scale"], scales)}
   return state, metrics, curves, steps_per_s
 
 
 def _evaluate(step, state, task) -> dict[str, dict[str, float]]:
   evals = {}
   for split, batches in task.eval_sets.items():
-    results = [
-        jax.device_get(step.evaluate(state, step.shard_batch(_local_rows(b, step))))
-        for b in batches
-    ]
+    results = [jax.device_get(step.evaluate(state, step.shard_batch(_local_rows(b, step)))) for b in batches]
     evals[split] = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
   return evals
 
 
 def run_config(
-    cfg: RunConfig,
-    task: Task,
-    s: DemoSettings,
-    init_params: Any,
-    probe: Callable[..., Any],
-    progress: Callable[[int, dict[str, float]], None],
+  cfg: RunConfig,
+  task: Task,
+  s: DemoSettings,
+  init_params: Any,
+  probe: Callable[..., Any],
+  progress: Callable[[int, dict[str, float]], None],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Trains one configuration; returns its table row and its curves."""
   step = _build_step(cfg, task, s)
@@ -354,8 +361,8 @@ def run_config(
   if s.checkpoint_dir:
     devices = list(step.mesh.devices.flat) if step.mesh is not None else jax.devices()[:1]
     checkpoints = _Checkpoints(
-        cfg.name, s, processes=len({d.process_index for d in devices}),
-        backend=devices[0].platform)
+      cfg.name, s, processes=len({d.process_index for d in devices}), backend=devices[0].platform
+    )
   try:
     if checkpoints is not None:
       checkpoints.check()  # before the compile: a refusal comes at once
@@ -365,8 +372,7 @@ def run_config(
     compile_s = time.perf_counter() - t0
     wire = _wire_bytes_per_step(compiled, cfg)
     state_bytes = _tree_bytes(step.unreplicate((state.params, state.opt_state)))
-    state, metrics, curves, steps_per_s = _train(
-        step, compiled, state, task, s, progress, cfg.name, checkpoints)
+    state, metrics, curves, steps_per_s = _train(step, compiled, state, task, s, progress, cfg.name, checkpoints)
   finally:
     if checkpoints is not None:
       checkpoints.close()
@@ -374,33 +380,31 @@ def run_config(
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), step.unreplicate(state.params))
   probed = jax.device_get(probe(params, task.eval_sets["val"][0]))
   row = {
-      "config": cfg.name,
-      "description": cfg.description,
-      "policy": cfg.policy,
-      "reference": cfg.reference,
-      "train_loss": evals["train"]["loss"],
-      "val_loss": evals["val"]["loss"],
-      "train_acc": evals["train"]["accuracy"],
-      "val_acc": evals["val"]["accuracy"],
-      "steps_per_s": steps_per_s,
-      "compile_s": compile_s,
-      "skipped": int(metrics["skipped_steps"]),
-      "loss_scale": float(metrics["loss_scale"]),
-      "underflow_f16": float(probed["underflow_f16"]),
-      "underflow_f16_logits": float(probed["underflow_f16_logits"]),
-      "state_bytes": state_bytes,
-      "wire_bytes_per_step": int(wire),
-      "devices": cfg.devices,
-      "processes": jax.process_count() if cfg.devices > 1 else 1,
-      "backend": (step.mesh.devices.flat[0] if step.mesh is not None
-                  else jax.devices()[0]).platform,
+    "config": cfg.name,
+    "description": cfg.description,
+    "policy": cfg.policy,
+    "reference": cfg.reference,
+    "train_loss": evals["train"]["loss"],
+    "val_loss": evals["val"]["loss"],
+    "train_acc": evals["train"]["accuracy"],
+    "val_acc": evals["val"]["accuracy"],
+    "steps_per_s": steps_per_s,
+    "compile_s": compile_s,
+    "skipped": int(metrics["skipped_steps"]),
+    "loss_scale": float(metrics["loss_scale"]),
+    "underflow_f16": float(probed["underflow_f16"]),
+    "underflow_f16_logits": float(probed["underflow_f16_logits"]),
+    "state_bytes": state_bytes,
+    "wire_bytes_per_step": int(wire),
+    "devices": cfg.devices,
+    "processes": jax.process_count() if cfg.devices > 1 else 1,
+    "backend": (step.mesh.devices.flat[0] if step.mesh is not None else jax.devices()[0]).platform,
   }
   curves["grads"] = {"params": probed["params"], "logits": probed["logits"]}
   return row, curves
 
 
-def run_configs(s: DemoSettings, names: Sequence[str], bar=None,
-                task: Task | None = None) -> tuple[list[dict], dict]:
+def run_configs(s: DemoSettings, names: Sequence[str], bar=None, task: Task | None = None) -> tuple[list[dict], dict]:
   """Runs ``names`` in this process (on ``task``, else ``s``'s); returns rows and curves."""
   task = TASKS[s.task](s) if task is None else task
   params = init_task_params(task, s)

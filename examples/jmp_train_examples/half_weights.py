@@ -51,18 +51,18 @@ from jmp_train_examples.half_weights_setups import plain_momentum_sgd
 from jmp_train_examples.half_weights_setups import with_float32_state
 
 __all__ = [
-    "DigitsResult",
-    "init_mlp",
-    "make_8bit_setups",
-    "make_momentum_setups",
-    "make_setups",
-    "make_text_setups",
-    "plain_momentum_sgd",
-    "relative_gap",
-    "run_all",
-    "train_digits",
-    "train_text",
-    "with_float32_state",
+  "DigitsResult",
+  "init_mlp",
+  "make_8bit_setups",
+  "make_momentum_setups",
+  "make_setups",
+  "make_text_setups",
+  "plain_momentum_sgd",
+  "relative_gap",
+  "run_all",
+  "train_digits",
+  "train_text",
+  "with_float32_state",
 ]
 
 
@@ -79,9 +79,7 @@ def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> dict[str, Any]:
   params = {}
   for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
     key, sub = jax.random.split(key)
-    params[f"w{i}"] = jax.random.normal(sub, (fan_in, fan_out), jnp.float32) * (
-        1.0 / np.sqrt(fan_in)
-    )
+    params[f"w{i}"] = jax.random.normal(sub, (fan_in, fan_out), jnp.float32) * (1.0 / np.sqrt(fan_in))
     params[f"b{i}"] = jnp.zeros((fan_out,), jnp.float32)
   return params
 
@@ -119,17 +117,15 @@ def _digits_run(optimizer: optax.GradientTransformation, compute_dtype: np.dtype
       params = optax.apply_updates(params, updates)
       if log_every:
         test_loss = jax.lax.cond(
-            (i + 1) % log_every == 0,
-            lambda: _loss(params, x_test, y_test, compute_dtype),
-            lambda: jnp.full((), jnp.nan, jnp.float32),
+          (i + 1) % log_every == 0,
+          lambda: _loss(params, x_test, y_test, compute_dtype),
+          lambda: jnp.full((), jnp.nan, jnp.float32),
         )
       else:
         test_loss = jnp.zeros((), jnp.float32)
       return (params, opt_state, i + 1), test_loss
 
-    (params, _, _), curve = jax.lax.scan(
-        step, (params, opt_state, jnp.zeros([], jnp.int32)), idx
-    )
+    (params, _, _), curve = jax.lax.scan(step, (params, opt_state, jnp.zeros([], jnp.int32)), idx)
     logits = _logits(params, x_test, compute_dtype)
     test_loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
     accuracy = (logits.argmax(-1) == y_test).mean()
@@ -140,16 +136,16 @@ def _digits_run(optimizer: optax.GradientTransformation, compute_dtype: np.dtype
 
 
 def train_digits(
-    optimizer: optax.GradientTransformation,
-    param_dtype: Any,
-    compute_dtype: Any = jnp.bfloat16,
-    *,
-    steps: int = 1000,
-    batch_size: int = 64,
-    hidden: int = 64,
-    seed: int = 0,
-    dataset: data_lib.Dataset | None = None,
-    log_every: int = 0,
+  optimizer: optax.GradientTransformation,
+  param_dtype: Any,
+  compute_dtype: Any = jnp.bfloat16,
+  *,
+  steps: int = 1000,
+  batch_size: int = 64,
+  hidden: int = 64,
+  seed: int = 0,
+  dataset: data_lib.Dataset | None = None,
+  log_every: int = 0,
 ) -> tuple[DigitsResult, np.ndarray]:
   """Trains the digits MLP and returns its final metrics.
 
@@ -171,9 +167,7 @@ def train_digits(
   ds = dataset if dataset is not None else data_lib.load_digits()
   data = tuple(jnp.asarray(a) for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
   rng = np.random.default_rng(seed)
-  idx = np.stack([
-      rng.choice(len(ds.x_train), batch_size, replace=False) for _ in range(steps)
-  ])
+  idx = np.stack([rng.choice(len(ds.x_train), batch_size, replace=False) for _ in range(steps)])
   # Same starting point for every setup: drawn in float32, rounded to half.
   init = init_mlp(jax.random.key(seed), (ds.x_train.shape[1], hidden, 10))
   init = jax.tree.map(lambda p: p.astype(compute_dtype).astype(param_dtype), init)
@@ -191,10 +185,10 @@ def relative_gap(value: float, reference: float) -> float:
 
 
 def run_all(
-    setups: dict[str, tuple[Any, optax.GradientTransformation]],
-    compute_dtype: Any,
-    progress: Callable[[str], None] | None = None,
-    **kwargs: Any,
+  setups: dict[str, tuple[Any, optax.GradientTransformation]],
+  compute_dtype: Any,
+  progress: Callable[[str], None] | None = None,
+  **kwargs: Any,
 ) -> dict[str, DigitsResult]:
   """Trains every setup with the same data, seed and steps."""
   dataset = kwargs.pop("dataset", None) or data_lib.load_digits()
@@ -207,12 +201,12 @@ def run_all(
 
 
 def train_text(
-    optimizer: optax.GradientTransformation,
-    param_dtype: Any,
-    compute_dtype: Any = jnp.bfloat16,
-    *,
-    settings: DemoSettings | None = None,
-    seeds: tuple[int, ...] = (0,),
+  optimizer: optax.GradientTransformation,
+  param_dtype: Any,
+  compute_dtype: Any = jnp.bfloat16,
+  *,
+  settings: DemoSettings | None = None,
+  seeds: tuple[int, ...] = (0,),
 ) -> list[DigitsResult]:
   """Trains the demo's text Transformer once per seed; returns the final metrics.
 
@@ -255,10 +249,7 @@ def train_text(
       return (optax.apply_updates(params, updates), opt_state), None
 
     (params, _), _ = jax.lax.scan(step, (params, optimizer.init(params)), (xs, ys))
-    return {
-        split: jax.lax.map(lambda b: loss(params, model, *b), (x, y))
-        for split, (x, y) in evals.items()
-    }
+    return {split: jax.lax.map(lambda b: loss(params, model, *b), (x, y)) for split, (x, y) in evals.items()}
 
   runs = [dataclasses.replace(settings, task="text", seed=seed) for seed in seeds]
   tasks = [demo_tasks.TASKS["text"](s) for s in runs]
@@ -271,7 +262,7 @@ def train_text(
     evals = {k: tuple(np.stack(b) for b in zip(*v)) for k, v in task.eval_sets.items()}
     out = jax.device_get(run(init, xs, ys, evals))
     val_loss, val_aux = out["val"]
-    results.append(DigitsResult(
-        float(np.mean(val_loss)), float(np.mean(val_aux["accuracy"])),
-        float(np.mean(out["train"][0]))))
+    results.append(
+      DigitsResult(float(np.mean(val_loss)), float(np.mean(val_aux["accuracy"])), float(np.mean(out["train"][0])))
+    )
   return results

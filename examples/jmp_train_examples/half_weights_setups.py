@@ -19,17 +19,17 @@ import optax
 import jmp_train
 
 __all__ = [
-    "make_8bit_setups",
-    "make_momentum_setups",
-    "make_setups",
-    "make_text_setups",
-    "plain_momentum_sgd",
-    "with_float32_state",
+  "make_8bit_setups",
+  "make_momentum_setups",
+  "make_setups",
+  "make_text_setups",
+  "plain_momentum_sgd",
+  "with_float32_state",
 ]
 
 
 def with_float32_state(
-    inner: optax.GradientTransformation,
+  inner: optax.GradientTransformation,
 ) -> optax.GradientTransformation:
   """Runs ``inner`` on float32 copies of the updates, so its state is float32.
 
@@ -53,9 +53,7 @@ def with_float32_state(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def plain_momentum_sgd(
-    learning_rate: float, momentum: float = 0.9
-) -> optax.GradientTransformation:
+def plain_momentum_sgd(learning_rate: float, momentum: float = 0.9) -> optax.GradientTransformation:
   r"""Momentum SGD with the learning rate inside the buffer (the "H" form).
 
   The Caffe-style rule that :func:`jmp_train.modified_momentum_sgd` replaces, :math:`H \leftarrow m H - \lambda g,\
@@ -83,12 +81,12 @@ def plain_momentum_sgd(
 
 
 def make_setups(
-    learning_rate: float,
-    half: Any = jnp.bfloat16,
-    *,
-    momentum: float = 0.9,
-    adam_learning_rate: float | None = None,
-    seed: int = 0,
+  learning_rate: float,
+  half: Any = jnp.bfloat16,
+  *,
+  momentum: float = 0.9,
+  adam_learning_rate: float | None = None,
+  seed: int = 0,
 ) -> dict[str, tuple[Any, optax.GradientTransformation]]:
   """The compared setups: name -> (parameter dtype, optimizer).
 
@@ -108,66 +106,65 @@ def make_setups(
   h = np.dtype(half).name
   sgd = lambda: optax.sgd(learning_rate)
   setups = {
-      "sgd / float32 master": (jnp.float32, sgd()),
-      f"sgd / {h}": (half, sgd()),
-      f"sgd / {h} + kahan": (half, optax.chain(sgd(), jmp_train.kahan_compensation())),
-      f"sgd / {h} + stochastic rounding": (
-          half,
-          optax.chain(sgd(), jmp_train.stochastic_rounding(seed)),
+    "sgd / float32 master": (jnp.float32, sgd()),
+    f"sgd / {h}": (half, sgd()),
+    f"sgd / {h} + kahan": (half, optax.chain(sgd(), jmp_train.kahan_compensation())),
+    f"sgd / {h} + stochastic rounding": (
+      half,
+      optax.chain(sgd(), jmp_train.stochastic_rounding(seed)),
+    ),
+    "momentum sgd / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
+    f"momentum sgd / {h} plain (H form)": (half, plain_momentum_sgd(learning_rate, momentum)),
+    f"momentum sgd / {h} + modified momentum (no feedback)": (
+      half,
+      jmp_train.modified_momentum_sgd(learning_rate, momentum, error_feedback=False),
+    ),
+    f"momentum sgd / {h} + modified momentum (error feedback)": (
+      half,
+      jmp_train.modified_momentum_sgd(learning_rate, momentum),
+    ),
+    f"momentum sgd / {h} + modified momentum (no feedback) + kahan": (
+      half,
+      optax.chain(
+        jmp_train.modified_momentum_sgd(learning_rate, momentum, error_feedback=False),
+        jmp_train.kahan_compensation(),
       ),
-      "momentum sgd / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
-      f"momentum sgd / {h} plain (H form)": (half, plain_momentum_sgd(learning_rate, momentum)),
-      f"momentum sgd / {h} + modified momentum (no feedback)": (
-          half,
-          jmp_train.modified_momentum_sgd(
-              learning_rate, momentum, error_feedback=False),
+    ),
+    f"momentum sgd / {h} + modified momentum (no feedback) + stochastic rounding": (
+      half,
+      optax.chain(
+        jmp_train.modified_momentum_sgd(learning_rate, momentum, error_feedback=False),
+        jmp_train.stochastic_rounding(seed),
       ),
-      f"momentum sgd / {h} + modified momentum (error feedback)": (
-          half,
-          jmp_train.modified_momentum_sgd(learning_rate, momentum),
-      ),
-      f"momentum sgd / {h} + modified momentum (no feedback) + kahan": (
-          half,
-          optax.chain(
-              jmp_train.modified_momentum_sgd(
-                  learning_rate, momentum, error_feedback=False),
-              jmp_train.kahan_compensation(),
-          ),
-      ),
-      f"momentum sgd / {h} + modified momentum (no feedback) + stochastic rounding": (
-          half,
-          optax.chain(
-              jmp_train.modified_momentum_sgd(
-                  learning_rate, momentum, error_feedback=False),
-              jmp_train.stochastic_rounding(seed),
-          ),
-      ),
+    ),
   }
   if adam_learning_rate is not None:
     adam = lambda: with_float32_state(optax.adam(adam_learning_rate))
-    setups.update({
+    setups.update(
+      {
         "adam / float32 master": (jnp.float32, optax.adam(adam_learning_rate)),
         f"adam / {h}": (half, adam()),
         f"adam / {h} + kahan": (half, optax.chain(adam(), jmp_train.kahan_compensation())),
         f"adam / {h} + stochastic rounding": (
-            half,
-            optax.chain(adam(), jmp_train.stochastic_rounding(seed)),
+          half,
+          optax.chain(adam(), jmp_train.stochastic_rounding(seed)),
         ),
         f"adam / {h} + kahan, {h} moments": (
-            half,
-            optax.chain(optax.adam(adam_learning_rate), jmp_train.kahan_compensation()),
+          half,
+          optax.chain(optax.adam(adam_learning_rate), jmp_train.kahan_compensation()),
         ),
-    })
+      }
+    )
   return setups
 
 
 def make_8bit_setups(
-    learning_rate: float,
-    adam_learning_rate: float,
-    half: Any = jnp.bfloat16,
-    *,
-    momentum: float = 0.9,
-    seed: int = 0,
+  learning_rate: float,
+  adam_learning_rate: float,
+  half: Any = jnp.bfloat16,
+  *,
+  momentum: float = 0.9,
+  seed: int = 0,
 ) -> dict[str, tuple[Any, optax.GradientTransformation]]:
   """Half-precision weights with 8-bit optimizer state (no float32 anywhere).
 
@@ -195,24 +192,25 @@ def make_8bit_setups(
   kahan = jmp_train.kahan_compensation
   adam8 = lambda **kw: jmp_train.adam_8bit(adam_learning_rate, seed=seed, **kw)
   return {
-      f"adam / {h} + stochastic rounding, 8-bit moments": (half, optax.chain(adam8(), sr())),
-      f"adam / {h} + stochastic rounding, 8-bit moments (all leaves)": (
-          half, optax.chain(adam8(min_8bit_size=0), sr())),
-      f"adam / {h} + kahan, 8-bit moments (all leaves)": (
-          half, optax.chain(adam8(min_8bit_size=0), kahan())),
-      f"adam / {h} + kahan, 8-bit moments (all leaves, rounded to nearest)": (
-          half, optax.chain(adam8(min_8bit_size=0, rounding="nearest"), kahan())),
-      f"momentum sgd / {h} + sgd_8bit (all leaves) + stochastic rounding": (
-          half,
-          optax.chain(jmp_train.sgd_8bit(learning_rate, momentum, min_8bit_size=0, seed=seed), sr())),
+    f"adam / {h} + stochastic rounding, 8-bit moments": (half, optax.chain(adam8(), sr())),
+    f"adam / {h} + stochastic rounding, 8-bit moments (all leaves)": (half, optax.chain(adam8(min_8bit_size=0), sr())),
+    f"adam / {h} + kahan, 8-bit moments (all leaves)": (half, optax.chain(adam8(min_8bit_size=0), kahan())),
+    f"adam / {h} + kahan, 8-bit moments (all leaves, rounded to nearest)": (
+      half,
+      optax.chain(adam8(min_8bit_size=0, rounding="nearest"), kahan()),
+    ),
+    f"momentum sgd / {h} + sgd_8bit (all leaves) + stochastic rounding": (
+      half,
+      optax.chain(jmp_train.sgd_8bit(learning_rate, momentum, min_8bit_size=0, seed=seed), sr()),
+    ),
   }
 
 
 def make_text_setups(
-    learning_rate: optax.ScalarOrSchedule,
-    half: Any = jnp.bfloat16,
-    *,
-    seed: int = 0,
+  learning_rate: optax.ScalarOrSchedule,
+  half: Any = jnp.bfloat16,
+  *,
+  seed: int = 0,
 ) -> dict[str, tuple[Any, optax.GradientTransformation]]:
   """Adam on the text task: float32 master weights against half weights with 8-bit moments.
 
@@ -235,25 +233,28 @@ def make_text_setups(
   h = np.dtype(half).name
   adam8 = lambda **kw: jmp_train.adam_8bit(learning_rate, seed=seed, **kw)
   return {
-      "adam / float32 master": (jnp.float32, optax.adam(learning_rate)),
-      f"adam / {h} + stochastic rounding": (
-          half, optax.chain(with_float32_state(optax.adam(learning_rate)),
-                            jmp_train.stochastic_rounding(seed))),
-      f"adam / {h} + stochastic rounding, 8-bit moments": (
-          half, optax.chain(adam8(), jmp_train.stochastic_rounding(seed))),
-      f"adam / {h} + kahan, 8-bit moments": (
-          half, optax.chain(adam8(), jmp_train.kahan_compensation())),
-      f"adam / {h}, 8-bit moments": (half, adam8()),
-      f"adam / {h} + stochastic rounding, 8-bit moments (all leaves, blocks of 2048)": (
-          half, optax.chain(adam8(min_8bit_size=0, block_size=2048),
-                            jmp_train.stochastic_rounding(seed))),
+    "adam / float32 master": (jnp.float32, optax.adam(learning_rate)),
+    f"adam / {h} + stochastic rounding": (
+      half,
+      optax.chain(with_float32_state(optax.adam(learning_rate)), jmp_train.stochastic_rounding(seed)),
+    ),
+    f"adam / {h} + stochastic rounding, 8-bit moments": (
+      half,
+      optax.chain(adam8(), jmp_train.stochastic_rounding(seed)),
+    ),
+    f"adam / {h} + kahan, 8-bit moments": (half, optax.chain(adam8(), jmp_train.kahan_compensation())),
+    f"adam / {h}, 8-bit moments": (half, adam8()),
+    f"adam / {h} + stochastic rounding, 8-bit moments (all leaves, blocks of 2048)": (
+      half,
+      optax.chain(adam8(min_8bit_size=0, block_size=2048), jmp_train.stochastic_rounding(seed)),
+    ),
   }
 
 
 def make_momentum_setups(
-    learning_rate: float = 1e-4,
-    momentum: float = 0.99,
-    half: Any = jnp.float16,
+  learning_rate: float = 1e-4,
+  momentum: float = 0.99,
+  half: Any = jnp.float16,
 ) -> dict[str, tuple[Any, optax.GradientTransformation]]:
   """Modified momentum SGD against the plain-momentum baseline, plain (H-form) momentum.
 
@@ -277,17 +278,13 @@ def make_momentum_setups(
   """
   h = np.dtype(half).name
   g = f"momentum sgd lr={learning_rate:g} m={momentum:g}"
-  mm = lambda: jmp_train.modified_momentum_sgd(
-      learning_rate, momentum, error_feedback=False)
+  mm = lambda: jmp_train.modified_momentum_sgd(learning_rate, momentum, error_feedback=False)
   plain = lambda: plain_momentum_sgd(learning_rate, momentum)
   return {
-      f"{g} / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
-      f"{g} / {h} plain (H form)": (half, plain()),
-      f"{g} / {h} + modified momentum (no feedback)": (half, mm()),
-      f"{g} / {h} + modified momentum (error feedback)": (
-          half, jmp_train.modified_momentum_sgd(learning_rate, momentum)),
-      f"{g} / {h} plain (H form) + kahan": (
-          half, optax.chain(plain(), jmp_train.kahan_compensation())),
-      f"{g} / {h} + modified momentum (no feedback) + kahan": (
-          half, optax.chain(mm(), jmp_train.kahan_compensation())),
+    f"{g} / float32 master": (jnp.float32, optax.sgd(learning_rate, momentum)),
+    f"{g} / {h} plain (H form)": (half, plain()),
+    f"{g} / {h} + modified momentum (no feedback)": (half, mm()),
+    f"{g} / {h} + modified momentum (error feedback)": (half, jmp_train.modified_momentum_sgd(learning_rate, momentum)),
+    f"{g} / {h} plain (H form) + kahan": (half, optax.chain(plain(), jmp_train.kahan_compensation())),
+    f"{g} / {h} + modified momentum (no feedback) + kahan": (half, optax.chain(mm(), jmp_train.kahan_compensation())),
   }

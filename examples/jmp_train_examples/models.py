@@ -59,26 +59,24 @@ from jmp_train_examples.models_transformer import TransformerBlock
 from jmp_train_examples.models_transformer import TransformerLayer
 
 __all__ = [
-    "MLP",
-    "NNXMLP",
-    "ResNetBlock",
-    "NNXResNetBlock",
-    "ResNet",
-    "NNXResNet",
-    "TransformerLayer",
-    "NNXTransformerLayer",
-    "TransformerBlock",
-    "NNXTransformerBlock",
-    "GPTConfig",
-    "GPTBlock",
-    "GPT",
-    "nnx_with_linen_variables",
+  "MLP",
+  "NNXMLP",
+  "ResNetBlock",
+  "NNXResNetBlock",
+  "ResNet",
+  "NNXResNet",
+  "TransformerLayer",
+  "NNXTransformerLayer",
+  "TransformerBlock",
+  "NNXTransformerBlock",
+  "GPTConfig",
+  "GPTBlock",
+  "GPT",
+  "nnx_with_linen_variables",
 ]
 
 
-def nnx_with_linen_variables(
-    model: nnx.Module, variables: Mapping[str, Any]
-) -> nnx.Module:
+def nnx_with_linen_variables(model: nnx.Module, variables: Mapping[str, Any]) -> nnx.Module:
   """Returns a copy of an NNX twin holding a linen model's variables.
 
   Args:
@@ -96,10 +94,7 @@ def nnx_with_linen_variables(
   collections = {"params": nnx.Param, "batch_stats": nnx.BatchStat}
   unknown = sorted(set(variables) - set(collections))
   if unknown:
-    raise ValueError(
-        f"Unsupported variable collections {unknown}; accepted: "
-        f"{sorted(collections)}."
-    )
+    raise ValueError(f"Unsupported variable collections {unknown}; accepted: {sorted(collections)}.")
   model = nnx.clone(model)
   for name, var_type in collections.items():
     if name in variables:

@@ -44,14 +44,19 @@ from jax import lax
 from jmp_train.flax import dot_product_attention
 
 __all__ = [
-    "GPT", "GPTBlock", "GPTConfig", "REMAT_POLICIES", "chunked_cross_entropy", "gpt_train_fns",
+  "GPT",
+  "GPTBlock",
+  "GPTConfig",
+  "REMAT_POLICIES",
+  "chunked_cross_entropy",
+  "gpt_train_fns",
 ]
 
 # ``GPTConfig.remat`` -> the ``jax.checkpoint`` policy of each block (None: no remat).
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
-    "none": None,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+  "none": None,
+  "dots_saveable": jax.checkpoint_policies.dots_saveable,
+  "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
 }
 
 
@@ -100,15 +105,15 @@ class GPTConfig:
 
   def __post_init__(self):
     checks = (
-        (self.positions in ("learned", "rope"), f"positions={self.positions!r}: "
-         "'learned' or 'rope'"),
-        (self.mlp in ("gelu", "swiglu"), f"mlp={self.mlp!r}: 'gelu' or 'swiglu'"),
-        (self.remat in REMAT_POLICIES, f"remat={self.remat!r}: one of {sorted(REMAT_POLICIES)}"),
-        (self.d_model % self.num_heads == 0,
-         f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"),
-        (self.positions != "rope" or self.head_dim % 2 == 0,
-         f"rotary positions need an even head size, got {self.head_dim}"),
-        (self.loss_chunk >= 1, f"loss_chunk={self.loss_chunk} must be positive"),
+      (self.positions in ("learned", "rope"), f"positions={self.positions!r}: 'learned' or 'rope'"),
+      (self.mlp in ("gelu", "swiglu"), f"mlp={self.mlp!r}: 'gelu' or 'swiglu'"),
+      (self.remat in REMAT_POLICIES, f"remat={self.remat!r}: one of {sorted(REMAT_POLICIES)}"),
+      (self.d_model % self.num_heads == 0, f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"),
+      (
+        self.positions != "rope" or self.head_dim % 2 == 0,
+        f"rotary positions need an even head size, got {self.head_dim}",
+      ),
+      (self.loss_chunk >= 1, f"loss_chunk={self.loss_chunk} must be positive"),
     )
     for ok, why in checks:
       if not ok:
@@ -121,8 +126,12 @@ class GPTConfig:
   @classmethod
   def tiny(cls, **overrides: Any) -> "GPTConfig":
     """Two blocks of width 64, vocabulary 256: for tests and CPU runs."""
-    return cls(**{**dict(vocab_size=256, d_model=64, num_layers=2, num_heads=4, mlp_dim=256,
-                         max_len=64, loss_chunk=64), **overrides})
+    return cls(
+      **{
+        **dict(vocab_size=256, d_model=64, num_layers=2, num_heads=4, mlp_dim=256, max_len=64, loss_chunk=64),
+        **overrides,
+      }
+    )
 
   @classmethod
   def gpt_125m(cls, **overrides: Any) -> "GPTConfig":
@@ -137,8 +146,9 @@ class GPTConfig:
   @classmethod
   def gpt_1b(cls, **overrides: Any) -> "GPTConfig":
     """About 1.3B parameters: d_model 2048, 24 layers, 16 heads, vocabulary 32768, sequence 2048."""
-    return cls(**{**dict(vocab_size=32768, d_model=2048, num_layers=24, num_heads=16,
-                         mlp_dim=8192, max_len=2048), **overrides})
+    return cls(
+      **{**dict(vocab_size=32768, d_model=2048, num_layers=24, num_heads=16, mlp_dim=8192, max_len=2048), **overrides}
+    )
 
   @classmethod
   def gpt_1_5b(cls, **overrides: Any) -> "GPTConfig":
@@ -163,7 +173,8 @@ class GPTConfig:
     count, as in the PaLM paper's model FLOPs utilisation).
     """
     lookups = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2) + (
-        self.max_len * self.d_model if self.positions == "learned" else 0)
+      self.max_len * self.d_model if self.positions == "learned" else 0
+    )
     matmul_params = self.num_params() - lookups + self.vocab_size * self.d_model  # + the head
     return 6.0 * matmul_params + 12.0 * self.num_layers * seq_len * self.d_model
 
@@ -197,7 +208,8 @@ class GPTBlock(nn.Module):
     cfg = self.config
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
     dense = lambda features, name, std=cfg.init_std, **kw: nn.DenseGeneral(
-        features, use_bias=cfg.use_bias, kernel_init=_normal(std), name=name, **kw)
+      features, use_bias=cfg.use_bias, kernel_init=_normal(std), name=name, **kw
+    )
     h = nn.LayerNorm(name="ln1")(x)
     qkv = dense((3, cfg.num_heads, cfg.head_dim), "qkv")(h)  # [batch, length, 3, heads, dim]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -215,8 +227,9 @@ class GPTBlock(nn.Module):
     return x + dense(cfg.d_model, "mlp_out", out_std)(h)
 
 
-def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array,
-                          chunk: int, *, head_is_vocab_major: bool = False) -> jax.Array:
+def chunked_cross_entropy(
+  hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk: int, *, head_is_vocab_major: bool = False
+) -> jax.Array:
   """Mean cross-entropy of ``hidden @ head`` against ``targets``, one chunk of tokens at a time.
 
   Each chunk's logits come from a matmul in the inputs' dtype and are widened
@@ -316,8 +329,8 @@ class GPT(nn.Module):
       spec = "btd,vd->btv" if vocab_major else "btd,dv->btv"
       return jnp.einsum(spec, x, head)
     return chunked_cross_entropy(
-        x.reshape(-1, cfg.d_model), head, targets.reshape(-1), cfg.loss_chunk,
-        head_is_vocab_major=vocab_major)
+      x.reshape(-1, cfg.d_model), head, targets.reshape(-1), cfg.loss_chunk, head_is_vocab_major=vocab_major
+    )
 
 
 def gpt_train_fns(model: GPT) -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -49,13 +49,13 @@ class NNXMLP(nnx.Module):
   """
 
   def __init__(
-      self,
-      in_features: int = 64,
-      features: Sequence[int] = (64, 64),
-      num_classes: int = 10,
-      dropout_rate: float = 0.0,
-      *,
-      rngs: nnx.Rngs,
+    self,
+    in_features: int = 64,
+    features: Sequence[int] = (64, 64),
+    num_classes: int = 10,
+    dropout_rate: float = 0.0,
+    *,
+    rngs: nnx.Rngs,
   ):
     self.num_hidden = len(features)
     width = in_features

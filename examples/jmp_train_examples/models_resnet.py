@@ -36,8 +36,7 @@ def _as_images(x: jax.Array) -> jax.Array:
     if side * side == x.shape[-1]:
       return x.reshape(x.shape[0], side, side, 1)
   raise ValueError(
-      f"Expected images [batch, height, width, channels] or flat square "
-      f"images [batch, side*side], got shape {x.shape}."
+    f"Expected images [batch, height, width, channels] or flat square images [batch, side*side], got shape {x.shape}."
   )
 
 
@@ -58,9 +57,7 @@ class ResNetBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
     conv = functools.partial(nn.Conv, use_bias=False)
-    norm = functools.partial(
-        nn.BatchNorm, use_running_average=not train, momentum=_BN_MOMENTUM
-    )
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=_BN_MOMENTUM)
     strides = (self.strides, self.strides)
     y = conv(self.features, (3, 3), strides, name="conv1")(x)
     y = nn.relu(norm(name="bn1")(y))
@@ -84,12 +81,12 @@ class NNXResNetBlock(nnx.Module):
   """
 
   def __init__(
-      self,
-      in_features: int = 16,
-      features: int = 16,
-      strides: int = 1,
-      *,
-      rngs: nnx.Rngs,
+    self,
+    in_features: int = 16,
+    features: int = 16,
+    strides: int = 1,
+    *,
+    rngs: nnx.Rngs,
   ):
     conv = functools.partial(nnx.Conv, use_bias=False, rngs=rngs)
     norm = functools.partial(nnx.BatchNorm, momentum=_BN_MOMENTUM, rngs=rngs)
@@ -134,9 +131,7 @@ class ResNet(nn.Module):
   def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
     x = _as_images(x)
     x = nn.Conv(self.stage_features[0], (3, 3), use_bias=False, name="stem")(x)
-    x = nn.BatchNorm(
-        use_running_average=not train, momentum=_BN_MOMENTUM, name="stem_bn"
-    )(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=_BN_MOMENTUM, name="stem_bn")(x)
     x = nn.relu(x)
     for i, width in enumerate(self.stage_features):
       x = ResNetBlock(width, strides=1 if i == 0 else 2, name=f"block{i}")(x, train)
@@ -155,12 +150,12 @@ class NNXResNet(nnx.Module):
   """
 
   def __init__(
-      self,
-      in_features: int = 1,
-      num_classes: int = 10,
-      stage_features: Sequence[int] = (16, 32),
-      *,
-      rngs: nnx.Rngs,
+    self,
+    in_features: int = 1,
+    num_classes: int = 10,
+    stage_features: Sequence[int] = (16, 32),
+    *,
+    rngs: nnx.Rngs,
   ):
     width = stage_features[0]
     self.stem = nnx.Conv(in_features, width, (3, 3), use_bias=False, rngs=rngs)

@@ -39,16 +39,14 @@ class TransformerLayer(nn.Module):
   dropout_rate: float = 0.0
 
   @nn.compact
-  def __call__(
-      self, x: jax.Array, mask: jax.Array | None, train: bool = False
-  ) -> jax.Array:
+  def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool = False) -> jax.Array:
     h = nn.LayerNorm(name="ln1")(x)
     h = nn.MultiHeadDotProductAttention(
-        num_heads=self.num_heads,
-        qkv_features=self.d_model,
-        dropout_rate=self.dropout_rate,
-        deterministic=not train,
-        name="attn",
+      num_heads=self.num_heads,
+      qkv_features=self.d_model,
+      dropout_rate=self.dropout_rate,
+      deterministic=not train,
+      name="attn",
     )(h, h, mask=mask)
     x = x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
     h = nn.LayerNorm(name="ln2")(x)
@@ -69,22 +67,22 @@ class NNXTransformerLayer(nnx.Module):
   """
 
   def __init__(
-      self,
-      d_model: int = 64,
-      num_heads: int = 4,
-      mlp_dim: int = 256,
-      dropout_rate: float = 0.0,
-      *,
-      rngs: nnx.Rngs,
+    self,
+    d_model: int = 64,
+    num_heads: int = 4,
+    mlp_dim: int = 256,
+    dropout_rate: float = 0.0,
+    *,
+    rngs: nnx.Rngs,
   ):
     self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
     self.attn = nnx.MultiHeadAttention(
-        num_heads=num_heads,
-        in_features=d_model,
-        qkv_features=d_model,
-        dropout_rate=dropout_rate,
-        decode=False,
-        rngs=rngs,
+      num_heads=num_heads,
+      in_features=d_model,
+      qkv_features=d_model,
+      dropout_rate=dropout_rate,
+      decode=False,
+      rngs=rngs,
     )
     self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
     self.mlp_in = nnx.Linear(d_model, mlp_dim, rngs=rngs)
@@ -92,9 +90,7 @@ class NNXTransformerLayer(nnx.Module):
     # Without dropout, no rng state is kept (nor needed at call time).
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate else None)
 
-  def __call__(
-      self, x: jax.Array, mask: jax.Array | None, train: bool = False
-  ) -> jax.Array:
+  def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool = False) -> jax.Array:
     det = not train
     h = self.ln1(x)
     h = self.attn(h, h, mask=mask, deterministic=det)
@@ -142,17 +138,15 @@ class TransformerBlock(nn.Module):
     if length > self.max_len:
       raise ValueError(f"Sequence length {length} exceeds max_len={self.max_len}.")
     x = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens)
-    x = x + nn.Embed(self.max_len, self.d_model, name="pos_embed")(
-        jnp.arange(length)
-    )
+    x = x + nn.Embed(self.max_len, self.d_model, name="pos_embed")(jnp.arange(length))
     mask = nn.make_causal_mask(tokens)
     for i in range(self.num_layers):
       x = TransformerLayer(
-          self.d_model,
-          self.num_heads,
-          self.mlp_dim,
-          self.dropout_rate,
-          name=f"layer{i}",
+        self.d_model,
+        self.num_heads,
+        self.mlp_dim,
+        self.dropout_rate,
+        name=f"layer{i}",
       )(x, mask, train)
     x = nn.RMSNorm(name="final_norm")(x)
     return nn.Dense(self.vocab_size, name="head")(x)
@@ -178,25 +172,23 @@ class NNXTransformerBlock(nnx.Module):
   """
 
   def __init__(
-      self,
-      vocab_size: int = 256,
-      d_model: int = 64,
-      num_heads: int = 4,
-      mlp_dim: int = 256,
-      num_layers: int = 1,
-      max_len: int = 128,
-      dropout_rate: float = 0.0,
-      *,
-      rngs: nnx.Rngs,
+    self,
+    vocab_size: int = 256,
+    d_model: int = 64,
+    num_heads: int = 4,
+    mlp_dim: int = 256,
+    num_layers: int = 1,
+    max_len: int = 128,
+    dropout_rate: float = 0.0,
+    *,
+    rngs: nnx.Rngs,
   ):
     self.max_len = max_len
     self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
     self.pos_embed = nnx.Embed(max_len, d_model, rngs=rngs)
     self.num_layers = num_layers
     for i in range(num_layers):
-      layer = NNXTransformerLayer(
-          d_model, num_heads, mlp_dim, dropout_rate, rngs=rngs
-      )
+      layer = NNXTransformerLayer(d_model, num_heads, mlp_dim, dropout_rate, rngs=rngs)
       setattr(self, f"layer{i}", layer)
     self.final_norm = nnx.RMSNorm(d_model, rngs=rngs)
     self.head = nnx.Linear(d_model, vocab_size, rngs=rngs)

@@ -74,13 +74,13 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 
 def run_processes(
-    commands: Sequence[Sequence[str]],
-    env: Mapping[str, str],
-    *,
-    timeout: float | None = None,
-    cwd: str | os.PathLike[str] | None = None,
-    grace_s: float = _FAILED_PEER_GRACE_S,
-    pass_fds: Sequence[int] = (),
+  commands: Sequence[Sequence[str]],
+  env: Mapping[str, str],
+  *,
+  timeout: float | None = None,
+  cwd: str | os.PathLike[str] | None = None,
+  grace_s: float = _FAILED_PEER_GRACE_S,
+  pass_fds: Sequence[int] = (),
 ) -> list[Finished]:
   """Runs the commands side by side and waits for all of them.
 
@@ -116,9 +116,17 @@ def run_processes(
   ended: set[int] = set()
   try:
     for cmd, log in zip(commands, logs):
-      procs.append(subprocess.Popen(
-          list(cmd), env=dict(env), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-          start_new_session=True, pass_fds=tuple(pass_fds)))
+      procs.append(
+        subprocess.Popen(
+          list(cmd),
+          env=dict(env),
+          cwd=cwd,
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,
+          pass_fds=tuple(pass_fds),
+        )
+      )
     start = time.monotonic()
     give_up_at = None
     while True:
@@ -155,5 +163,4 @@ def run_processes(
       log.seek(0)
       outputs.append(log.read())
       log.close()
-  return [Finished(p.returncode, out, i in ended)
-          for i, (p, out) in enumerate(zip(procs, outputs))]
+  return [Finished(p.returncode, out, i in ended) for i, (p, out) in enumerate(zip(procs, outputs))]

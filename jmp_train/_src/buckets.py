@@ -24,8 +24,13 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-    "assemble", "flatten_to_buckets", "unflatten_from_buckets", "bucketed_mean", "bucket_sizes",
-    "mean_buckets", "check_bucket_bytes",
+  "assemble",
+  "flatten_to_buckets",
+  "unflatten_from_buckets",
+  "bucketed_mean",
+  "bucket_sizes",
+  "mean_buckets",
+  "check_bucket_bytes",
 ]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -35,8 +40,7 @@ def check_bucket_bytes(bucket_bytes: Any, allow_none: bool = False) -> None:
   """Raises ``ValueError`` unless ``bucket_bytes`` is a positive int (or ``None`` if allowed)."""
   if allow_none and bucket_bytes is None:
     return
-  if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
-      or bucket_bytes <= 0):
+  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
     valid = "a positive int or None" if allow_none else "a positive int"
     raise ValueError(f"bucket_bytes must be {valid}, got {bucket_bytes!r}.")
 
@@ -148,8 +152,7 @@ def mean_buckets(tree: Any, bucket_bytes: int, dtype: Any = None) -> list[list[i
   return sorted(out, key=lambda bucket: -bucket[0])
 
 
-def flatten_to_buckets(tree: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       dtype: Any = None) -> list[jax.Array]:
+def flatten_to_buckets(tree: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Any = None) -> list[jax.Array]:
   """Concatenates the leaves of ``tree`` into flat buckets, last leaf first.
 
   Args:
@@ -178,16 +181,17 @@ def _flatten(leaves, layout: list[list[int]], dtype: Any) -> list[jax.Array]:
     parts = [jnp.ravel(leaves[i]) for i in bucket]
     common = jnp.result_type(*parts)
     starts = np.cumsum([0] + [p.size for p in parts[:-1]]).tolist()
-    flat = assemble([(s, p.astype(common)) for s, p in zip(starts, parts)],
-                    jnp.zeros((sum(p.size for p in parts),), common))
+    flat = assemble(
+      [(s, p.astype(common)) for s, p in zip(starts, parts)], jnp.zeros((sum(p.size for p in parts),), common)
+    )
     # One cast of the whole bucket (a cast inside each piece's copy is slower).
     out.append(flat if dtype is None else flat.astype(dtype))
   return out
 
 
-def unflatten_from_buckets(buckets: list[jax.Array], like: Any,
-                           bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                           dtype: Any = None) -> Any:
+def unflatten_from_buckets(
+  buckets: list[jax.Array], like: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Any = None
+) -> Any:
   """The inverse of :func:`flatten_to_buckets`.
 
   Args:
@@ -211,8 +215,8 @@ def unflatten_from_buckets(buckets: list[jax.Array], like: Any,
   layout = bucket_sizes(like, bucket_bytes, dtype)
   if len(layout) != len(buckets):
     raise ValueError(
-        f"Got {len(buckets)} buckets for a tree that makes {len(layout)} with "
-        f"bucket_bytes={bucket_bytes} and dtype={dtype}."
+      f"Got {len(buckets)} buckets for a tree that makes {len(layout)} with "
+      f"bucket_bytes={bucket_bytes} and dtype={dtype}."
     )
   return _unflatten(buckets, like, layout)
 
@@ -230,8 +234,7 @@ def _unflatten(buckets: list[jax.Array], like: Any, layout: list[list[int]]) -> 
   return jax.tree.unflatten(treedef, out)
 
 
-def bucketed_mean(tree: Any, axis_name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  dtype: Any = None) -> Any:
+def bucketed_mean(tree: Any, axis_name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Any = None) -> Any:
   """Averages ``tree`` over ``axis_name`` with one ``pmean`` per bucket of about ``bucket_bytes``.
 
   The leaves are flattened into buckets, the last leaves first (the first

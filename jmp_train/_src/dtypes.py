@@ -18,18 +18,18 @@ __all__ = ["DTYPE_ALIASES", "half_dtype", "is_floating_array", "is_floating_dtyp
 
 # Names accepted for floating dtypes. "half" resolves per backend at parse time.
 DTYPE_ALIASES: dict[str, str] = {
-    "float16": "float16",
-    "f16": "float16",
-    "fp16": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float32": "float32",
-    "f32": "float32",
-    "fp32": "float32",
-    "full": "float32",
-    "float64": "float64",
-    "f64": "float64",
-    "fp64": "float64",
+  "float16": "float16",
+  "f16": "float16",
+  "fp16": "float16",
+  "bfloat16": "bfloat16",
+  "bf16": "bfloat16",
+  "float32": "float32",
+  "f32": "float32",
+  "fp32": "float32",
+  "full": "float32",
+  "float64": "float64",
+  "f64": "float64",
+  "fp64": "float64",
 }
 _ACCEPTED_DTYPES = sorted(set(DTYPE_ALIASES) | {"half"})
 
@@ -76,28 +76,17 @@ def parse_dtype(value: Any) -> np.dtype:
       except TypeError:
         known = None
       if known is not None and not jnp.issubdtype(known, jnp.floating):
-        raise ValueError(
-            f"{value!r} is not a floating dtype; a policy needs one of "
-            f"{', '.join(_ACCEPTED_DTYPES)}."
-        )
-      raise ValueError(
-          f"Unknown dtype {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}."
-      )
+        raise ValueError(f"{value!r} is not a floating dtype; a policy needs one of {', '.join(_ACCEPTED_DTYPES)}.")
+      raise ValueError(f"Unknown dtype {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}.")
     return np.dtype(getattr(jnp, DTYPE_ALIASES[name]))
   if value is None:  # np.dtype(None) is float64: never a silent choice
-    raise ValueError(
-        f"None is not a dtype; accepted names: {', '.join(_ACCEPTED_DTYPES)}.")
+    raise ValueError(f"None is not a dtype; accepted names: {', '.join(_ACCEPTED_DTYPES)}.")
   try:
     dtype = np.dtype(value)
   except TypeError as e:
-    raise ValueError(
-        f"Not a dtype: {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}."
-    ) from e
+    raise ValueError(f"Not a dtype: {value!r}; accepted names: {', '.join(_ACCEPTED_DTYPES)}.") from e
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(
-        f"{dtype.name!r} is not a floating dtype; a policy needs one of "
-        f"{', '.join(_ACCEPTED_DTYPES)}."
-    )
+    raise ValueError(f"{dtype.name!r} is not a floating dtype; a policy needs one of {', '.join(_ACCEPTED_DTYPES)}.")
   return dtype
 
 

@@ -16,8 +16,13 @@ import jax
 import numpy as np
 
 __all__ = [
-    "check_bool", "check_learning_rate", "check_non_negative", "check_unit", "is_number",
-    "is_static_zero", "static_hint",
+  "check_bool",
+  "check_learning_rate",
+  "check_non_negative",
+  "check_unit",
+  "is_number",
+  "is_static_zero",
+  "static_hint",
 ]
 
 
@@ -46,15 +51,13 @@ def check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None
   """Raises ``ValueError`` unless the rate is finite and > 0, a schedule or an array."""
   if is_number(learning_rate) and not (math.isfinite(learning_rate) and learning_rate > 0):
     raise ValueError(
-        f"{name} must be finite and > 0 (or a schedule, a callable of the step "
-        f"count), got {learning_rate!r}: a negative rate ascends the loss and 0 "
-        "never moves the weights."
+      f"{name} must be finite and > 0 (or a schedule, a callable of the step "
+      f"count), got {learning_rate!r}: a negative rate ascends the loss and 0 "
+      "never moves the weights."
     )
-  if not (callable(learning_rate) or is_number(learning_rate)
-          or isinstance(learning_rate, (jax.Array, np.ndarray))):
+  if not (callable(learning_rate) or is_number(learning_rate) or isinstance(learning_rate, (jax.Array, np.ndarray))):
     raise ValueError(
-        f"{name} must be a number > 0 or a schedule (a callable of the step "
-        f"count), got {learning_rate!r}."
+      f"{name} must be a number > 0 or a schedule (a callable of the step count), got {learning_rate!r}."
     )
 
 

@@ -48,10 +48,10 @@ def check_leaves(tree: Any, what: str, name: str) -> tuple[list[Any], Any]:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(
-          f"{name} needs floating {what}; the leaf at "
-          f"{jax.tree_util.keystr(path)!r} has dtype "
-          f"{getattr(dtype, 'name', type(leaf).__name__)}. Valid dtypes: float16, "
-          "bfloat16, float32, float64. Mask integer leaves out with optax.masked."
+        f"{name} needs floating {what}; the leaf at "
+        f"{jax.tree_util.keystr(path)!r} has dtype "
+        f"{getattr(dtype, 'name', type(leaf).__name__)}. Valid dtypes: float16, "
+        "bfloat16, float32, float64. Mask integer leaves out with optax.masked."
       )
     leaves.append(leaf)
   return leaves, treedef
@@ -87,9 +87,7 @@ def first_not_differentiable(tree: Any) -> tuple[str, str] | None:
   return None
 
 
-def all_finite(
-    tree: Any, axis_name: str | Sequence[str] | None = None
-) -> jax.Array:
+def all_finite(tree: Any, axis_name: str | Sequence[str] | None = None) -> jax.Array:
   """Whether every floating-point leaf of ``tree`` is free of inf and NaN.
 
   Computed as one ``sum(leaf * 0)`` per leaf: ``x * 0`` is ``0`` for finite
@@ -116,8 +114,7 @@ def all_finite(
     >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
     False
   """
-  leaves = [jnp.asarray(x, jnp.float32) if isinstance(x, float) else x
-            for x in jax.tree.leaves(tree)]
+  leaves = [jnp.asarray(x, jnp.float32) if isinstance(x, float) else x for x in jax.tree.leaves(tree)]
   leaves = [x for x in leaves if is_floating_array(x)]
   finite = jnp.array(True)
   for leaf in leaves:

@@ -39,8 +39,7 @@ def fresh_arrays(tree: Any) -> Any:
     >>> copy is scale, float(copy)
     (False, 32768.0)
   """
-  return jax.tree.map(
-      lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
+  return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 
 def register_pytree_dataclass(cls: type) -> type:
@@ -71,8 +70,7 @@ def register_pytree_dataclass(cls: type) -> type:
     ([1, 2], {'a': 1, 'b': 2})
   """
   jax.tree_util.register_dataclass(cls)
-  names = tuple(f.name for f in dataclasses.fields(cls)
-                if not f.metadata.get("static"))
+  names = tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("static"))
 
   def to_state_dict(x: Any) -> dict[str, Any]:
     return {n: flax.serialization.to_state_dict(getattr(x, n)) for n in names}
@@ -80,15 +78,11 @@ def register_pytree_dataclass(cls: type) -> type:
   def from_state_dict(x: Any, state: dict[str, Any]) -> Any:
     if set(state) != set(names):
       raise ValueError(
-          f"Cannot restore a {cls.__name__} with fields {sorted(names)} from "
-          f"a state dict with keys {sorted(state)} at "
-          f"{flax.serialization.current_path()!r}."
+        f"Cannot restore a {cls.__name__} with fields {sorted(names)} from "
+        f"a state dict with keys {sorted(state)} at "
+        f"{flax.serialization.current_path()!r}."
       )
-    return x.replace(**{
-        n: flax.serialization.from_state_dict(getattr(x, n), state[n], name=n)
-        for n in names
-    })
+    return x.replace(**{n: flax.serialization.from_state_dict(getattr(x, n), state[n], name=n) for n in names})
 
-  flax.serialization.register_serialization_state(
-      cls, to_state_dict, from_state_dict)
+  flax.serialization.register_serialization_state(cls, to_state_dict, from_state_dict)
   return cls

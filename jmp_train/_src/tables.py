@@ -31,9 +31,9 @@ def format_cell(v: Any) -> str:
 
 
 def format_table(
-    rows: Iterable[Mapping[str, Any]],
-    columns: Sequence[str] | None = None,
-    formats: Mapping[str, Callable[[Any], str]] | None = None,
+  rows: Iterable[Mapping[str, Any]],
+  columns: Sequence[str] | None = None,
+  formats: Mapping[str, Callable[[Any], str]] | None = None,
 ) -> str:
   """A GitHub-markdown table of ``rows``.
 

@@ -89,6 +89,7 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
     def branch(*args):
       flat, tree = jax.tree.flatten(fun(*args))
       return jax.tree.unflatten(tree, [pvary(x, want) for x, want in zip(flat, axes)])
+
     return branch
 
   return jax.lax.cond(pred, unified(true_fun), unified(false_fun), *operands)

@@ -37,8 +37,7 @@ def _open(closed: Any) -> tuple[Any, list[Any]]:
   return closed, []
 
 
-def _closed(rules: _Rules, closed: Any, vals: Sequence[Any], tags: Sequence[int],
-            scope: tuple[str, ...]):
+def _closed(rules: _Rules, closed: Any, vals: Sequence[Any], tags: Sequence[int], scope: tuple[str, ...]):
   jaxpr, consts = _open(closed)
   return _eval(rules, jaxpr, consts, [_PARAM] * len(consts), vals, tags, scope)
 
@@ -90,11 +89,9 @@ def _custom_jvp(rules, eqn, vals, tags, scope):
     jaxpr, jvp_consts, out_zeros = jvp_fun.call_wrapped(*[not f for f in is_float])
     nz = [t for t, f in zip(tangents, is_float) if f]
     nz_tags = [t for t, f in zip(arg_tags, is_float) if f]
-    outs, _ = _eval(rules, jaxpr, jvp_consts, [_PARAM] * len(jvp_consts),
-                    [*primals, *nz], [*arg_tags, *nz_tags], scope)
+    outs, _ = _eval(rules, jaxpr, jvp_consts, [_PARAM] * len(jvp_consts), [*primals, *nz], [*arg_tags, *nz_tags], scope)
     n = len(out_zeros)
-    p_out = [_cast(o, np.dtype(a.dtype)) if _is_float(a.dtype) else o
-             for o, a in zip(outs[:n], out_avals)]
+    p_out = [_cast(o, np.dtype(a.dtype)) if _is_float(a.dtype) else o for o, a in zip(outs[:n], out_avals)]
     nz_out = iter(outs[n:])
     t_out = []
     for a, z in zip(out_avals, out_zeros):
@@ -135,19 +132,17 @@ def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
 def _scan(rules, eqn, vals, tags, scope):
   p = eqn.params
   nc, ncarry = _scan_counts(p)
-  consts, init, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
-  c_tags, i_tags, x_tags = tags[:nc], tags[nc:nc + ncarry], tags[nc + ncarry:]
+  consts, init, xs = vals[:nc], vals[nc : nc + ncarry], vals[nc + ncarry :]
+  c_tags, i_tags, x_tags = tags[:nc], tags[nc : nc + ncarry], tags[nc + ncarry :]
   carry_dtypes = _carry_dtypes(init)
   box = []
 
   def body(carry, x):
-    outs, out_tags = _closed(rules, p["jaxpr"], [*consts, *carry, *x],
-                             [*c_tags, *i_tags, *x_tags], scope + ("scan",))
+    outs, out_tags = _closed(rules, p["jaxpr"], [*consts, *carry, *x], [*c_tags, *i_tags, *x_tags], scope + ("scan",))
     box.append(out_tags)
     return _cast_like(outs[:ncarry], carry_dtypes), outs[ncarry:]
 
-  carry, ys = lax.scan(body, list(init), list(xs), length=p["length"],
-                       reverse=p["reverse"], unroll=p["unroll"])
+  carry, ys = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
   y_tags = box[0][ncarry:]
   return [*carry, *ys], [*i_tags, *y_tags]
 
@@ -155,8 +150,8 @@ def _scan(rules, eqn, vals, tags, scope):
 def _while(rules, eqn, vals, tags, scope):
   p = eqn.params
   cn, bn = p["cond_nconsts"], p["body_nconsts"]
-  cc, bc, init = vals[:cn], vals[cn:cn + bn], vals[cn + bn:]
-  cc_t, bc_t, i_t = tags[:cn], tags[cn:cn + bn], tags[cn + bn:]
+  cc, bc, init = vals[:cn], vals[cn : cn + bn], vals[cn + bn :]
+  cc_t, bc_t, i_t = tags[:cn], tags[cn : cn + bn], tags[cn + bn :]
   carry_dtypes = _carry_dtypes(init)
 
   def cond(carry):
@@ -178,6 +173,7 @@ def _cond(rules, eqn, vals, tags, scope):
   def branch_fn(closed):
     def run(*xs):
       return _closed(rules, closed, xs, op_tags, scope + ("cond",))[0]
+
     return run
 
   fns = [branch_fn(b) for b in branches]
@@ -192,9 +188,10 @@ def _cond(rules, eqn, vals, tags, scope):
 
   outs = lax.switch(index, [unify(f) for f in fns], *ops)
   strongest = max([t for x, t in zip(ops, op_tags) if _dtype(x) is not None], default=_CONST)
-  out_tags = [_CONST if d is None else (
-      strongest if strongest < _HALF else _HALF if d.itemsize < _F32.itemsize else _FLOAT32)
-              for d in dtypes]
+  out_tags = [
+    _CONST if d is None else (strongest if strongest < _HALF else _HALF if d.itemsize < _F32.itemsize else _FLOAT32)
+    for d in dtypes
+  ]
   return list(outs), out_tags
 
 
@@ -220,14 +217,20 @@ def _shard_map(rules, eqn, vals, tags, scope):
     box.append(out_tags)
     return tuple(outs)
 
-  fn = jax.shard_map(body, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
-                     out_specs=tuple(p["out_specs"]), axis_names=set(p.get("newly_manual_axes", p.get("manual_axes"))),
-                     check_vma=p["check_vma"])
+  fn = jax.shard_map(
+    body,
+    mesh=p["mesh"],
+    in_specs=tuple(p["in_specs"]),
+    out_specs=tuple(p["out_specs"]),
+    axis_names=set(p.get("newly_manual_axes", p.get("manual_axes"))),
+    check_vma=p["check_vma"],
+  )
   outs = fn(*vals)
   return list(outs), box[0]
 
 
-interp.HANDLERS.update({
+interp.HANDLERS.update(
+  {
     "pjit": _pjit,
     "jit": _pjit,
     "closed_call": _closed_call,
@@ -241,4 +244,5 @@ interp.HANDLERS.update({
     "remat": _remat,
     "remat2": _remat,
     "shard_map": _shard_map,
-})
+  }
+)

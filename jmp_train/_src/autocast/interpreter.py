@@ -69,8 +69,7 @@ class _Rules:
     for i in reversed(range(len(scope))):
       path = "/".join(scope[: i + 1])
       for patterns, mode in ((self.float32_scopes, _FLOAT32), (self.half_scopes, _HALF)):
-        if any(fnmatch.fnmatchcase(scope[i], p) or fnmatch.fnmatchcase(path, p)
-               for p in patterns):
+        if any(fnmatch.fnmatchcase(scope[i], p) or fnmatch.fnmatchcase(path, p) for p in patterns):
           return mode
     return None
 
@@ -106,8 +105,7 @@ def _has_subjaxpr(eqn: Any) -> bool:
 
 # Calls whose body the float32 analysis looks into: parameter name of the
 # body, and the name it adds to the scope.
-_CALL_BODIES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-                "custom_jvp_call": "call_jaxpr"}
+_CALL_BODIES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
 
 
 def _call_f32_inputs(rules: _Rules, eqn: Any, scope: tuple[str, ...]) -> set[int]:
@@ -141,10 +139,12 @@ def _analyse(rules: _Rules, jaxpr: Any, scope: tuple[str, ...]):
   eqns = jaxpr.eqns
   modes = [rules.mode(e.primitive.name, scope + _name_stack(e)) for e in eqns]
   inferable = [
-      m is None and not _has_subjaxpr(e) and e.primitive.name not in _LOCKED
-      and e.primitive.name != "convert_element_type"
-      and e.primitive.name not in rules.lookup_prims
-      for e, m in zip(eqns, modes)
+    m is None
+    and not _has_subjaxpr(e)
+    and e.primitive.name not in _LOCKED
+    and e.primitive.name != "convert_element_type"
+    and e.primitive.name not in rules.lookup_prims
+    for e, m in zip(eqns, modes)
   ]
   deny = {i for i, m in enumerate(modes) if m == _FLOAT32}
   consumers: dict[Any, list[tuple[int, int]]] = {}
@@ -153,14 +153,19 @@ def _analyse(rules: _Rules, jaxpr: Any, scope: tuple[str, ...]):
       if not isinstance(v, jex_core.Literal):
         consumers.setdefault(v, []).append((i, k))
   outputs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
-  call_inputs = {i: _call_f32_inputs(rules, e, scope) for i, e in enumerate(eqns)
-                 if e.primitive.name in _CALL_BODIES and modes[i] is None}
+  call_inputs = {
+    i: _call_f32_inputs(rules, e, scope)
+    for i, e in enumerate(eqns)
+    if e.primitive.name in _CALL_BODIES and modes[i] is None
+  }
   demanded: set[int] = set()
 
   def float32_only(v):
-    return v not in outputs and consumers.get(v) and all(
-        c in deny or c in demanded or k in call_inputs.get(c, ())
-        for c, k in consumers[v])
+    return (
+      v not in outputs
+      and consumers.get(v)
+      and all(c in deny or c in demanded or k in call_inputs.get(c, ()) for c, k in consumers[v])
+    )
 
   for i in reversed(range(len(eqns))):
     if not (inferable[i] or i in call_inputs):
@@ -168,8 +173,7 @@ def _analyse(rules: _Rules, jaxpr: Any, scope: tuple[str, ...]):
     outs = [v for v in eqns[i].outvars if _is_float(getattr(v.aval, "dtype", None))]
     if outs and all(float32_only(v) for v in outs):
       demanded.add(i)
-  inputs = {k for k, v in enumerate(jaxpr.invars)
-            if _is_float(getattr(v.aval, "dtype", None)) and float32_only(v)}
+  inputs = {k for k, v in enumerate(jaxpr.invars) if _is_float(getattr(v.aval, "dtype", None)) and float32_only(v)}
   return demanded | _meets_float32(eqns, inferable, deny | demanded, consumers, outputs), inputs
 
 
@@ -184,21 +188,30 @@ def _meets_float32(eqns, inferable, float32, consumers, outputs) -> set[int]:
   producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
   mixes = set(float32)
   for i, eqn in enumerate(eqns):
-    if inferable[i] and any(producer.get(v) in mixes for v in eqn.invars
-                            if not isinstance(v, jex_core.Literal)):
+    if inferable[i] and any(producer.get(v) in mixes for v in eqn.invars if not isinstance(v, jex_core.Literal)):
       mixes.add(i)
   pulled = set()
   for i, eqn in enumerate(eqns):
     outs = [v for v in eqn.outvars if _is_float(getattr(v.aval, "dtype", None))]
-    if inferable[i] and i not in mixes and outs and all(
-        v not in outputs and consumers.get(v) and all(c in mixes for c, _ in consumers[v])
-        for v in outs):
+    if (
+      inferable[i]
+      and i not in mixes
+      and outs
+      and all(v not in outputs and consumers.get(v) and all(c in mixes for c, _ in consumers[v]) for v in outs)
+    ):
       pulled.add(i)
   return pulled
 
 
-def _eval(rules: _Rules, jaxpr: Any, consts: Sequence[Any], const_tags: Sequence[int],
-          args: Sequence[Any], tags: Sequence[int], scope: tuple[str, ...]):
+def _eval(
+  rules: _Rules,
+  jaxpr: Any,
+  consts: Sequence[Any],
+  const_tags: Sequence[int],
+  args: Sequence[Any],
+  tags: Sequence[int],
+  scope: tuple[str, ...],
+):
   """Evaluates ``jaxpr`` under the rules; returns ``(outputs, output tags)``."""
   env: dict[Any, tuple[Any, int]] = {}
   for v, x, t in zip(jaxpr.constvars, consts, const_tags):
@@ -229,8 +242,7 @@ def _eval(rules: _Rules, jaxpr: Any, consts: Sequence[Any], const_tags: Sequence
 
 def _to_float32(vals: list, tags: list) -> tuple[list, list]:
   """Activations cast to float32 (parameters and constants unchanged)."""
-  pairs = [(_cast(x, _F32), _FLOAT32) if _dtype(x) is not None and t >= _HALF else (x, t)
-           for x, t in zip(vals, tags)]
+  pairs = [(_cast(x, _F32), _FLOAT32) if _dtype(x) is not None and t >= _HALF else (x, t) for x, t in zip(vals, tags)]
   return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -273,16 +285,14 @@ def _plain(rules: _Rules, eqn: Any, vals: list, tags: list, mode: int | None):
   name = eqn.primitive.name
   if name == "convert_element_type":
     return _convert(eqn, vals, tags)
-  if mode is None and name in rules.lookup_prims and _dtype(vals[0]) is not None and (
-      tags[0] == _PARAM):
+  if mode is None and name in rules.lookup_prims and _dtype(vals[0]) is not None and (tags[0] == _PARAM):
     return _lookup(rules, eqn, vals, tags)
   dtype, out_tag = _target(rules, vals, tags, mode)
   if dtype is None:
     return _bind(eqn, vals), [out_tag] * len(eqn.outvars)
   vals = [_cast(x, dtype) for x in vals]
   params = dict(eqn.params)
-  if params.get("preferred_element_type") is not None and _is_float(
-      params["preferred_element_type"]):
+  if params.get("preferred_element_type") is not None and _is_float(params["preferred_element_type"]):
     params["preferred_element_type"] = dtype
   outs = _bind(eqn, vals, params)
   return outs, [out_tag if _dtype(o) is not None else _CONST for o in outs]
@@ -312,8 +322,10 @@ def _convert(eqn: Any, vals: list, tags: list):
 
 def _opaque(eqn: Any, vals: list, tags: list):
   """Binds as traced: operands cast back to the dtypes the callee expects."""
-  vals = [_cast(x, np.dtype(v.aval.dtype)) if _is_float(getattr(v.aval, "dtype", None)) else x
-          for x, v in zip(vals, eqn.invars)]
+  vals = [
+    _cast(x, np.dtype(v.aval.dtype)) if _is_float(getattr(v.aval, "dtype", None)) else x
+    for x, v in zip(vals, eqn.invars)
+  ]
   outs = _bind(eqn, vals)
   strongest = max([t for x, t in zip(vals, tags) if _dtype(x) is not None], default=_CONST)
   out_tags = []
@@ -328,12 +340,21 @@ def _opaque(eqn: Any, vals: list, tags: list):
 
 # Primitives whose parameters fix their operand dtypes (scatter's combiner
 # jaxpr, bitcasts): evaluated as traced, like opaque calls.
-_LOCKED = frozenset({
-    "bitcast_convert_type", "reduce_precision", "pure_callback", "io_callback",
-    "callback", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
-    "custom_partitioning", "cudnn_dot_product_attention",
-})
-
+_LOCKED = frozenset(
+  {
+    "bitcast_convert_type",
+    "reduce_precision",
+    "pure_callback",
+    "io_callback",
+    "callback",
+    "ffi_call",
+    "custom_call",
+    "tpu_custom_call",
+    "mosaic_gpu_call",
+    "custom_partitioning",
+    "cudnn_dot_product_attention",
+  }
+)
 
 
 # Primitive name -> handler(rules, eqn, vals, tags, scope) -> (outs, tags);

@@ -41,12 +41,12 @@ import jax  # noqa: F401  (loads jax.lax, whose primitives are listed)
 from jax.extend import core as jex_core
 
 __all__ = [
-    "DEFAULT_HALF_OPS",
-    "DEFAULT_FLOAT32_OPS",
-    "DEFAULT_LOOKUP_OPS",
-    "SCOPE_PREFIX",
-    "known_primitives",
-    "check_op_list",
+  "DEFAULT_HALF_OPS",
+  "DEFAULT_FLOAT32_OPS",
+  "DEFAULT_LOOKUP_OPS",
+  "SCOPE_PREFIX",
+  "known_primitives",
+  "check_op_list",
 ]
 
 # The allow list: the ops that use Tensor Cores.
@@ -57,29 +57,29 @@ DEFAULT_HALF_OPS: tuple[str, ...] = ("dot_general", "conv_general_dilated")
 # exp, log, log1p, pow, rsqrt, erf..., sum, prod, cumsum, cumprod, softmax,
 # log_softmax, norms and losses, which in a jaxpr are built from these).
 DEFAULT_FLOAT32_OPS: tuple[str, ...] = (
-    "exp",
-    "exp2",
-    "expm1",
-    "log",
-    "log1p",
-    "logistic",
-    "pow",
-    "rsqrt",
-    "erf",
-    "erfc",
-    "erf_inv",
-    "lgamma",
-    "digamma",
-    "tan",
-    "sinh",
-    "cosh",
-    "asin",
-    "acos",
-    "reduce_sum",
-    "reduce_prod",
-    "cumsum",
-    "cumprod",
-    "cumlogsumexp",
+  "exp",
+  "exp2",
+  "expm1",
+  "log",
+  "log1p",
+  "logistic",
+  "pow",
+  "rsqrt",
+  "erf",
+  "erfc",
+  "erf_inv",
+  "lgamma",
+  "digamma",
+  "tan",
+  "sinh",
+  "cosh",
+  "asin",
+  "acos",
+  "reduce_sum",
+  "reduce_prod",
+  "cumsum",
+  "cumprod",
+  "cumlogsumexp",
 )
 
 # The lookups: reading rows of a floating parameter table by (integer)
@@ -140,28 +140,25 @@ def check_op_list(ops: Any, name: str) -> tuple[str, ...]:
   try:
     entries = tuple(ops)
   except TypeError:
-    raise TypeError(
-        f"{name} must be a sequence of primitive names (e.g. {DEFAULT_HALF_OPS}), "
-        f"got {ops!r}."
-    ) from None
+    raise TypeError(f"{name} must be a sequence of primitive names (e.g. {DEFAULT_HALF_OPS}), got {ops!r}.") from None
   known = known_primitives()
   for entry in entries:
     if not isinstance(entry, str):
       raise TypeError(f"{name} entries must be strings, got {entry!r}.")
     if entry.startswith(SCOPE_PREFIX):
-      if not entry[len(SCOPE_PREFIX):]:
+      if not entry[len(SCOPE_PREFIX) :]:
         raise ValueError(f"Empty scope pattern {entry!r} in {name}.")
       continue
     if entry not in known:
       close = difflib.get_close_matches(entry, sorted(known), n=5)
       hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
       raise ValueError(
-          f"{entry!r} in {name} is not a JAX primitive name.{hint} Valid "
-          f"entries are primitive names as they appear in a jaxpr (e.g. "
-          f"{', '.join(DEFAULT_HALF_OPS)}, {', '.join(DEFAULT_FLOAT32_OPS[:6])}; "
-          f"the names jax.make_jaxpr(fun)(...) prints), or "
-          f"'{SCOPE_PREFIX}PATTERN' for a jax.named_scope or a jitted / custom_jvp "
-          f"function name (e.g. '{SCOPE_PREFIX}{entry}')."
+        f"{entry!r} in {name} is not a JAX primitive name.{hint} Valid "
+        f"entries are primitive names as they appear in a jaxpr (e.g. "
+        f"{', '.join(DEFAULT_HALF_OPS)}, {', '.join(DEFAULT_FLOAT32_OPS[:6])}; "
+        f"the names jax.make_jaxpr(fun)(...) prints), or "
+        f"'{SCOPE_PREFIX}PATTERN' for a jax.named_scope or a jitted / custom_jvp "
+        f"function name (e.g. '{SCOPE_PREFIX}{entry}')."
       )
   return entries
 
@@ -171,7 +168,7 @@ def split_op_list(entries: Iterable[str]) -> tuple[frozenset[str], tuple[str, ..
   prims, scopes = set(), []
   for entry in entries:
     if entry.startswith(SCOPE_PREFIX):
-      scopes.append(entry[len(SCOPE_PREFIX):])
+      scopes.append(entry[len(SCOPE_PREFIX) :])
     else:
       prims.add(entry)
   return frozenset(prims), tuple(scopes)

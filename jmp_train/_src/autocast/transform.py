@@ -46,8 +46,8 @@ def _check_policy(policy: Any) -> policy_lib.Policy:
   if isinstance(policy, str):
     return policy_lib.get_policy(policy)
   raise ValueError(
-      "policy must be a jmp_train.Policy or a spec string such as "
-      f"'mixed_bfloat16' or 'params=float32,compute=float16,output=float32', got {policy!r}."
+    "policy must be a jmp_train.Policy or a spec string such as "
+    f"'mixed_bfloat16' or 'params=float32,compute=float16,output=float32', got {policy!r}."
   )
 
 
@@ -62,25 +62,24 @@ def _check_argnums(params_argnums: Any) -> tuple[int, ...]:
     nums = None
   if nums is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
     raise TypeError(
-        f"params_argnums must be an int or a tuple of ints (positions of the "
-        f"parameter arguments), got {params_argnums!r}."
+      f"params_argnums must be an int or a tuple of ints (positions of the "
+      f"parameter arguments), got {params_argnums!r}."
     )
   return nums
 
 
 def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or (
-      isinstance(x, jax.ShapeDtypeStruct))
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or (isinstance(x, jax.ShapeDtypeStruct))
 
 
 def autocast(
-    fun: Callable[..., Any],
-    policy: policy_lib.Policy | str,
-    *,
-    float32_ops: Sequence[str] = autocast_lists.DEFAULT_FLOAT32_OPS,
-    half_ops: Sequence[str] = autocast_lists.DEFAULT_HALF_OPS,
-    lookup_ops: Sequence[str] = autocast_lists.DEFAULT_LOOKUP_OPS,
-    params_argnums: int | Sequence[int] | None = 0,
+  fun: Callable[..., Any],
+  policy: policy_lib.Policy | str,
+  *,
+  float32_ops: Sequence[str] = autocast_lists.DEFAULT_FLOAT32_OPS,
+  half_ops: Sequence[str] = autocast_lists.DEFAULT_HALF_OPS,
+  lookup_ops: Sequence[str] = autocast_lists.DEFAULT_LOOKUP_OPS,
+  params_argnums: int | Sequence[int] | None = 0,
 ) -> Callable[..., Any]:
   r"""Runs ``fun`` under a mixed-precision policy by transforming its jaxpr.
 
@@ -207,8 +206,9 @@ def autocast(
   lookup_prims, lookup_scopes = autocast_lists.split_op_list(lookup)
   if lookup_scopes:
     raise ValueError(
-        f"lookup_ops holds primitive names only (e.g. {autocast_lists.DEFAULT_LOOKUP_OPS}), "
-        f"got scope entries {list(lookup_scopes)}.")
+      f"lookup_ops holds primitive names only (e.g. {autocast_lists.DEFAULT_LOOKUP_OPS}), "
+      f"got scope entries {list(lookup_scopes)}."
+    )
   f32_prims, f32_scopes = autocast_lists.split_op_list(f32)
   half_prims, half_scopes = autocast_lists.split_op_list(half)
   rules = _Rules(policy, half_prims, f32_prims, half_scopes, f32_scopes, lookup_prims)
@@ -218,15 +218,11 @@ def autocast(
   def wrapped(*args, **kwargs):
     bad = [n for n in argnums if not -len(args) <= n < len(args)]
     if bad:
-      raise ValueError(
-          f"params_argnums {bad} out of range for a call with {len(args)} "
-          "positional arguments."
-      )
+      raise ValueError(f"params_argnums {bad} out of range for a call with {len(args)} positional arguments.")
     params = {n % len(args) for n in argnums}
     nnx = _nnx()
     is_node = (lambda x: False) if nnx is None else functools.partial(_is_graph_node, nnx)
-    is_param = [jax.tree.map(lambda _, p=i in params: p, a, is_leaf=is_node)
-                for i, a in enumerate(args)]
+    is_param = [jax.tree.map(lambda _, p=i in params: p, a, is_leaf=is_node) for i, a in enumerate(args)]
     leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
     kw_flags = jax.tree.map(lambda _: False, kwargs, is_leaf=is_node)
     param_flags = jax.tree.leaves((is_param, kw_flags))
@@ -256,8 +252,9 @@ def autocast(
 _ACTIVATION, _PARAMETER, _STATE = 0, 1, 2
 
 
-def _evaluate(rules: _Rules, call: Callable[[list[Any]], Any], leaves: Sequence[Any],
-              kinds: Sequence[int]) -> tuple[list[Any], Any]:
+def _evaluate(
+  rules: _Rules, call: Callable[[list[Any]], Any], leaves: Sequence[Any], kinds: Sequence[int]
+) -> tuple[list[Any], Any]:
   """Traces ``call(leaves)`` and evaluates its jaxpr under ``rules``.
 
   Args:
@@ -286,9 +283,9 @@ def _evaluate(rules: _Rules, call: Callable[[list[Any]], Any], leaves: Sequence[
     errors = sys.modules.get("flax.errors")
     if errors is not None and isinstance(e, errors.TraceContextError):
       raise TypeError(
-          "autocast's function wrote to an NNX Variable it closes over, which autocast's "
-          "tracing cannot keep. Pass the module as an argument: "
-          "autocast(lambda model, x: ..., policy)(model, x) keeps its updates."
+        "autocast's function wrote to an NNX Variable it closes over, which autocast's "
+        "tracing cannot keep. Pass the module as an argument: "
+        "autocast(lambda model, x: ..., policy)(model, x) keeps its updates."
       ) from e
     raise
   vals, tags = [], []
@@ -329,9 +326,10 @@ def _check_values(out: Any) -> None:
     if not (_is_array(leaf) or isinstance(leaf, (bool, int, float, complex))):
       where = jax.tree_util.keystr(path) or "the output"
       raise TypeError(
-          f"autocast's function returned {type(leaf).__name__} {leaf!r:.60} at {where}: "
-          "autocast traces the function, so its outputs must be arrays or numbers. "
-          "Return the other values from outside the autocast function.")
+        f"autocast's function returned {type(leaf).__name__} {leaf!r:.60} at {where}: "
+        "autocast traces the function, so its outputs must be arrays or numbers. "
+        "Return the other values from outside the autocast function."
+      )
 
 
 def _check_out(nnx: Any, out: Any) -> Any:
@@ -343,9 +341,9 @@ def _check_out(nnx: Any, out: Any) -> Any:
   found = [type(x).__name__ for x in jax.tree.leaves(out, is_leaf=is_module) if is_module(x)]
   if found:
     raise TypeError(
-        f"autocast's function returned NNX modules ({', '.join(found)}), which would come "
-        "back as detached copies. Return nnx.state(module) instead; the modules passed as "
-        "arguments are updated in place."
+      f"autocast's function returned NNX modules ({', '.join(found)}), which would come "
+      "back as detached copies. Return nnx.state(module) instead; the modules passed as "
+      "arguments are updated in place."
     )
   _check_values(out)
   return out
@@ -357,8 +355,9 @@ class _Static(NamedTuple):
   value: Any
 
 
-def _call_nnx(nnx: Any, rules: _Rules, fun: Callable[..., Any], leaves: list[Any],
-              treedef: Any, param_flags: Sequence[bool]) -> Any:
+def _call_nnx(
+  nnx: Any, rules: _Rules, fun: Callable[..., Any], leaves: list[Any], treedef: Any, param_flags: Sequence[bool]
+) -> Any:
   """Calls ``fun`` on arguments holding NNX graph nodes, keeping their state updates.
 
   The graph nodes (modules, ``Variable`` s, ``Rngs``...; those of the
@@ -394,8 +393,7 @@ def _call_nnx(nnx: Any, rules: _Rules, fun: Callable[..., Any], leaves: list[Any
   state_leaves, state_def = jax.tree.flatten(state)
   rest = [None if i in node_pos else x for i, x in enumerate(leaves)]
   rest_leaves, rest_def = jax.tree.flatten(rest)
-  kinds += [_PARAMETER if param_flags[i] else _ACTIVATION
-            for i, x in enumerate(leaves) if i not in node_pos]
+  kinds += [_PARAMETER if param_flags[i] else _ACTIVATION for i, x in enumerate(leaves) if i not in node_pos]
   n_state = len(state_leaves)
   box = {}
 
@@ -412,26 +410,28 @@ def _call_nnx(nnx: Any, rules: _Rules, fun: Callable[..., Any], leaves: list[Any
     # the jaxpr evaluates it: cast to the dtype of its kind); other arrays
     # are outputs of the jaxpr; other values (Python scalars) are static.
     inputs = {id(x): i for i, x in enumerate(full[:n_state])}
-    box.update(graphdef=new_graphdef, state_def=new_def,
-               leaves=[inputs.get(id(x)) if _is_array(x) else _Static(x) for x in new_leaves])
+    box.update(
+      graphdef=new_graphdef,
+      state_def=new_def,
+      leaves=[inputs.get(id(x)) if _is_array(x) else _Static(x) for x in new_leaves],
+    )
     return out, [x for x in new_leaves if _is_array(x) and id(x) not in inputs]
 
   outs, (out_shape, new_shapes) = _evaluate(rules, call, state_leaves + rest_leaves, kinds)
   n_out = len(jax.tree.leaves(out_shape))
-  out = jax.tree.unflatten(jax.tree.structure(out_shape),
-                           [_cast(o, policy.output_dtype) for o in outs[:n_out]])
+  out = jax.tree.unflatten(jax.tree.structure(out_shape), [_cast(o, policy.output_dtype) for o in outs[:n_out]])
   # The new state in the dtypes `fun` gives it (as traced).
-  new_vals = iter(_cast(x, s.dtype) if _dtype(s) is not None else x
-                  for x, s in zip(outs[n_out:], new_shapes))
-  new_leaves = [next(new_vals) if x is None else x.value if isinstance(x, _Static)
-                else state_leaves[x] for x in box["leaves"]]
+  new_vals = iter(_cast(x, s.dtype) if _dtype(s) is not None else x for x, s in zip(outs[n_out:], new_shapes))
+  new_leaves = [
+    next(new_vals) if x is None else x.value if isinstance(x, _Static) else state_leaves[x] for x in box["leaves"]
+  ]
   nnx.update(nodes, jax.tree.unflatten(box["state_def"], new_leaves))
   if nnx.graphdef(nodes, graph=True) != box["graphdef"]:
     raise TypeError(
-        "autocast's function changed the structure of its NNX arguments (set or deleted "
-        "a static attribute, or replaced a submodule by one of another structure): autocast "
-        "traces the function on a copy of the modules and carries their Variables' new "
-        "values back, not such changes. Make the change outside the function, or keep the "
-        "value in an nnx.Variable (its updates are carried back)."
+      "autocast's function changed the structure of its NNX arguments (set or deleted "
+      "a static attribute, or replaced a submodule by one of another structure): autocast "
+      "traces the function on a copy of the modules and carries their Variables' new "
+      "values back, not such changes. Make the change outside the function, or keep the "
+      "value in an nnx.Variable (its updates are carried back)."
     )
   return out

@@ -70,9 +70,9 @@ __all__ = ["CompressedMeanState", "compressed_mean", "WIRE_FORMATS"]
 
 # wire format -> (dtype, unsigned integer of the same width)
 _FORMATS = {
-    "bfloat16": (jnp.bfloat16, jnp.uint16),
-    "float8_e4m3": (jnp.float8_e4m3fn, jnp.uint8),
-    "float8_e5m2": (jnp.float8_e5m2, jnp.uint8),
+  "bfloat16": (jnp.bfloat16, jnp.uint16),
+  "float8_e4m3": (jnp.float8_e4m3fn, jnp.uint8),
+  "float8_e5m2": (jnp.float8_e5m2, jnp.uint8),
 }
 WIRE_FORMATS = tuple(_FORMATS)
 _NAME = "compressed_mean"
@@ -219,9 +219,9 @@ def _init(cfg: _Config, params) -> CompressedMeanState:
   ef = cfg.error_feedback
   server = n_pad // k if ef and cfg.axis_name is not None else 0
   return CompressedMeanState(
-      count=jnp.zeros((), jnp.int32),
-      worker_residual=_residual(n_pad if ef else 0),
-      server_residual=_residual(server),
+    count=jnp.zeros((), jnp.int32),
+    worker_residual=_residual(n_pad if ef else 0),
+    server_residual=_residual(server),
   )
 
 
@@ -246,9 +246,7 @@ def _bucket_step(cfg: _Config, leaves, bucket: _Bucket, k: int, r, e):
   else:
     out, e = _exchange(q, scale, e, cfg.axis_name, k, cfg.wire)
   if r is not None:
-    r = _keep_if_finite(
-        (v - _dequantize(q, scale, cfg.wire)).reshape(-1), r, v, scale, cfg.wire
-    )
+    r = _keep_if_finite((v - _dequantize(q, scale, cfg.wire)).reshape(-1), r, v, scale, cfg.wire)
   return out, r, e
 
 
@@ -262,9 +260,9 @@ def _update(cfg: _Config, updates, state: CompressedMeanState, params=None):
   got = (_length(state.worker_residual), _length(state.server_residual))
   if got != expected:
     raise ValueError(
-        f"CompressedMeanState residual shapes {got} do not match the gradients and "
-        f"{k} replica(s), which need {expected}: init the state with the same "
-        "parameters, replica count and bucket_bytes."
+      f"CompressedMeanState residual shapes {got} do not match the gradients and "
+      f"{k} replica(s), which need {expected}: init the state with the same "
+      "parameters, replica count and bucket_bytes."
     )
   out = [None] * len(leaves)
   new_r, new_e = [], []
@@ -280,23 +278,25 @@ def _update(cfg: _Config, updates, state: CompressedMeanState, params=None):
       off += size
     new_r += [] if r is None else [r]
     new_e += [] if e is None else [e]
+
   def cat(xs, old):
     starts = np.cumsum([0] + [x.size for x in xs[:-1]]).tolist()
     return buckets_lib.assemble(list(zip(starts, xs)), old) if xs else old
+
   return jax.tree.unflatten(treedef, out), CompressedMeanState(
-      count=optax.safe_increment(state.count),
-      worker_residual=cat(new_r, state.worker_residual),
-      server_residual=cat(new_e, state.server_residual),
+    count=optax.safe_increment(state.count),
+    worker_residual=cat(new_r, state.worker_residual),
+    server_residual=cat(new_e, state.server_residual),
   )
 
 
 def compressed_mean(
-    axis_name: str | None = None,
-    *,
-    wire: str = "bfloat16",
-    error_feedback: bool | None = None,
-    num_replicas: int | None = None,
-    bucket_bytes: int | None = None,
+  axis_name: str | None = None,
+  *,
+  wire: str = "bfloat16",
+  error_feedback: bool | None = None,
+  num_replicas: int | None = None,
+  bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Averages gradients across replicas, moving ``wire``-format bytes only.
 
@@ -360,12 +360,8 @@ def compressed_mean(
     if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
       raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
   if error_feedback is not None and not isinstance(error_feedback, (bool, np.bool_)):
-    raise ValueError(
-        f"error_feedback must be True, False or None (the wire's default), got "
-        f"{error_feedback!r}.")
+    raise ValueError(f"error_feedback must be True, False or None (the wire's default), got {error_feedback!r}.")
   if error_feedback is None:
     error_feedback = wire != "bfloat16"
   cfg = _Config(axis_name, wire, bool(error_feedback), num_replicas, bucket_bytes)
-  return ReplicaCompressor(
-      functools.partial(_init, cfg), functools.partial(_update, cfg)
-  )
+  return ReplicaCompressor(functools.partial(_init, cfg), functools.partial(_update, cfg))

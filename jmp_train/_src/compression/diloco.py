@@ -47,38 +47,41 @@ def _check(inner, outer, sync_every, axis_name, compression, reset_inner):
   for name, tx in (("inner", inner), ("outer", outer)):
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(
-          f"diloco's {name} must be an optax.GradientTransformation, e.g. "
-          f"{'optax.adamw(1e-3)' if name == 'inner' else 'optax.sgd(0.7, momentum=0.9, nesterov=True)'}"
-          f", got {type(tx).__name__}: {tx!r}.")
+        f"diloco's {name} must be an optax.GradientTransformation, e.g. "
+        f"{'optax.adamw(1e-3)' if name == 'inner' else 'optax.sgd(0.7, momentum=0.9, nesterov=True)'}"
+        f", got {type(tx).__name__}: {tx!r}."
+      )
     if isinstance(tx, (ReplicaCompressor, ReplicaOptimizer)):
       raise TypeError(
-          f"diloco's {name} optimizer averages replicas itself ({type(tx).__name__}); pass "
-          "a plain optax optimizer, and a compressor (sign_compression, compressed_mean) "
-          "as compression=.")
+        f"diloco's {name} optimizer averages replicas itself ({type(tx).__name__}); pass "
+        "a plain optax optimizer, and a compressor (sign_compression, compressed_mean) "
+        "as compression=."
+      )
   if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-    raise ValueError(f"sync_every must be a positive int (local steps per synchronisation, "
-                     f"e.g. 16), got {sync_every!r}.")
+    raise ValueError(
+      f"sync_every must be a positive int (local steps per synchronisation, e.g. 16), got {sync_every!r}."
+    )
   if not isinstance(axis_name, str):
-    raise ValueError(f"axis_name must be the name of the replicas' mapped axis (a str), got "
-                     f"{axis_name!r}.")
+    raise ValueError(f"axis_name must be the name of the replicas' mapped axis (a str), got {axis_name!r}.")
   if compression is not None and not isinstance(compression, ReplicaCompressor):
     raise TypeError(
-        "compression must be None (the exact float32 average) or a compressor of local "
-        "values that averages them across replicas, e.g. jmp_train.sign_compression("
-        f"axis_name) or jmp_train.compressed_mean(axis_name), got {type(compression).__name__}: "
-        f"{compression!r}.")
+      "compression must be None (the exact float32 average) or a compressor of local "
+      "values that averages them across replicas, e.g. jmp_train.sign_compression("
+      f"axis_name) or jmp_train.compressed_mean(axis_name), got {type(compression).__name__}: "
+      f"{compression!r}."
+    )
   if not isinstance(reset_inner, bool):
     raise ValueError(f"reset_inner must be a bool, got {reset_inner!r}.")
 
 
 def diloco(
-    inner: optax.GradientTransformation,
-    outer: optax.GradientTransformation | None = None,
-    sync_every: int = 16,
-    *,
-    axis_name: str,
-    compression: optax.GradientTransformation | None = None,
-    reset_inner: bool = False,
+  inner: optax.GradientTransformation,
+  outer: optax.GradientTransformation | None = None,
+  sync_every: int = 16,
+  *,
+  axis_name: str,
+  compression: optax.GradientTransformation | None = None,
+  reset_inner: bool = False,
 ) -> optax.GradientTransformation:
   r"""Local steps with an outer update every ``sync_every`` steps (DiLoCo).
 
@@ -173,11 +176,11 @@ def diloco(
     # Fresh buffers: a donated step must not delete the caller's params.
     anchor = jax.tree.map(lambda p: jnp.array(p, copy=True), params)
     return DiLoCoState(
-        count=jnp.zeros((), jnp.int32),
-        anchor=anchor,
-        inner_state=inner.init(params),
-        outer_state=outer.init(anchor),
-        compression_state=optax.EmptyState() if compression is None else compression.init(params),
+      count=jnp.zeros((), jnp.int32),
+      anchor=anchor,
+      inner_state=inner.init(params),
+      outer_state=outer.init(anchor),
+      compression_state=optax.EmptyState() if compression is None else compression.init(params),
     )
 
   def update(grads, state, params=None):
@@ -206,8 +209,8 @@ def diloco(
       return local, state.anchor, inner_state, outer_state, compression_state
 
     new_params, anchor, inner_state, outer_state, compression_state = varying_axes.cond(
-        count % sync_every == 0, synchronise, stay,
-        (local, inner_state, state.outer_state, state.compression_state))
+      count % sync_every == 0, synchronise, stay, (local, inner_state, state.outer_state, state.compression_state)
+    )
     new_updates = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
     return new_updates, DiLoCoState(count, anchor, inner_state, outer_state, compression_state)
 

@@ -102,21 +102,21 @@ class OneBitAdamState(NamedTuple):
 
 
 def one_bit_adam(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    *,
-    axis_name: str,
-    warmup_steps: int,
-    scale: str = "l2",
-    exchange: str = "momentum",
-    variance_refresh: int = 0,
-    clip_step: bool = True,
-    rescale_variance: bool = True,
-    num_replicas: int | None = None,
-    bucket_bytes: int | None = None,
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 0.0,
+  *,
+  axis_name: str,
+  warmup_steps: int,
+  scale: str = "l2",
+  exchange: str = "momentum",
+  variance_refresh: int = 0,
+  clip_step: bool = True,
+  rescale_variance: bool = True,
+  num_replicas: int | None = None,
+  bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   r"""1-bit Adam (AdamW): Adam whose momentum crosses devices as 1 bit per element.
 
@@ -219,11 +219,20 @@ def one_bit_adam(
     Large-scale Training via 0/1 Adam", ICLR 2023.
     https://arxiv.org/abs/2202.06009
   """
-  _check_arguments(learning_rate, b1, b2, eps, weight_decay, axis_name, warmup_steps,
-                   exchange, variance_refresh, clip_step, rescale_variance)
-  compression = sign_compression(
-      axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
+  _check_arguments(
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    axis_name,
+    warmup_steps,
+    exchange,
+    variance_refresh,
+    clip_step,
+    rescale_variance,
   )
+  compression = sign_compression(axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes)
   k = int(variance_refresh)
   decay = not is_static_zero(weight_decay)
   step_bound = _step_bound(b1, b2)
@@ -243,9 +252,12 @@ def one_bit_adam(
 
     mu = zeros()
     return OneBitAdamState(
-        count=jnp.zeros((), jnp.int32), mu=mu, nu=zeros(), compression=compression.init(mu),
-        sq_mean=zeros(per_tensor=True) if rescale_variance else None,
-        sq_mean_ref=zeros(per_tensor=True) if rescale_variance else None,
+      count=jnp.zeros((), jnp.int32),
+      mu=mu,
+      nu=zeros(),
+      compression=compression.init(mu),
+      sq_mean=zeros(per_tensor=True) if rescale_variance else None,
+      sq_mean_ref=zeros(per_tensor=True) if rescale_variance else None,
     )
 
   def scaled(nu, c, factor):
@@ -271,8 +283,7 @@ def one_bit_adam(
     if not k:
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
       return mu, nu, state.compression
-    return (*_warmup_or_refresh(mu, state.nu, g, state.count < warmup_steps, b2, k),
-            state.compression)
+    return (*_warmup_or_refresh(mu, state.nu, g, state.count < warmup_steps, b2, k), state.compression)
 
   def compressed(grads, state, factor):
     # Elements whose frozen v is 0 (no gradient in warm-up) keep m = 0: a
@@ -318,8 +329,19 @@ def one_bit_adam(
   return ReplicaOptimizer(init_fn, update_fn)
 
 
-def _check_arguments(learning_rate, b1, b2, eps, weight_decay, axis_name, warmup_steps,
-                     exchange, variance_refresh, clip_step, rescale_variance) -> None:
+def _check_arguments(
+  learning_rate,
+  b1,
+  b2,
+  eps,
+  weight_decay,
+  axis_name,
+  warmup_steps,
+  exchange,
+  variance_refresh,
+  clip_step,
+  rescale_variance,
+) -> None:
   check_common(axis_name, warmup_steps, 1)
   check_learning_rate(learning_rate)
   check_unit(b1, "b1")
@@ -332,8 +354,7 @@ def _check_arguments(learning_rate, b1, b2, eps, weight_decay, axis_name, warmup
   check_bool(rescale_variance, "rescale_variance")
   if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
     raise ValueError(
-        f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}"
-        f"{static_hint(variance_refresh)}."
+      f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}{static_hint(variance_refresh)}."
     )
 
 

@@ -15,14 +15,12 @@ from jmp_train._src.hyperparams import static_hint
 
 def check_common(axis_name, warmup_steps, minimum: int) -> None:
   if not isinstance(axis_name, str):
-    raise ValueError(
-        f"axis_name must be a string (the replicas' mapped axis), got {axis_name!r}."
-    )
+    raise ValueError(f"axis_name must be a string (the replicas' mapped axis), got {axis_name!r}.")
   if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < minimum:
     raise ValueError(
-        f"warmup_steps must be an int >= {minimum}, got {warmup_steps!r}"
-        + static_hint(warmup_steps)
-        + (": the frozen second moment comes from the warm-up." if minimum else ".")
+      f"warmup_steps must be an int >= {minimum}, got {warmup_steps!r}"
+      + static_hint(warmup_steps)
+      + (": the frozen second moment comes from the warm-up." if minimum else ".")
     )
 
 
@@ -32,4 +30,3 @@ def f32(tree):
 
 def lr_at(learning_rate: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
   return jnp.asarray(learning_rate(count) if callable(learning_rate) else learning_rate, jnp.float32)
-

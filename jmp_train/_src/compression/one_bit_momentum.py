@@ -53,16 +53,16 @@ class OneBitMomentumState(NamedTuple):
 
 
 def one_bit_momentum(
-    learning_rate: optax.ScalarOrSchedule,
-    momentum: float = 0.9,
-    *,
-    axis_name: str,
-    warmup_steps: int = 0,
-    scale: str = "l2",
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    num_replicas: int | None = None,
-    bucket_bytes: int | None = None,
+  learning_rate: optax.ScalarOrSchedule,
+  momentum: float = 0.9,
+  *,
+  axis_name: str,
+  warmup_steps: int = 0,
+  scale: str = "l2",
+  nesterov: bool = False,
+  weight_decay: float = 0.0,
+  num_replicas: int | None = None,
+  bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Momentum SGD whose momentum crosses devices as 1 bit per element.
 
@@ -134,18 +134,14 @@ def one_bit_momentum(
   check_unit(momentum, "momentum")
   check_non_negative(weight_decay, "weight_decay")
   check_bool(nesterov, "nesterov")
-  compression = sign_compression(
-      axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes
-  )
+  compression = sign_compression(axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes)
 
   decay = not is_static_zero(weight_decay)
 
   def init_fn(params):
     check_leaves(params, "parameters", "one_bit_momentum")
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    return OneBitMomentumState(
-        count=jnp.zeros((), jnp.int32), trace=zeros, compression=compression.init(zeros)
-    )
+    return OneBitMomentumState(count=jnp.zeros((), jnp.int32), trace=zeros, compression=compression.init(zeros))
 
   def local_trace(grads, state, params):
     g = f32(grads)
@@ -176,8 +172,6 @@ def one_bit_momentum(
     else:
       step = trace
     new = jax.tree.map(lambda s: -lr * s, step)
-    return optax.tree.cast_like(new, updates), OneBitMomentumState(
-        optax.safe_increment(state.count), trace, cstate
-    )
+    return optax.tree.cast_like(new, updates), OneBitMomentumState(optax.safe_increment(state.count), trace, cstate)
 
   return ReplicaOptimizer(init_fn, update_fn)

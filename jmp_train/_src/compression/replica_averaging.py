@@ -26,4 +26,3 @@ class ReplicaOptimizer(optax.GradientTransformation):
   """A complete optimizer on local gradients that averages them itself."""
 
   __slots__ = ()
-

@@ -15,8 +15,15 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
-    "pack", "unpack", "pack_columns", "unpack_columns", "bit_lanes", "words_to_bytes",
-    "wider_words", "SHIFTS", "WORDS",
+  "pack",
+  "unpack",
+  "pack_columns",
+  "unpack_columns",
+  "bit_lanes",
+  "words_to_bytes",
+  "wider_words",
+  "SHIFTS",
+  "WORDS",
 ]
 
 SHIFTS = tuple(range(8))

@@ -45,11 +45,18 @@ from jax import lax
 from jmp_train._src.buckets import assemble
 from jmp_train._src.leaf_checks import all_finite
 from jmp_train._src.compression.sign_bits import (
-    SHIFTS, bit_lanes, pack, unpack, unpack_columns, wider_words, words_to_bytes,
+  SHIFTS,
+  bit_lanes,
+  pack,
+  unpack,
+  unpack_columns,
+  wider_words,
+  words_to_bytes,
 )
 from jmp_train._src.compression.sign_layout import Layout, Part
 
 __all__ = ["quantize_rows", "worker_step", "owner_step", "final_decode"]
+
 
 def _column_sums(x: jax.Array):
   """Per row: sum of the non-negative entries, of the negative ones, their count.
@@ -60,10 +67,10 @@ def _column_sums(x: jax.Array):
   zero = jnp.zeros((), jnp.float32)
   add3 = lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2])
   return lax.reduce(
-      (jnp.maximum(x, zero), jnp.minimum(x, zero), (x >= 0).astype(jnp.float32)),
-      (zero, zero, zero),
-      add3,
-      (x.ndim - 1,),
+    (jnp.maximum(x, zero), jnp.minimum(x, zero), (x >= 0).astype(jnp.float32)),
+    (zero, zero, zero),
+    add3,
+    (x.ndim - 1,),
   )
 
 
@@ -102,10 +109,10 @@ def _bits_and_sums(blocks: jax.Array, axis: int, scale: str):
   shape[axis] = 8
   shifts = jnp.asarray(SHIFTS, jnp.uint8).reshape(shape)
   return lax.reduce(
-      ((blocks >= 0).astype(jnp.uint8) << shifts,) + terms,
-      (jnp.zeros((), jnp.uint8),) + (zero,) * len(terms),
-      lambda a, b: tuple(p + q for p, q in zip(a, b)),
-      (axis,),
+    ((blocks >= 0).astype(jnp.uint8) << shifts,) + terms,
+    (jnp.zeros((), jnp.uint8),) + (zero,) * len(terms),
+    lambda a, b: tuple(p + q for p, q in zip(a, b)),
+    (axis,),
   )
 
 
@@ -246,8 +253,6 @@ def _leaf_sum(x: jax.Array, r, shape) -> jax.Array:
   return v if r is None else v + r.reshape(shape)
 
 
-
-
 def _pad_bits(bits: jax.Array, n: int) -> jax.Array:
   """Bits (boolean, or ``uint8`` already packed) padded with zeros to ``n`` and packed."""
   if bits.dtype == jnp.uint8:
@@ -350,15 +355,13 @@ def worker_step(leaves, residual, layout: Layout, scale: str, *, decode: bool):
     # Non-finite v makes its segment's pairs non-finite: keep the residual.
     finite = all_finite(pairs)
     residual = tuple(
-        jnp.where(finite, (done[i][0] - done[i][1]).reshape(r.shape), r)
-        if i in done else r
-        for i, r in enumerate(residual)
+      jnp.where(finite, (done[i][0] - done[i][1]).reshape(r.shape), r) if i in done else r
+      for i, r in enumerate(residual)
     )
   dec = None
   if decode:
     dec = [
-        done[i][1].reshape(shape) if i in done else jnp.zeros(shape, jnp.float32)
-        for i, shape in enumerate(layout.shapes)
+      done[i][1].reshape(shape) if i in done else jnp.zeros(shape, jnp.float32) for i, shape in enumerate(layout.shapes)
     ]
   return bits, pairs, residual, dec
 
@@ -449,8 +452,7 @@ def _requantize(u: jax.Array, part: Part, scale: str, zeros):
       sums = [_sum_by_product(s, 1) for s in sums]
       packed = packed.reshape(-1)
       if scale == "column":
-        count = jnp.sum(lax.population_count(packed.reshape(pieces, -1)), axis=-1,
-                        dtype=jnp.int32).astype(jnp.float32)
+        count = jnp.sum(lax.population_count(packed.reshape(pieces, -1)), axis=-1, dtype=jnp.int32).astype(jnp.float32)
         pairs = _column_pairs(sums[0], sums[1] * 0.5, count, length, 0 if zeros is None else zeros)
       else:
         pairs = _norm_pairs(sums[0], length if zeros is None else length - zeros, scale)

@@ -82,10 +82,10 @@ from jmp_train._src.compression.sign_layout import Layout, axis_size, make_layou
 from jmp_train._src.compression.wire_messages import append_floats, split_floats
 
 __all__ = [
-    "SignCompressionState",
-    "sign_compression",
-    "sign_compression_specs",
-    "SCALES",
+  "SignCompressionState",
+  "sign_compression",
+  "sign_compression_specs",
+  "SCALES",
 ]
 
 SCALES = ("column", "l1", "l2")
@@ -134,12 +134,10 @@ def _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes, **flag
     raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
   if axis_name is not None and not isinstance(axis_name, str):
     raise ValueError(
-        f"axis_name must be a string or None, got {axis_name!r}; to compress over "
-        "several mesh axes, name one combined axis."
+      f"axis_name must be a string or None, got {axis_name!r}; to compress over "
+      "several mesh axes, name one combined axis."
     )
-  if num_replicas is not None and (
-      not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1
-  ):
+  if num_replicas is not None and (not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1):
     raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
   check_bucket_bytes(bucket_bytes, allow_none=True)
 
@@ -156,10 +154,7 @@ def _buckets(cfg: _Config, leaves, where: str) -> tuple[_Bucket, ...]:
   else:
     like = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32) for x in leaves]
     groups = [sorted(b) for b in bucket_sizes(like, cfg.bucket_bytes)]
-  return tuple(
-      (tuple(g), make_layout([tuple(np.shape(leaves[i])) for i in g], cfg.scale, k))
-      for g in groups
-  )
+  return tuple((tuple(g), make_layout([tuple(np.shape(leaves[i])) for i in g], cfg.scale, k)) for g in groups)
 
 
 def _residual_shapes(leaves, buckets: tuple[_Bucket, ...], cfg: _Config):
@@ -172,17 +167,16 @@ def _check_state(state: SignCompressionState, leaves, buckets, cfg: _Config) -> 
   expected = _residual_shapes(leaves, buckets, cfg)
   workers = state.worker_residual
   got = (
-      tuple(tuple(np.shape(r)) for r in workers)
-      if isinstance(workers, (tuple, list)) else tuple(np.shape(workers)),
-      tuple(state.server_residual.shape),
+    tuple(tuple(np.shape(r)) for r in workers) if isinstance(workers, (tuple, list)) else tuple(np.shape(workers)),
+    tuple(state.server_residual.shape),
   )
   if got != expected:
     raise ValueError(
-        f"SignCompressionState residual shapes {got} do not match the gradients "
-        f"and {buckets[0][1].k if buckets else 1} replica(s), which need {expected}: "
-        "the state was made (or checkpointed) for another replica count or other "
-        "parameters, or by a jmp_train whose 1-bit chunks differ; init a new state "
-        "(1-bit residuals cannot be moved between replica counts)."
+      f"SignCompressionState residual shapes {got} do not match the gradients "
+      f"and {buckets[0][1].k if buckets else 1} replica(s), which need {expected}: "
+      "the state was made (or checkpointed) for another replica count or other "
+      "parameters, or by a jmp_train whose 1-bit chunks differ; init a new state "
+      "(1-bit residuals cannot be moved between replica counts)."
     )
 
 
@@ -194,7 +188,7 @@ def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
   """One bucket's worker step, exchange, owner step and final decode: ``(leaves, r, e)``."""
   local = cfg.axis_name is None
   bits, pairs, new_r, decoded = sign_codec.worker_step(
-      leaves, r if cfg.error_feedback else None, layout, cfg.scale, decode=local
+    leaves, r if cfg.error_feedback else None, layout, cfg.scale, decode=local
   )
   r = r if new_r is None else new_r
   if local:
@@ -205,8 +199,11 @@ def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
   # Phase 1: packed chunks, each with its pieces' pairs, to their owners.
   recv = lax.all_to_all(append_floats(bits, pairs), axis, 0, 0)
   o_bits, o_pairs, new_e = sign_codec.owner_step(
-      *split_floats(recv, s // 8, pairs.shape[1:]), e if cfg.server_error_feedback else None,
-      lax.axis_index(axis), layout, cfg.scale,
+    *split_floats(recv, s // 8, pairs.shape[1:]),
+    e if cfg.server_error_feedback else None,
+    lax.axis_index(axis),
+    layout,
+    cfg.scale,
   )
   e = e if new_e is None else new_e
   # Phase 2: everyone gathers the owners' packed chunks and pairs.
@@ -239,8 +236,11 @@ def _compress(leaves, state: SignCompressionState, buckets, cfg: _Config):
   for (idx, layout), start in zip(buckets, _chunk_starts(buckets, cfg)):
     size = 0 if cfg.axis_name is None else layout.chunk
     o, r_b, e_b = _compress_bucket(
-        [leaves[i] for i in idx], tuple(r[i] for i in idx),
-        state.server_residual[start : start + size], layout, cfg,
+      [leaves[i] for i in idx],
+      tuple(r[i] for i in idx),
+      state.server_residual[start : start + size],
+      layout,
+      cfg,
     )
     for j, i in enumerate(idx):
       out[i], r[i] = o[j], r_b[j]
@@ -262,9 +262,9 @@ def _init(cfg: _Config, params) -> SignCompressionState:
   leaves, _ = check_leaves(params, "parameters", "sign_compression")
   worker, server = _residual_shapes(leaves, _buckets(cfg, leaves, "init"), cfg)
   return SignCompressionState(
-      count=jnp.zeros((), jnp.int32),
-      worker_residual=tuple(jnp.zeros(shape, jnp.float32) for shape in worker),
-      server_residual=jnp.zeros(server, jnp.float32),
+    count=jnp.zeros((), jnp.int32),
+    worker_residual=tuple(jnp.zeros(shape, jnp.float32) for shape in worker),
+    server_residual=jnp.zeros(server, jnp.float32),
   )
 
 
@@ -277,27 +277,27 @@ def _update(cfg: _Config, updates, state: SignCompressionState, params=None):
     out, r, e = _compress(leaves, state, buckets, cfg)
   else:
     out, r, e = lax.cond(
-        state.count < cfg.warmup_steps,
-        lambda: _exact(leaves, state, cfg),
-        lambda: _compress(leaves, state, buckets, cfg),
+      state.count < cfg.warmup_steps,
+      lambda: _exact(leaves, state, cfg),
+      lambda: _compress(leaves, state, buckets, cfg),
     )
   out = [o.astype(x.dtype) for o, x in zip(out, leaves)]
   return jax.tree.unflatten(treedef, out), SignCompressionState(
-      count=optax.safe_increment(state.count),
-      worker_residual=r,
-      server_residual=e,
+    count=optax.safe_increment(state.count),
+    worker_residual=r,
+    server_residual=e,
   )
 
 
 def sign_compression(
-    axis_name: str | None = None,
-    *,
-    scale: str = "column",
-    error_feedback: bool = True,
-    server_error_feedback: bool = True,
-    warmup_steps: int = 0,
-    num_replicas: int | None = None,
-    bucket_bytes: int | None = None,
+  axis_name: str | None = None,
+  *,
+  scale: str = "column",
+  error_feedback: bool = True,
+  server_error_feedback: bool = True,
+  warmup_steps: int = 0,
+  num_replicas: int | None = None,
+  bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Averages gradients across replicas with 1-bit compression and error feedback.
 
@@ -384,20 +384,25 @@ def sign_compression(
     Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes", ICML 2019. https://arxiv.org/abs/1901.09847
   """
-  _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes,
-            error_feedback=error_feedback, server_error_feedback=server_error_feedback)
+  _validate(
+    axis_name,
+    scale,
+    warmup_steps,
+    num_replicas,
+    bucket_bytes,
+    error_feedback=error_feedback,
+    server_error_feedback=server_error_feedback,
+  )
   cfg = _Config(
-      axis_name=axis_name,
-      scale=scale,
-      error_feedback=error_feedback,
-      server_error_feedback=server_error_feedback,
-      warmup_steps=int(warmup_steps),
-      num_replicas=None if num_replicas is None else int(num_replicas),
-      bucket_bytes=None if bucket_bytes is None else int(bucket_bytes),
+    axis_name=axis_name,
+    scale=scale,
+    error_feedback=error_feedback,
+    server_error_feedback=server_error_feedback,
+    warmup_steps=int(warmup_steps),
+    num_replicas=None if num_replicas is None else int(num_replicas),
+    bucket_bytes=None if bucket_bytes is None else int(bucket_bytes),
   )
-  return ReplicaCompressor(
-      functools.partial(_init, cfg), functools.partial(_update, cfg)
-  )
+  return ReplicaCompressor(functools.partial(_init, cfg), functools.partial(_update, cfg))
 
 
 def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:

@@ -193,12 +193,12 @@ def make_layout(shapes, scale: str, k: int) -> Layout:
     offset += part.size
     pair_offset += part.pairs
   return Layout(
-      shapes=tuple(tuple(s) for s in shapes),
-      k=k,
-      parts=tuple(parts),
-      n=n,
-      chunk=offset,
-      max_local=pair_offset,
+    shapes=tuple(tuple(s) for s in shapes),
+    k=k,
+    parts=tuple(parts),
+    n=n,
+    chunk=offset,
+    max_local=pair_offset,
   )
 
 
@@ -221,8 +221,11 @@ def _mapped_axes(leaves: Sequence[Any]) -> list[str]:
 
 
 def axis_size(
-    axis_name: str | None, num_replicas: int | None, where: str, name: str = "sign_compression",
-    leaves: Sequence[Any] = (),
+  axis_name: str | None,
+  num_replicas: int | None,
+  where: str,
+  name: str = "sign_compression",
+  leaves: Sequence[Any] = (),
 ) -> int:
   """The size of the bound axis ``axis_name``, checked against ``num_replicas``.
 
@@ -240,10 +243,11 @@ def axis_size(
   if axis_name is None:
     if where == "update" and mapped:
       raise ValueError(
-          f"{name}(axis_name=None).update runs inside a step mapped over "
-          f"{mapped[0]!r}, but without axis_name it averages nothing: each replica "
-          f"would train on its own gradients. "
-          f"Build it with {name}(axis_name={mapped[0]!r}), the step's axis name.")
+        f"{name}(axis_name=None).update runs inside a step mapped over "
+        f"{mapped[0]!r}, but without axis_name it averages nothing: each replica "
+        f"would train on its own gradients. "
+        f"Build it with {name}(axis_name={mapped[0]!r}), the step's axis name."
+      )
     return 1
   try:
     size = lax.axis_size(axis_name)
@@ -252,20 +256,18 @@ def axis_size(
       return num_replicas
     if mapped:
       raise ValueError(
-          f"{name}(axis_name={axis_name!r}).{where} runs inside a step mapped over "
-          f"{mapped}, where no axis is named {axis_name!r}: build it with "
-          f"{name}(axis_name={mapped[0]!r}), the step's axis name (make_train_step's "
-          f"axis_name), or map the step over an axis named {axis_name!r}.") from None
+        f"{name}(axis_name={axis_name!r}).{where} runs inside a step mapped over "
+        f"{mapped}, where no axis is named {axis_name!r}: build it with "
+        f"{name}(axis_name={mapped[0]!r}), the step's axis name (make_train_step's "
+        f"axis_name), or map the step over an axis named {axis_name!r}."
+      ) from None
     raise ValueError(
-        f"{name}(axis_name={axis_name!r}).{where} found no mapped axis named "
-        f"{axis_name!r}: call it inside jax.pmap(..., axis_name={axis_name!r}) or "
-        f"jax.shard_map over a Mesh with an axis named {axis_name!r}, and in "
-        f"make_train_step build it with the step's axis_name"
-        + (f" (or give num_replicas= to {name})." if where == "init" else ".")
+      f"{name}(axis_name={axis_name!r}).{where} found no mapped axis named "
+      f"{axis_name!r}: call it inside jax.pmap(..., axis_name={axis_name!r}) or "
+      f"jax.shard_map over a Mesh with an axis named {axis_name!r}, and in "
+      f"make_train_step build it with the step's axis_name"
+      + (f" (or give num_replicas= to {name})." if where == "init" else ".")
     ) from None
   if num_replicas is not None and num_replicas != size:
-    raise ValueError(
-        f"{name} got num_replicas={num_replicas}, but axis "
-        f"{axis_name!r} has size {size}."
-    )
+    raise ValueError(f"{name} got num_replicas={num_replicas}, but axis {axis_name!r} has size {size}.")
   return int(size)

@@ -75,12 +75,12 @@ def cast_counts(x: jax.Array, dtype: np.dtype, scale: Any) -> CastCounts:
   finite, nonzero, _, zero, sub, inf = cast_masks(x, dtype, scale)
   count = functools.partial(jnp.sum, dtype=jnp.int32)
   return CastCounts(
-      nonzero=count(nonzero),
-      zeros=count(finite & ~nonzero),
-      nonfinite=count(~finite),
-      underflow=count(zero),
-      subnormal=count(sub),
-      overflow=count(inf),
+    nonzero=count(nonzero),
+    zeros=count(finite & ~nonzero),
+    nonfinite=count(~finite),
+    underflow=count(zero),
+    subnormal=count(sub),
+    overflow=count(inf),
   )
 
 

@@ -45,8 +45,8 @@ def target_dtype(dtype: Any) -> np.dtype:
     raise ValueError(f"Bad target dtype {dtype!r}: {e} Valid targets: {valid}.") from None
   if parsed not in HALF_DTYPES:
     raise ValueError(
-        f"Bad target dtype {dtype!r} ({parsed.name}): the diagnostics cast to a "
-        f"half-precision type; valid targets: {valid}."
+      f"Bad target dtype {dtype!r} ({parsed.name}): the diagnostics cast to a "
+      f"half-precision type; valid targets: {valid}."
     )
   return parsed
 
@@ -73,15 +73,14 @@ def floating_leaves(tree: Any, fn_name: str) -> list[tuple[str, Any]]:
   with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
   out = [(jax.tree_util.keystr(p) or "<root>", x) for p, x in with_path if is_floating_array(x)]
   if not out:
-    kinds = sorted({type(x).__name__ + (f"[{x.dtype}]" if hasattr(x, "dtype") else "")
-                    for _, x in with_path})
+    kinds = sorted({type(x).__name__ + (f"[{x.dtype}]" if hasattr(x, "dtype") else "") for _, x in with_path})
     hint = ""
     if any(isinstance(x, float) for _, x in with_path):
       hint = " Python floats are not counted: wrap them with jnp.asarray."
     raise ValueError(
-        f"{fn_name} needs a pytree with floating-point array leaves (float16, "
-        f"bfloat16, float32, ...); got {len(with_path)} leaves of types "
-        f"{kinds or '(none: the tree is empty)'}.{hint}"
+      f"{fn_name} needs a pytree with floating-point array leaves (float16, "
+      f"bfloat16, float32, ...); got {len(with_path)} leaves of types "
+      f"{kinds or '(none: the tree is empty)'}.{hint}"
     )
   return out
 
@@ -89,9 +88,9 @@ def floating_leaves(tree: Any, fn_name: str) -> list[tuple[str, Any]]:
 def check_callable(fn: Any, fn_name: str):
   if not callable(fn):
     raise ValueError(
-        f"{fn_name} needs a callable (the function to trace, e.g. a loss "
-        f"function or `model.apply`) as its first argument; got "
-        f"{type(fn).__name__} {fn!r:.80}."
+      f"{fn_name} needs a callable (the function to trace, e.g. a loss "
+      f"function or `model.apply`) as its first argument; got "
+      f"{type(fn).__name__} {fn!r:.80}."
     )
 
 
@@ -120,9 +119,7 @@ def _context_label(eqn) -> str:
   return name
 
 
-def walk(
-    jaxpr, repeats: int = 1, context: tuple[str, ...] = (), site: str = ""
-) -> Iterator[tuple[Any, int, str]]:
+def walk(jaxpr, repeats: int = 1, context: tuple[str, ...] = (), site: str = "") -> Iterator[tuple[Any, int, str]]:
   """Yields ``(eqn, times it runs, where)`` for every equation.
 
   Recurses into every sub-jaxpr found in the parameters (jit, scan, cond,
@@ -164,8 +161,7 @@ def trace(fn: Callable, args: tuple, backward: bool) -> list[tuple[str, Any]]:
   floats, others, is_float, treedef = _split_args(args)
   if not floats:
     raise ValueError(
-        "backward=True differentiates with respect to the floating-point "
-        "leaves of the arguments, and there are none."
+      "backward=True differentiates with respect to the floating-point leaves of the arguments, and there are none."
     )
 
   def rebuild(fl, ot):
@@ -184,10 +180,7 @@ def trace(fn: Callable, args: tuple, backward: bool) -> list[tuple[str, Any]]:
 
   def pullback(res, cts):
     cts = iter(cts)
-    full = [
-        next(cts) if f else np.zeros(o.shape, jax.dtypes.float0)
-        for f, o in zip(out_float, out_leaves)
-    ]
+    full = [next(cts) if f else np.zeros(o.shape, jax.dtypes.float0) for f, o in zip(out_float, out_leaves)]
     return jax.tree.unflatten(pullback_def, res)(jax.tree.unflatten(out_def, full))
 
   cts = [o for o, f in zip(out_leaves, out_float) if f]

@@ -44,17 +44,17 @@ def _leaf_counts(x: jax.Array, dtype: np.dtype, scale: Any) -> jax.Array:
   info = jnp.finfo(dtype)
   q = jnp.abs(jnp.clip(v, -float(info.max), float(info.max)).astype(dtype).astype(jnp.float32))
   count = lambda m: jnp.sum(m, dtype=jnp.int32)  # noqa: E731
-  return jnp.stack([
+  return jnp.stack(
+    [
       count(nonzero),
       count(nonzero & (jnp.abs(v) > float(info.max))),
       count(nonzero & (q == 0)),
       count(nonzero & (q > 0) & (q < float(info.smallest_normal))),
-  ])
+    ]
+  )
 
 
-def fp8_cast_fractions(
-    tree: Any, dtype: Any = "e4m3", scale: Any = 1.0, *, axis_name: Any = None
-) -> Fp8CastFractions:
+def fp8_cast_fractions(tree: Any, dtype: Any = "e4m3", scale: Any = 1.0, *, axis_name: Any = None) -> Fp8CastFractions:
   r"""Shares of a tree's non-zero values that saturate, flush or go subnormal in FP8.
 
   Each value is cast as :func:`jmp_train.fp8_quantize` does:

@@ -37,9 +37,10 @@ _MLIR_LOC_USE = re.compile(r"loc\((#loc\d*)\)\s*$")
 _MLIR_LOC_NAME = re.compile(r'^(#loc\d*) = loc\("([^"]*)"')
 # HLO: `%dot.1 = f32[4,8]{1,0} dot(%a, %b), ...` (operand types may be inline).
 _HLO_INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*"
-    r"(\((?:[^()]|\([^()]*\))*\)|[a-z][a-z0-9]*\[[0-9,]*\]\S*)\s+"  # a shape or a tuple
-    r"([\w\-]+)\((.*)$")
+  r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*"
+  r"(\((?:[^()]|\([^()]*\))*\)|[a-z][a-z0-9]*\[[0-9,]*\]\S*)\s+"  # a shape or a tuple
+  r"([\w\-]+)\((.*)$"
+)
 _HLO_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HLO_OPERAND = re.compile(r"%([\w.\-]+)")
 _HLO_TARGET = re.compile(r'custom_call_target="([^"]*)"')
@@ -123,8 +124,9 @@ def _from_mlir(text: str) -> list[ProductEntry]:
       continue
     (l_dt, l_shape), (r_dt, r_shape), (o_dt, o_shape) = map(_mlir_tensor, sig.groups())
     loc = _MLIR_LOC_USE.search(line)
-    out.append(ProductEntry(op.group(1), l_dt, r_dt, o_dt, l_shape, r_shape, o_shape,
-                            names.get(loc.group(1), "") if loc else ""))
+    out.append(
+      ProductEntry(op.group(1), l_dt, r_dt, o_dt, l_shape, r_shape, o_shape, names.get(loc.group(1), "") if loc else "")
+    )
   return out
 
 
@@ -158,8 +160,7 @@ def _from_hlo(text: str) -> list[ProductEntry]:
     (l_dt, l_shape), (r_dt, r_shape) = (_hlo_shape(shapes[o]) for o in operands)
     o_dt, o_shape = _hlo_shape(shape)
     name = _HLO_OP_NAME.search(rest)
-    out.append(ProductEntry(op, l_dt, r_dt, o_dt, l_shape, r_shape, o_shape,
-                            name.group(1) if name else ""))
+    out.append(ProductEntry(op, l_dt, r_dt, o_dt, l_shape, r_shape, o_shape, name.group(1) if name else ""))
   return out
 
 
@@ -194,18 +195,22 @@ class Fp8ProductReport:
 
   def to_rows(self) -> list[dict[str, Any]]:
     """One dict per product, for tables and dataframes."""
-    return [{
+    return [
+      {
         "op": p.op,
-        "dtypes": f"{_dtype_name(p.lhs_dtype)} x {_dtype_name(p.rhs_dtype)} -> "
-                  f"{_dtype_name(p.out_dtype)}",
+        "dtypes": f"{_dtype_name(p.lhs_dtype)} x {_dtype_name(p.rhs_dtype)} -> {_dtype_name(p.out_dtype)}",
         "shapes": f"{list(p.lhs_shape)} x {list(p.rhs_shape)} -> {list(p.out_shape)}",
         "fp8": "yes" if p.fp8 else "no",
         "name": p.name,
-    } for p in self.products]
+      }
+      for p in self.products
+    ]
 
   def summary(self) -> str:
-    return (f"{len(self.products)} matmul/conv ops ({self.dialect}): "
-            f"{len(self.fp8)} with FP8 operands, {len(self.not_fp8)} without")
+    return (
+      f"{len(self.products)} matmul/conv ops ({self.dialect}): "
+      f"{len(self.fp8)} with FP8 operands, {len(self.not_fp8)} without"
+    )
 
   def __str__(self) -> str:
     return tables.format_table(self.to_rows()) + "\n" + self.summary()
@@ -260,12 +265,14 @@ def fp8_products(program: Any) -> Fp8ProductReport:
     text = program
   else:
     raise TypeError(
-        "fp8_products needs a jax.stages.Lowered (jax.jit(f).lower(*args)), a "
-        f"jax.stages.Compiled or the text of either; got {type(program).__name__}.")
+      "fp8_products needs a jax.stages.Lowered (jax.jit(f).lower(*args)), a "
+      f"jax.stages.Compiled or the text of either; got {type(program).__name__}."
+    )
   if "HloModule" in text:
     return Fp8ProductReport(tuple(_from_hlo(text)), "hlo")
   if "stablehlo." in text or "func.func" in text:
     return Fp8ProductReport(tuple(_from_mlir(text)), "stablehlo")
   raise ValueError(
-      "fp8_products could not read the program: its text is neither StableHLO "
-      "(jax.jit(f).lower(*args).as_text()) nor HLO (an HloModule).")
+    "fp8_products could not read the program: its text is neither StableHLO "
+    "(jax.jit(f).lower(*args).as_text()) nor HLO (an HloModule)."
+  )

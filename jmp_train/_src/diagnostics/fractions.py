@@ -22,10 +22,10 @@ from jmp_train._src.diagnostics import _casts
 from jmp_train._src.diagnostics import _common
 
 __all__ = [
-    "LossScaleSuggestion",
-    "overflow_fraction",
-    "suggest_loss_scale",
-    "underflow_fraction",
+  "LossScaleSuggestion",
+  "overflow_fraction",
+  "suggest_loss_scale",
+  "underflow_fraction",
 ]
 
 
@@ -36,9 +36,7 @@ def _cast_counts(tree: Any, dtype: Any, scale: Any, caller: str, axis_name: Any)
   return _casts.sum_counts(tree, dtype, scale, caller, axis_name)
 
 
-def underflow_fraction(
-    tree: Any, dtype: Any = jnp.float16, scale: Any = 1.0, *, axis_name: Any = None
-) -> jax.Array:
+def underflow_fraction(tree: Any, dtype: Any = jnp.float16, scale: Any = 1.0, *, axis_name: Any = None) -> jax.Array:
   r"""Share of the non-zero finite values that become 0 when cast.
 
   .. math::
@@ -71,9 +69,7 @@ def underflow_fraction(
   return _casts.fraction(c.underflow, c.nonzero)
 
 
-def overflow_fraction(
-    tree: Any, dtype: Any = jnp.float16, scale: Any = 1.0, *, axis_name: Any = None
-) -> jax.Array:
+def overflow_fraction(tree: Any, dtype: Any = jnp.float16, scale: Any = 1.0, *, axis_name: Any = None) -> jax.Array:
   r"""Share of the non-zero finite values that become inf when cast.
 
   .. math::
@@ -124,13 +120,13 @@ class LossScaleSuggestion(NamedTuple):
 
 
 def suggest_loss_scale(
-    tree: Any,
-    dtype: Any = jnp.float16,
-    *,
-    headroom: float = 8.0,
-    min_scale: float = 2.0**-24,
-    max_scale: float = 2.0**24,
-    axis_name: Any = None,
+  tree: Any,
+  dtype: Any = jnp.float16,
+  *,
+  headroom: float = 8.0,
+  min_scale: float = 2.0**-24,
+  max_scale: float = 2.0**24,
+  axis_name: Any = None,
 ) -> LossScaleSuggestion:
   r"""The largest power-of-two loss scale that keeps the gradients finite.
 
@@ -208,8 +204,8 @@ def _suggest(leaves, dtype, headroom, min_scale, max_scale, axis_name) -> LossSc
   scale = jnp.clip(scale, lo, hi)
   c = _casts.psum(_casts.cast_counts(flat, dtype, scale), axis_name)
   return LossScaleSuggestion(
-      loss_scale=scale,
-      underflow_fraction=_casts.fraction(c.underflow, c.nonzero),
-      overflow_fraction=_casts.fraction(c.overflow, c.nonzero),
-      max_abs=amax,
+    loss_scale=scale,
+    underflow_fraction=_casts.fraction(c.underflow, c.nonzero),
+    overflow_fraction=_casts.fraction(c.overflow, c.nonzero),
+    max_abs=amax,
   )

@@ -29,12 +29,20 @@ __all__ = ["GradientHistogram", "Histogram", "gradient_histogram"]
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "counts", "below", "above", "zeros", "nonfinite", "underflow",
-        "subnormal", "overflow", "size", "scale",
-    ],
-    meta_fields=["dtype", "min_exponent", "max_exponent"],
+  jax.tree_util.register_dataclass,
+  data_fields=[
+    "counts",
+    "below",
+    "above",
+    "zeros",
+    "nonfinite",
+    "underflow",
+    "subnormal",
+    "overflow",
+    "size",
+    "scale",
+  ],
+  meta_fields=["dtype", "min_exponent", "max_exponent"],
 )
 @dataclasses.dataclass(frozen=True)
 class Histogram:
@@ -129,21 +137,21 @@ class Histogram:
     meta = (self.dtype, self.min_exponent, self.max_exponent)
     if meta != (other.dtype, other.min_exponent, other.max_exponent):
       raise ValueError(
-          "Cannot add histograms with different dtype or bins: "
-          f"{meta} vs {(other.dtype, other.min_exponent, other.max_exponent)}."
+        "Cannot add histograms with different dtype or bins: "
+        f"{meta} vs {(other.dtype, other.min_exponent, other.max_exponent)}."
       )
     summed = {
-        f: getattr(self, f) + getattr(other, f)
-        for f in ("counts", "below", "above", "zeros", "nonfinite", "underflow",
-                  "subnormal", "overflow", "size")
+      f: getattr(self, f) + getattr(other, f)
+      for f in ("counts", "below", "above", "zeros", "nonfinite", "underflow", "subnormal", "overflow", "size")
     }
     return dataclasses.replace(self, **summed)
 
   def summary(self) -> dict[str, Any]:
     """Plain Python numbers: sizes, fractions and the occupied exponents."""
-    v = {f: np.asarray(getattr(self, f)) for f in (
-        "counts", "below", "above", "zeros", "nonfinite", "underflow", "subnormal",
-        "overflow", "size")}
+    v = {
+      f: np.asarray(getattr(self, f))
+      for f in ("counts", "below", "above", "zeros", "nonfinite", "underflow", "subnormal", "overflow", "size")
+    }
     if v["counts"].ndim != 1:
       raise ValueError("summary() needs one histogram; index a stacked one first.")
     occupied = np.nonzero(v["counts"])[0]
@@ -152,21 +160,21 @@ class Histogram:
     lo = int(self.exponents[occupied[0]]) if occupied.size else None
     hi = int(self.exponents[occupied[-1]]) if occupied.size else None
     return {
-        "size": int(v["size"]),
-        "zeros": float(v["zeros"]) / int(v["size"]) if int(v["size"]) else 0.0,
-        "underflow": share(v["underflow"]),
-        "subnormal": share(v["subnormal"]),
-        "overflow": share(v["overflow"]),
-        "nonfinite": int(v["nonfinite"]),
-        "min_log2": lo if not int(v["below"]) else f"<{self.min_exponent}",
-        "max_log2": hi if not int(v["above"]) else f">={self.max_exponent}",
+      "size": int(v["size"]),
+      "zeros": float(v["zeros"]) / int(v["size"]) if int(v["size"]) else 0.0,
+      "underflow": share(v["underflow"]),
+      "subnormal": share(v["subnormal"]),
+      "overflow": share(v["overflow"]),
+      "nonfinite": int(v["nonfinite"]),
+      "min_log2": lo if not int(v["below"]) else f"<{self.min_exponent}",
+      "max_log2": hi if not int(v["above"]) else f">={self.max_exponent}",
     }
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["total", "per_leaf"],
-    meta_fields=["paths"],
+  jax.tree_util.register_dataclass,
+  data_fields=["total", "per_leaf"],
+  meta_fields=["paths"],
 )
 @dataclasses.dataclass(frozen=True)
 class GradientHistogram:
@@ -210,21 +218,18 @@ class GradientHistogram:
     if _common.is_traced(self):
       return repr(self)
     t = self.total
-    title = (
-        f"Gradient magnitudes against {t.dtype.name} (scale {float(t.scale):g}); "
-        "fractions of non-zero values:"
-    )
+    title = f"Gradient magnitudes against {t.dtype.name} (scale {float(t.scale):g}); fractions of non-zero values:"
     return title + "\n" + tables.format_table(self.to_rows())
 
 
 def gradient_histogram(
-    tree: Any,
-    *,
-    target_dtype: Any = jnp.float16,
-    scale: Any = 1.0,
-    min_exponent: int = -40,
-    max_exponent: int = 20,
-    axis_name: Any = None,
+  tree: Any,
+  *,
+  target_dtype: Any = jnp.float16,
+  scale: Any = 1.0,
+  min_exponent: int = -40,
+  max_exponent: int = 20,
+  axis_name: Any = None,
 ) -> GradientHistogram:
   r"""Counts ``|x * scale|`` per power-of-two bin, and what a cast does to it.
 
@@ -291,14 +296,18 @@ def gradient_histogram(
       raise ValueError(f"{name} must be an int, got {value!r}.")
   if not _common.MIN_EXPONENT <= min_exponent < max_exponent <= _common.MAX_EXPONENT:
     raise ValueError(
-        f"Need {_common.MIN_EXPONENT} <= min_exponent < max_exponent <= {_common.MAX_EXPONENT} "
-        f"(the float32 range), got min_exponent={min_exponent}, "
-        f"max_exponent={max_exponent}."
+      f"Need {_common.MIN_EXPONENT} <= min_exponent < max_exponent <= {_common.MAX_EXPONENT} "
+      f"(the float32 range), got min_exponent={min_exponent}, "
+      f"max_exponent={max_exponent}."
     )
   leaves = _common.floating_leaves(tree, "gradient_histogram")
   total, per_leaf = _histograms(
-      [x for _, x in leaves], jnp.asarray(scale, jnp.float32), dtype,
-      int(min_exponent), int(max_exponent), axis_name,
+    [x for _, x in leaves],
+    jnp.asarray(scale, jnp.float32),
+    dtype,
+    int(min_exponent),
+    int(max_exponent),
+    axis_name,
   )
   return GradientHistogram(total=total, per_leaf=per_leaf, paths=tuple(p for p, _ in leaves))
 
@@ -333,11 +342,19 @@ def _histograms(leaves, scale, dtype, min_exponent, max_exponent, axis_name):
 
   def histogram(s, c, n, scale):
     return Histogram(
-        counts=s[..., 1 : num_bins + 1], below=s[..., 0], above=s[..., num_bins + 1],
-        zeros=s[..., num_bins + 2], nonfinite=s[..., num_bins + 3],
-        underflow=c[..., 1], subnormal=c[..., 2], overflow=c[..., 3],
-        size=n, scale=scale, dtype=dtype,
-        min_exponent=min_exponent, max_exponent=max_exponent,
+      counts=s[..., 1 : num_bins + 1],
+      below=s[..., 0],
+      above=s[..., num_bins + 1],
+      zeros=s[..., num_bins + 2],
+      nonfinite=s[..., num_bins + 3],
+      underflow=c[..., 1],
+      subnormal=c[..., 2],
+      overflow=c[..., 3],
+      size=n,
+      scale=scale,
+      dtype=dtype,
+      min_exponent=min_exponent,
+      max_exponent=max_exponent,
     )
 
   total = histogram(slots.sum(0), casts.sum(0), size.sum(), scale)

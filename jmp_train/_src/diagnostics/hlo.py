@@ -31,22 +31,44 @@ from typing import Any
 __all__ = ["CollectiveOp", "collective_ops", "collective_bytes", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = (
-    "all-reduce",
-    "all-gather",
-    "all-to-all",
-    "reduce-scatter",
-    "collective-permute",
-    "collective-broadcast",
+  "all-reduce",
+  "all-gather",
+  "all-to-all",
+  "reduce-scatter",
+  "collective-permute",
+  "collective-broadcast",
 )
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1,
-    "f8e4m3b11fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5,
-    "token": 0,
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s4": 0.5,
+  "u4": 0.5,
+  "s2": 0.25,
+  "u2": 0.25,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "f8e4m3": 1,
+  "f8e5m2fnuz": 1,
+  "f8e4m3fnuz": 1,
+  "f8e4m3b11fnuz": 1,
+  "f8e3m4": 1,
+  "f8e8m0fnu": 1,
+  "f4e2m1fn": 0.5,
+  "token": 0,
 }
 
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -100,9 +122,9 @@ def _hlo_text(compiled_or_text: Any) -> str:
   as_text = getattr(compiled_or_text, "as_text", None)
   if as_text is None:
     raise ValueError(
-        "collective_bytes needs HLO text or an object with .as_text() (a "
-        "jax.stages.Compiled from jax.jit(f).lower(...).compile()), got "
-        f"{type(compiled_or_text).__name__}."
+      "collective_bytes needs HLO text or an object with .as_text() (a "
+      "jax.stages.Compiled from jax.jit(f).lower(...).compile()), got "
+      f"{type(compiled_or_text).__name__}."
     )
   text = as_text()
   if not isinstance(text, str):
@@ -252,15 +274,15 @@ def collective_ops(compiled_or_hlo_text: Any) -> list[CollectiveOp]:
     nbytes = _nbytes(operand_types)
     k = _group_size(line)
     ops.append(
-        CollectiveOp(
-            kind=kind,
-            name=name,
-            computation=computation,
-            operand_types=tuple(operand_types),
-            operand_bytes=nbytes,
-            group_size=k,
-            wire_bytes=_wire_bytes(kind, nbytes, k),
-        )
+      CollectiveOp(
+        kind=kind,
+        name=name,
+        computation=computation,
+        operand_types=tuple(operand_types),
+        operand_bytes=nbytes,
+        group_size=k,
+        wire_bytes=_wire_bytes(kind, nbytes, k),
+      )
     )
   return ops
 
@@ -334,6 +356,7 @@ def conditional_branches(compiled_or_hlo_text: Any) -> set[str]:
   """
   text = _hlo_text(compiled_or_hlo_text)
   groups = re.findall(r"branch_computations=\{([^}]*)\}", text)
-  groups += [",".join(pair) for pair in re.findall(
-      r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)]
+  groups += [
+    ",".join(pair) for pair in re.findall(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text)
+  ]
   return {name.strip().lstrip("%") for group in groups for name in group.split(",")}

@@ -26,9 +26,9 @@ def _import_pyplot():
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError(
-        "plot_gradient_histogram needs matplotlib, which is an optional "
-        "dependency of jmp_train; install it with `pip install 'jmp_train[plot]'` "
-        "(or `pip install matplotlib`)."
+      "plot_gradient_histogram needs matplotlib, which is an optional "
+      "dependency of jmp_train; install it with `pip install 'jmp_train[plot]'` "
+      "(or `pip install matplotlib`)."
     ) from e
   return plt
 
@@ -39,9 +39,9 @@ def _as_histograms(hist_or_tree: Any, scales, target_dtype, min_exponent, max_ex
   elif isinstance(hist_or_tree, histograms.Histogram):
     given = [hist_or_tree]
   elif (
-      isinstance(hist_or_tree, (list, tuple))
-      and hist_or_tree
-      and all(isinstance(h, (histograms.Histogram, histograms.GradientHistogram)) for h in hist_or_tree)
+    isinstance(hist_or_tree, (list, tuple))
+    and hist_or_tree
+    and all(isinstance(h, (histograms.Histogram, histograms.GradientHistogram)) for h in hist_or_tree)
   ):
     given = [h.total if isinstance(h, histograms.GradientHistogram) else h for h in hist_or_tree]
   else:
@@ -49,9 +49,9 @@ def _as_histograms(hist_or_tree: Any, scales, target_dtype, min_exponent, max_ex
   if given is not None:
     if scales is not None:
       raise ValueError(
-          "scales applies when plot_gradient_histogram is given a pytree of "
-          "values; a histogram was already computed at its own scale "
-          f"({', '.join(f'{float(h.scale):g}' for h in given)})."
+        "scales applies when plot_gradient_histogram is given a pytree of "
+        "values; a histogram was already computed at its own scale "
+        f"({', '.join(f'{float(h.scale):g}' for h in given)})."
       )
     if any(_common.is_traced(h) for h in given):
       raise ValueError("plot_gradient_histogram needs concrete histograms, not traced ones.")
@@ -64,24 +64,27 @@ def _as_histograms(hist_or_tree: Any, scales, target_dtype, min_exponent, max_ex
   if not len(scales):
     raise ValueError("scales must hold at least one scale, e.g. (1, 2**15).")
   return [
-      histograms.gradient_histogram(
-          hist_or_tree, target_dtype=target_dtype, scale=float(s),
-          min_exponent=min_exponent, max_exponent=max_exponent,
-      ).total
-      for s in scales
+    histograms.gradient_histogram(
+      hist_or_tree,
+      target_dtype=target_dtype,
+      scale=float(s),
+      min_exponent=min_exponent,
+      max_exponent=max_exponent,
+    ).total
+    for s in scales
   ]
 
 
 def plot_gradient_histogram(
-    hist_or_tree: Any,
-    *,
-    scales: Sequence[float] | None = None,
-    target_dtype: Any = "float16",
-    ax: Any = None,
-    min_exponent: int = -40,
-    max_exponent: int = 20,
-    title: str | None = None,
-    log_y: bool = True,
+  hist_or_tree: Any,
+  *,
+  scales: Sequence[float] | None = None,
+  target_dtype: Any = "float16",
+  ax: Any = None,
+  min_exponent: int = -40,
+  max_exponent: int = 20,
+  title: str | None = None,
+  log_y: bool = True,
 ):
   """Bar chart of value magnitudes against float16's (or bfloat16's) range.
 
@@ -140,18 +143,18 @@ def plot_gradient_histogram(
 
   # The range of the target dtype: what happens to a value in each region.
   spans = (
-      (xmin, min_sub - 1, "tab:red", 0.10, f"becomes 0 in {dtype.name}"),
-      (min_sub - 1, min_normal, "tab:orange", 0.12, f"{dtype.name} subnormal"),
-      (max_log2, xmax, "tab:red", 0.10, f"becomes inf in {dtype.name}"),
+    (xmin, min_sub - 1, "tab:red", 0.10, f"becomes 0 in {dtype.name}"),
+    (min_sub - 1, min_normal, "tab:orange", 0.12, f"{dtype.name} subnormal"),
+    (max_log2, xmax, "tab:red", 0.10, f"becomes inf in {dtype.name}"),
   )
   for a, b, color, alpha, label in spans:
     a, b = max(a, xmin), min(b, xmax)
     if a < b:
       ax.axvspan(a, b, color=color, alpha=alpha, lw=0, label=label)
   lines = (
-      (min_sub, "--", f"smallest subnormal 2^{min_sub}"),
-      (min_normal, "-.", f"smallest normal 2^{min_normal}"),
-      (max_log2, ":", f"largest {float(info.max):.6g}"),
+    (min_sub, "--", f"smallest subnormal 2^{min_sub}"),
+    (min_normal, "-.", f"smallest normal 2^{min_normal}"),
+    (max_log2, ":", f"largest {float(info.max):.6g}"),
   )
   for x, style, label in lines:
     if xmin <= x <= xmax:
@@ -165,18 +168,25 @@ def plot_gradient_histogram(
     share = 100.0 * np.asarray(h.counts, dtype=np.float64) / nonzero
     color = _COLORS[i % len(_COLORS)]
     label = (
-        f"scale {float(h.scale):g}: zeros {float(h.zero_fraction):.1%} of all; of non-zero: "
-        f"become 0 {float(h.underflow_fraction):.2%}, subnormal "
-        f"{float(h.subnormal_fraction):.2%}, inf {float(h.overflow_fraction):.2%}"
+      f"scale {float(h.scale):g}: zeros {float(h.zero_fraction):.1%} of all; of non-zero: "
+      f"become 0 {float(h.underflow_fraction):.2%}, subnormal "
+      f"{float(h.subnormal_fraction):.2%}, inf {float(h.overflow_fraction):.2%}"
     )
-    ax.bar(h.exponents + i * width, share, width=width, align="edge", color=color,
-           alpha=0.85, label=label)
+    ax.bar(h.exponents + i * width, share, width=width, align="edge", color=color, alpha=0.85, label=label)
     ends = [(h.min_exponent - 1, int(h.below)), (h.max_exponent, int(h.above))]
     for x, count in ends:
       if count:
         hatched = True
-        ax.bar(x + i * width, 100.0 * count / nonzero, width=width, align="edge",
-               color=color, alpha=0.5, hatch="//", edgecolor=color)
+        ax.bar(
+          x + i * width,
+          100.0 * count / nonzero,
+          width=width,
+          align="edge",
+          color=color,
+          alpha=0.5,
+          hatch="//",
+          edgecolor=color,
+        )
   ax.set_xlim(xmin, xmax)
   if log_y:
     ax.set_yscale("log")

@@ -24,18 +24,33 @@ from jmp_train._src.diagnostics import _common
 from jmp_train._src.dtypes import is_floating_dtype
 
 __all__ = [
-    "ISSUE_KINDS",
-    "PrecisionIssue",
-    "PrecisionReport",
-    "precision_audit",
+  "ISSUE_KINDS",
+  "PrecisionIssue",
+  "PrecisionReport",
+  "precision_audit",
 ]
 
 # Ops that AMP lists keep in float32 (NVIDIA apex, torch.autocast): their
 # results lose range or precision in 16 bits.
-_FLOAT32_OPS = frozenset({
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "tan", "sinh",
-    "cosh", "asin", "acos", "erf_inv", "lgamma", "digamma",
-})
+_FLOAT32_OPS = frozenset(
+  {
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "pow",
+    "rsqrt",
+    "tan",
+    "sinh",
+    "cosh",
+    "asin",
+    "acos",
+    "erf_inv",
+    "lgamma",
+    "digamma",
+  }
+)
 # Accumulating reductions: a 16-bit sum stops growing once the total is
 # 2**8 (bfloat16) or 2**11 (float16) times the addends.
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
@@ -44,10 +59,14 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cuml
 _SCATTER_SUMS = frozenset({"scatter-add", "scatter_add", "scatter-mul", "scatter_mul"})
 # The primitives of cuDNN's fused attention (jax._src.cudnn): half-precision
 # operands, softmax statistics (max and log-sum-exp) in float32.
-_FUSED_ATTENTION = frozenset({
-    "dot_product_attention_fwd", "dot_product_attention_fwd_wrapper",
-    "dot_product_attention_bwd", "dot_product_attention_bwd_wrapper",
-})
+_FUSED_ATTENTION = frozenset(
+  {
+    "dot_product_attention_fwd",
+    "dot_product_attention_fwd_wrapper",
+    "dot_product_attention_bwd",
+    "dot_product_attention_bwd_wrapper",
+  }
+)
 
 ISSUE_KINDS = ("half_op", "half_reduction", "half_output", "float32_matmul")
 
@@ -108,15 +127,23 @@ class PrecisionReport:
 
   def to_rows(self) -> list[dict[str, Any]]:
     return [
-        {"kind": i.kind, "phase": i.phase, "op": i.op, "dtype": i.dtype.name,
-         "shape": i.shape, "count": i.count, "where": i.where, "fix": i.message}
-        for i in self.issues
+      {
+        "kind": i.kind,
+        "phase": i.phase,
+        "op": i.op,
+        "dtype": i.dtype.name,
+        "shape": i.shape,
+        "count": i.count,
+        "where": i.where,
+        "fix": i.message,
+      }
+      for i in self.issues
     ]
 
   def __str__(self) -> str:
     head = (
-        f"precision audit: {len(self.issues)} issue(s); {self.half_ops} ops in "
-        f"half precision, {self.float32_ops} in float32"
+      f"precision audit: {len(self.issues)} issue(s); {self.half_ops} ops in "
+      f"half precision, {self.float32_ops} in float32"
     )
     return head + ("\n" + tables.format_table(self.to_rows()) if self.issues else "")
 
@@ -136,9 +163,7 @@ class PrecisionReport:
     bad = [i for i in self.issues if i.kind not in ignore]
     if bad:
       rows = [r for r, i in zip(self.to_rows(), self.issues) if i.kind not in ignore]
-      raise AssertionError(
-          f"precision audit found {len(bad)} issue(s):\n" + tables.format_table(rows)
-      )
+      raise AssertionError(f"precision audit found {len(bad)} issue(s):\n" + tables.format_table(rows))
 
 
 def _check_kinds(kinds: Iterable[str]) -> None:
@@ -148,10 +173,10 @@ def _check_kinds(kinds: Iterable[str]) -> None:
 
 
 def precision_audit(
-    fn: Callable[..., Any],
-    *args: Any,
-    backward: bool = False,
-    reduction_threshold: int = 1024,
+  fn: Callable[..., Any],
+  *args: Any,
+  backward: bool = False,
+  reduction_threshold: int = 1024,
 ) -> PrecisionReport:
   """Finds ops in half precision that should not be, and float32 matmuls.
 
@@ -207,9 +232,9 @@ def precision_audit(
   """
   _common.check_callable(fn, "precision_audit")
   if (
-      not isinstance(reduction_threshold, numbers.Integral)
-      or isinstance(reduction_threshold, bool)
-      or reduction_threshold < 1
+    not isinstance(reduction_threshold, numbers.Integral)
+    or isinstance(reduction_threshold, bool)
+    or reduction_threshold < 1
   ):
     raise ValueError(f"reduction_threshold must be a positive int, got {reduction_threshold!r}.")
   audit = _Audit(int(reduction_threshold))
@@ -219,8 +244,10 @@ def precision_audit(
       audit.visit(eqn, phase, repeats, where)
   audit.check_outputs(phases[0][1].outvars)
   return PrecisionReport(
-      issues=tuple(audit.merged.values()), half_ops=audit.half_ops,
-      float32_ops=audit.float32_ops, fused_attention=audit.fused_attention,
+    issues=tuple(audit.merged.values()),
+    half_ops=audit.half_ops,
+    float32_ops=audit.float32_ops,
+    fused_attention=audit.fused_attention,
   )
 
 
@@ -241,8 +268,9 @@ class _Audit:
 
   def visit(self, eqn, phase: str, repeats: int, where: str) -> None:
     """Counts one equation and records what is wrong with it, if anything."""
-    floats = [np.dtype(v.aval.dtype) for v in eqn.invars
-              if hasattr(v.aval, "dtype") and is_floating_dtype(v.aval.dtype)]
+    floats = [
+      np.dtype(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype") and is_floating_dtype(v.aval.dtype)
+    ]
     name = eqn.primitive.name
     if not floats or (_common.has_subjaxpr(eqn) and name not in _SCATTER_SUMS):
       return  # Calls (jit, scan, ...) are counted through their bodies.
@@ -257,28 +285,50 @@ class _Audit:
     self.float32_ops += int(not in_half)
     shape = tuple(int(s) for s in getattr(eqn.invars[0].aval, "shape", ()))
     if in_half and name in _FLOAT32_OPS:
-      self.add("half_op", phase, name, floats[0], shape, where,
-               f"compute {name} in float32", repeats)
+      self.add("half_op", phase, name, floats[0], shape, where, f"compute {name} in float32", repeats)
     elif in_half and name in _REDUCTIONS:
       axes = eqn.params.get("axes")
       if axes is None:
         axes = (eqn.params.get("axis", 0),)
       size = _common.prod(shape[a] for a in axes)
       if size > self.reduction_threshold:
-        self.add("half_reduction", phase, f"{name}[{size}]", floats[0], shape, where,
-                 "reduce in float32 (jnp.sum does; lax reductions and bias "
-                 "gradients do not)", repeats)
+        self.add(
+          "half_reduction",
+          phase,
+          f"{name}[{size}]",
+          floats[0],
+          shape,
+          where,
+          "reduce in float32 (jnp.sum does; lax reductions and bias gradients do not)",
+          repeats,
+        )
     elif in_half and name in _SCATTER_SUMS:
       indices = tuple(int(x) for x in eqn.invars[1].aval.shape)
       size = _common.prod(indices[:-1])  # the rows scattered (index vectors last)
       if size > self.reduction_threshold:
-        self.add("half_reduction", phase, f"{name}[{size}]", floats[0], shape, where,
-                 "accumulate the scattered rows in float32 (gather float32 rows, then "
-                 "cast: an embedding under apply_policy or autocast does)", repeats)
+        self.add(
+          "half_reduction",
+          phase,
+          f"{name}[{size}]",
+          floats[0],
+          shape,
+          where,
+          "accumulate the scattered rows in float32 (gather float32 rows, then "
+          "cast: an embedding under apply_policy or autocast does)",
+          repeats,
+        )
     elif name in ("dot_general", "conv_general_dilated") and not in_half:
       widest = max(floats, key=lambda d: d.itemsize)
-      self.add("float32_matmul", phase, name, widest, shape, where,
-               "cast the operands to the compute dtype (Tensor Cores)", repeats)
+      self.add(
+        "float32_matmul",
+        phase,
+        name,
+        widest,
+        shape,
+        where,
+        "cast the operands to the compute dtype (Tensor Cores)",
+        repeats,
+      )
 
   def check_outputs(self, outvars) -> None:
     """The forward pass's outputs (the loss or the model output) in half."""
@@ -288,5 +338,13 @@ class _Audit:
       if dtype is not None and dtype in _common.HALF_DTYPES:
         shape = tuple(int(s) for s in aval.shape)
         what = "the loss" if shape == () else "a model output"
-        self.add("half_output", "forward", f"output[{i}]", dtype, shape, "",
-                 f"{what} in {dtype.name}: output float32, compute the loss in float32", 1)
+        self.add(
+          "half_output",
+          "forward",
+          f"output[{i}]",
+          dtype,
+          shape,
+          "",
+          f"{what} in {dtype.name}: output float32, compute the loss in float32",
+          1,
+        )

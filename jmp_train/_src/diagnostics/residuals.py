@@ -42,8 +42,7 @@ class SavedResidual(NamedTuple):
   @property
   def nbytes(self) -> int:
     """Bytes of the array."""
-    return int(np.prod(self.shape_dtype.shape, dtype=np.int64)) * np.dtype(
-        self.shape_dtype.dtype).itemsize
+    return int(np.prod(self.shape_dtype.shape, dtype=np.int64)) * np.dtype(self.shape_dtype.dtype).itemsize
 
   @property
   def costs_memory(self) -> bool:
@@ -102,14 +101,11 @@ def saved_residuals(fun: Callable[..., Any], *args: Any) -> list[SavedResidual]:
       kind = "argument"
     elif eqn is None:
       kind = "constant"  # A closed-over constant of the traced function.
-    elif (eqn.primitive.name == "convert_element_type"
-          and eqn.invars[0] in invars):
+    elif eqn.primitive.name == "convert_element_type" and eqn.invars[0] in invars:
       kind = "cast_copy"
-    elif (eqn.primitive.name == "broadcast_in_dim"
-          and isinstance(eqn.invars[0], jex_core.Literal)):
+    elif eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], jex_core.Literal):
       kind = "constant"
     else:
       kind = "activation"
-    out.append(SavedResidual(
-        jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype), kind))
+    out.append(SavedResidual(jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype), kind))
   return out

@@ -123,9 +123,7 @@ def _matmul_entry(eqn, phase: str, repeats: int, where: str) -> MatmulEntry | No
   else:
     dn = eqn.params["dimension_numbers"]
     rhs_spec, out_spec = dn.rhs_spec, dn.out_spec
-    batch = int(eqn.params.get("feature_group_count", 1)) * int(
-        eqn.params.get("batch_group_count", 1)
-    )
+    batch = int(eqn.params.get("feature_group_count", 1)) * int(eqn.params.get("batch_group_count", 1))
     cin = int(rhs.shape[rhs_spec[1]])  # input channels per group
     cout = int(rhs.shape[rhs_spec[0]])
     kernel = _common.prod(rhs.shape[d] for d in rhs_spec[2:])
@@ -137,10 +135,24 @@ def _matmul_entry(eqn, phase: str, repeats: int, where: str) -> MatmulEntry | No
     op = "conv"
   misaligned = tuple(d for d, s in checked.items() if multiple and s % multiple)
   return MatmulEntry(
-      phase=phase, op=op, lhs_dtype=lhs_dt, rhs_dtype=rhs_dt, out_dtype=np.dtype(out.dtype),
-      lhs_shape=tuple(int(s) for s in lhs.shape), rhs_shape=tuple(int(s) for s in rhs.shape),
-      batch=batch, m=m, n=n, k=k, flops=int(flops), required_multiple=multiple,
-      checked=checked, misaligned=misaligned, repeats=repeats, where=where, fp8=fp8,
+    phase=phase,
+    op=op,
+    lhs_dtype=lhs_dt,
+    rhs_dtype=rhs_dt,
+    out_dtype=np.dtype(out.dtype),
+    lhs_shape=tuple(int(s) for s in lhs.shape),
+    rhs_shape=tuple(int(s) for s in rhs.shape),
+    batch=batch,
+    m=m,
+    n=n,
+    k=k,
+    flops=int(flops),
+    required_multiple=multiple,
+    checked=checked,
+    misaligned=misaligned,
+    repeats=repeats,
+    where=where,
+    fp8=fp8,
   )
 
 
@@ -212,12 +224,13 @@ class TensorCoreReport:
     """One dict per op, for tables and dataframes."""
     rows = []
     for e in self.entries:
-      rows.append({
+      rows.append(
+        {
           "phase": e.phase,
           "op": e.op,
           "dtypes": ("fp8 (" if e.fp8 else "")
-                    + f"{e.lhs_dtype.name}x{e.rhs_dtype.name}->{e.out_dtype.name}"
-                    + (")" if e.fp8 else ""),
+          + f"{e.lhs_dtype.name}x{e.rhs_dtype.name}->{e.out_dtype.name}"
+          + (")" if e.fp8 else ""),
           "batch": e.batch,
           "M": e.m,
           "N": e.n,
@@ -225,21 +238,24 @@ class TensorCoreReport:
           "checked": ",".join(f"{k}={v}" for k, v in e.checked.items()),
           "GFLOP": e.flops / 1e9,
           "tensor_core": (
-              "yes" if e.tensor_core
-              else "no: float32" if not e.half_precision
-              else f"no: {','.join(e.misaligned)} % {e.required_multiple}"
+            "yes"
+            if e.tensor_core
+            else "no: float32"
+            if not e.half_precision
+            else f"no: {','.join(e.misaligned)} % {e.required_multiple}"
           ),
           "where": e.where,
-      })
+        }
+      )
     return rows
 
   def summary(self) -> str:
     return (
-        f"{len(self.entries)} matmul/conv ops, {self.total_flops / 1e9:.4g} GFLOP; "
-        f"half precision {self.half_precision_fraction:.1%}, "
-        f"Tensor Core eligible {self.tensor_core_fraction:.1%}; "
-        f"speed-up bound 1/(x+(1-x)/y) = {self.speedup_bound:.2f}x "
-        f"(x = {1 - self.tensor_core_fraction:.3f}, y = {self.tensor_core_speedup:g})"
+      f"{len(self.entries)} matmul/conv ops, {self.total_flops / 1e9:.4g} GFLOP; "
+      f"half precision {self.half_precision_fraction:.1%}, "
+      f"Tensor Core eligible {self.tensor_core_fraction:.1%}; "
+      f"speed-up bound 1/(x+(1-x)/y) = {self.speedup_bound:.2f}x "
+      f"(x = {1 - self.tensor_core_fraction:.3f}, y = {self.tensor_core_speedup:g})"
     )
 
   def __str__(self) -> str:
@@ -251,17 +267,17 @@ class TensorCoreReport:
     if bad:
       rows = [r for r, e in zip(self.to_rows(), self.entries) if e in bad]
       raise AssertionError(
-          f"{len(bad)} half-precision matmul/conv op(s) with dimensions that are "
-          "not multiples of 8 (16-bit) / 16 (8-bit); pad them (see "
-          "pad_to_multiple):\n" + tables.format_table(rows)
+        f"{len(bad)} half-precision matmul/conv op(s) with dimensions that are "
+        "not multiples of 8 (16-bit) / 16 (8-bit); pad them (see "
+        "pad_to_multiple):\n" + tables.format_table(rows)
       )
 
 
 def tensor_core_report(
-    fn: Callable[..., Any],
-    *args: Any,
-    backward: bool = False,
-    tensor_core_speedup: float = 8.0,
+  fn: Callable[..., Any],
+  *args: Any,
+  backward: bool = False,
+  tensor_core_speedup: float = 8.0,
 ) -> TensorCoreReport:
   r"""Lists every matmul and convolution of ``fn`` against the Tensor Core rules.
 
@@ -319,6 +335,7 @@ def tensor_core_report(
 
 # ---------------------------------------------------------------------------
 # Precision audit.
+
 
 def pad_to_multiple(n: int, multiple: int = 8) -> int:
   """The smallest multiple of ``multiple`` that is ``>= n``.

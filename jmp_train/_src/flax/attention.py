@@ -44,9 +44,17 @@ _CUDNN_REFUSALS = (RuntimeError, ValueError, NotImplementedError, TypeError)
 
 
 def fused_attention_unsupported(
-    query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
-    dtype: Any = None, dropout: bool = False, sow: bool = False,
-    precision: Any = None, force_fp32_for_softmax: bool = True,
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any = None,
+  mask: Any = None,
+  *,
+  dtype: Any = None,
+  dropout: bool = False,
+  sow: bool = False,
+  precision: Any = None,
+  force_fp32_for_softmax: bool = True,
 ) -> str | None:
   """Why a call cannot go through ``jax.nn.dot_product_attention`` (None: it can).
 
@@ -75,18 +83,15 @@ def fused_attention_unsupported(
   dtype = np.dtype(jnp.result_type(query, key, value) if dtype is None else dtype)
   head_dim, v_dim = np.shape(key)[-1], np.shape(value)[-1]
   reasons = (
-      (dropout, "dropout on the attention weights"),
-      (sow, "the attention weights are sown"),
-      (precision is not None, "an explicit matmul precision"),
-      (not force_fp32_for_softmax, "a half-precision softmax was asked for"),
-      (dtype not in _FUSED_DTYPES, f"dtype {dtype.name}"),
-      (np.ndim(query) not in (3, 4) or np.ndim(key) != np.ndim(query),
-       "more than one batch dimension"),
-      (v_dim != head_dim, "values and keys of different head sizes"),
-      (np.shape(query)[-2] % max(np.shape(key)[-2], 1) != 0,
-       "query heads not a multiple of key heads"),
-      (any(t is not None and np.ndim(t) > 4 for t in (bias, mask)),
-       "a mask or bias of more than 4 dimensions"),
+    (dropout, "dropout on the attention weights"),
+    (sow, "the attention weights are sown"),
+    (precision is not None, "an explicit matmul precision"),
+    (not force_fp32_for_softmax, "a half-precision softmax was asked for"),
+    (dtype not in _FUSED_DTYPES, f"dtype {dtype.name}"),
+    (np.ndim(query) not in (3, 4) or np.ndim(key) != np.ndim(query), "more than one batch dimension"),
+    (v_dim != head_dim, "values and keys of different head sizes"),
+    (np.shape(query)[-2] % max(np.shape(key)[-2], 1) != 0, "query heads not a multiple of key heads"),
+    (any(t is not None and np.ndim(t) > 4 for t in (bias, mask)), "a mask or bias of more than 4 dimensions"),
   )
   return next((why for bad, why in reasons if bad), None)
 
@@ -108,13 +113,17 @@ def _fused(query, key, value, bias, mask, is_causal, implementation):
   if bias is not None:
     bias = jnp.asarray(bias, _F32 if implementation is None else query.dtype)
   return jax.nn.dot_product_attention(
-      query, key, value, bias=bias, mask=mask, is_causal=is_causal,
-      implementation=implementation,
+    query,
+    key,
+    value,
+    bias=bias,
+    mask=mask,
+    is_causal=is_causal,
+    implementation=implementation,
   )
 
 
-def _explicit(query, key, value, bias, mask, dtype, precision, module,
-              force_fp32_for_softmax, is_causal, dropout):
+def _explicit(query, key, value, bias, mask, dtype, precision, module, force_fp32_for_softmax, is_causal, dropout):
   """Scores in ``dtype``, softmax in float32, weights back to ``dtype``."""
   query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
   logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
@@ -152,32 +161,35 @@ def _check_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) ->
   shapes = f"query {q}, key {k}, value {v}"
   if not len(q) == len(k) == len(v) >= 3:
     raise ValueError(
-        f"query, key and value must have the same rank, at least 3 "
-        f"([batch..., length, num_heads, head_dim]); got {shapes}.")
-  for what, ok in (("batch dimensions", q[:-3] == k[:-3] == v[:-3]),
-                   ("num_heads", q[-2] == k[-2] == v[-2]),
-                   ("key and value lengths", k[-3] == v[-3]),
-                   ("query and key head_dim", q[-1] == k[-1])):
+      f"query, key and value must have the same rank, at least 3 "
+      f"([batch..., length, num_heads, head_dim]); got {shapes}."
+    )
+  for what, ok in (
+    ("batch dimensions", q[:-3] == k[:-3] == v[:-3]),
+    ("num_heads", q[-2] == k[-2] == v[-2]),
+    ("key and value lengths", k[-3] == v[-3]),
+    ("query and key head_dim", q[-1] == k[-1]),
+  ):
     if not ok:
       raise ValueError(f"The {what} must match; got {shapes}.")
 
 
 def dot_product_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: Any = None,
-    force_fp32_for_softmax: bool = True,
-    is_causal: bool = False,
-    implementation: str = "auto",
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  broadcast_dropout: bool = True,
+  dropout_rng: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = False,
+  dtype: Any = None,
+  precision: Any = None,
+  module: Any = None,
+  force_fp32_for_softmax: bool = True,
+  is_causal: bool = False,
+  implementation: str = "auto",
 ) -> jax.Array:
   r"""Dot-product attention with matmuls in ``dtype`` and softmax in float32.
 
@@ -257,9 +269,7 @@ def dot_product_attention(
     with IO-Awareness", NeurIPS 2022. https://arxiv.org/abs/2205.14135
   """
   if implementation not in ATTENTION_IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}."
-    )
+    raise ValueError(f"implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}.")
   _check_shapes(jnp.shape(query), jnp.shape(key), jnp.shape(value))
   dtype = np.dtype(jnp.result_type(query, key, value) if dtype is None else dtype)
   query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
@@ -268,9 +278,16 @@ def dot_product_attention(
     dropout = (dropout_rng, dropout_rate, broadcast_dropout)
   if implementation != "explicit":
     why = fused_attention_unsupported(
-        query, key, value, bias, mask, dtype=dtype, dropout=dropout is not None,
-        sow=module is not None, precision=precision,
-        force_fp32_for_softmax=force_fp32_for_softmax,
+      query,
+      key,
+      value,
+      bias,
+      mask,
+      dtype=dtype,
+      dropout=dropout is not None,
+      sow=module is not None,
+      precision=precision,
+      force_fp32_for_softmax=force_fp32_for_softmax,
     )
     if why is not None and implementation != "auto":
       raise ValueError(f"implementation={implementation!r} cannot compute this call: {why}.")
@@ -282,5 +299,4 @@ def dot_product_attention(
       except _CUDNN_REFUSALS:
         if implementation == "cudnn":
           raise
-  return _explicit(query, key, value, bias, mask, dtype, precision, module,
-                   force_fp32_for_softmax, is_causal, dropout)
+  return _explicit(query, key, value, bias, mask, dtype, precision, module, force_fp32_for_softmax, is_causal, dropout)

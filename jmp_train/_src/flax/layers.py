@@ -24,16 +24,16 @@ from jmp_train._src.policy import remat
 from jmp_train._src.flax.attention import dot_product_attention
 
 __all__ = [
-    "DEFAULT_FLOAT32_MODULES",
-    "RECOMPUTE_OPTIONS",
-    "check_float32_modules",
-    "check_float32_paths",
-    "check_recompute",
-    "embedding_lookup_dtype",
-    "layer_overrides",
-    "linen_field_names",
-    "path_matches",
-    "remat_policy",
+  "DEFAULT_FLOAT32_MODULES",
+  "RECOMPUTE_OPTIONS",
+  "check_float32_modules",
+  "check_float32_paths",
+  "check_recompute",
+  "embedding_lookup_dtype",
+  "layer_overrides",
+  "linen_field_names",
+  "path_matches",
+  "remat_policy",
 ]
 
 # Normalization layers, linen and NNX: their statistics (mean, variance,
@@ -42,16 +42,16 @@ __all__ = [
 # are covered elsewhere: attention through `dot_product_attention`, the loss
 # by the model's float32 `output_dtype`.
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (
-    nn.BatchNorm,
-    nn.LayerNorm,
-    nn.RMSNorm,
-    nn.GroupNorm,
-    nn.InstanceNorm,
-    nnx.BatchNorm,
-    nnx.LayerNorm,
-    nnx.RMSNorm,
-    nnx.GroupNorm,
-    nnx.InstanceNorm,
+  nn.BatchNorm,
+  nn.LayerNorm,
+  nn.RMSNorm,
+  nn.GroupNorm,
+  nn.InstanceNorm,
+  nnx.BatchNorm,
+  nnx.LayerNorm,
+  nnx.RMSNorm,
+  nnx.GroupNorm,
+  nnx.InstanceNorm,
 )
 
 F32 = np.dtype(jnp.float32)
@@ -60,8 +60,8 @@ F32 = np.dtype(jnp.float32)
 # The attention functions we replace: Flax's defaults. A user's own
 # `attention_fn` is left alone.
 _FLAX_DEFAULT_ATTENTION_FNS = (
-    nn.dot_product_attention,
-    nnx.dot_product_attention,
+  nn.dot_product_attention,
+  nnx.dot_product_attention,
 )
 
 
@@ -76,16 +76,10 @@ def check_float32_modules(float32_modules: Any) -> tuple[type, ...]:
   try:
     classes = tuple(float32_modules)
   except TypeError:
-    raise ValueError(
-        f"float32_modules must be a tuple of module classes, got "
-        f"{float32_modules!r}."
-    ) from None
+    raise ValueError(f"float32_modules must be a tuple of module classes, got {float32_modules!r}.") from None
   for c in classes:
     if not (isinstance(c, type) and issubclass(c, (nn.Module, nnx.Module))):
-      raise ValueError(
-          f"float32_modules must hold flax.linen.Module or flax.nnx.Module "
-          f"subclasses, got {c!r}."
-      )
+      raise ValueError(f"float32_modules must hold flax.linen.Module or flax.nnx.Module subclasses, got {c!r}.")
   return classes
 
 
@@ -96,8 +90,7 @@ def check_float32_paths(float32_paths: Any) -> tuple[str, ...]:
     items = tuple(float32_paths)
   except TypeError:
     raise ValueError(
-        f"float32_paths must be a sequence of path patterns such as "
-        f"('head', 'blocks/*/conv1'), got {float32_paths!r}."
+      f"float32_paths must be a sequence of path patterns such as ('head', 'blocks/*/conv1'), got {float32_paths!r}."
     ) from None
   out = []
   for p in items:
@@ -105,8 +98,7 @@ def check_float32_paths(float32_paths: Any) -> tuple[str, ...]:
       p = "/".join(str(k) for k in p)
     if not isinstance(p, str):
       raise ValueError(
-          f"float32_paths must hold strings such as 'head' or 'blocks/*/conv1' "
-          f"(or tuples of path keys), got {p!r}."
+        f"float32_paths must hold strings such as 'head' or 'blocks/*/conv1' (or tuples of path keys), got {p!r}."
       )
     out.append(p.strip("/"))
   return tuple(out)
@@ -146,9 +138,7 @@ RECOMPUTE_OPTIONS = ("float32", None)
 
 def check_recompute(recompute: Any) -> str | None:
   if recompute not in RECOMPUTE_OPTIONS:
-    raise ValueError(
-        f"recompute must be one of {RECOMPUTE_OPTIONS}, got {recompute!r}."
-    )
+    raise ValueError(f"recompute must be one of {RECOMPUTE_OPTIONS}, got {recompute!r}.")
   return recompute
 
 
@@ -168,10 +158,10 @@ def linen_field_names(module: nn.Module) -> frozenset[str]:
 
 
 def layer_overrides(
-    fields: frozenset[str] | set[str],
-    current: Callable[[str], Any],
-    dtype: np.dtype,
-    param_dtype: np.dtype,
+  fields: frozenset[str] | set[str],
+  current: Callable[[str], Any],
+  dtype: np.dtype,
+  param_dtype: np.dtype,
 ) -> dict[str, Any]:
   """The attribute values a policy gives one layer (linen or NNX)."""
   overrides: dict[str, Any] = {}
@@ -186,13 +176,13 @@ def layer_overrides(
   # Flax's default attention only: a custom `attention_fn`, or custom
   # (e.g. quantized) attention einsums that only Flax's function uses, stay.
   custom_einsums = any(
-      name in fields and current(name) is not None
-      for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
+    name in fields and current(name) is not None
+    for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
   )
   if (
-      "attention_fn" in fields
-      and not custom_einsums
-      and any(current("attention_fn") is f for f in _FLAX_DEFAULT_ATTENTION_FNS)
+    "attention_fn" in fields
+    and not custom_einsums
+    and any(current("attention_fn") is f for f in _FLAX_DEFAULT_ATTENTION_FNS)
   ):
     overrides["attention_fn"] = dot_product_attention
   return overrides

@@ -71,8 +71,9 @@ class NNXPolicyWrapper(nnx.Module):
     recompute: ``"float32"`` or ``None``, as in :func:`apply_policy`.
   """
 
-  def __init__(self, module: nnx.Module, policy: policy_lib.Policy, cast_inputs: bool,
-               recompute: str | None = "float32"):
+  def __init__(
+    self, module: nnx.Module, policy: policy_lib.Policy, cast_inputs: bool, recompute: str | None = "float32"
+  ):
     self.module = module
     self.policy = policy
     self.cast_inputs = cast_inputs
@@ -93,8 +94,7 @@ class NNXPolicyWrapper(nnx.Module):
     # arguments closed over: non-array ones stay Python values); the state
     # the call changed (batch statistics, RNG counts) is written back.
     graphdef, state = nnx.split(self.module)
-    out, changed = jax.checkpoint(
-        functools.partial(_run_nnx, run, graphdef), policy=remat_policy)(state)
+    out, changed = jax.checkpoint(functools.partial(_run_nnx, run, graphdef), policy=remat_policy)(state)
     nnx.update(self.module, changed)
     return policy.cast_to_output(out)
 
@@ -107,30 +107,30 @@ def _run_nnx(run, graphdef, state):
   module = nnx.merge(graphdef, state)
   out = run(module)
   changed = [
-      (path, var) for path, var in nnx.to_flat_state(nnx.state(module))
-      if path not in before
-      or any(a is not b for a, b in zip(jax.tree.leaves(var), before[path]))
+    (path, var)
+    for path, var in nnx.to_flat_state(nnx.state(module))
+    if path not in before or any(a is not b for a, b in zip(jax.tree.leaves(var), before[path]))
   ]
   return out, nnx.from_flat_state(changed)
 
 
 def apply_policy_nnx(
-    module: nnx.Module,
-    policy: policy_lib.Policy,
-    float32_modules: tuple[type, ...],
-    float32_paths: tuple[str, ...],
-    cast_inputs: bool,
-    recompute: str | None,
+  module: nnx.Module,
+  policy: policy_lib.Policy,
+  float32_modules: tuple[type, ...],
+  float32_paths: tuple[str, ...],
+  cast_inputs: bool,
+  recompute: str | None,
 ) -> NNXPolicyWrapper:
   model = configured_copy(module, policy, float32_modules, float32_paths)
   return NNXPolicyWrapper(model, policy, cast_inputs, recompute)
 
 
 def configured_copy(
-    module: nnx.Module,
-    policy: policy_lib.Policy,
-    float32_modules: tuple[type, ...] = flax_layers.DEFAULT_FLOAT32_MODULES,
-    float32_paths: tuple[str, ...] = (),
+  module: nnx.Module,
+  policy: policy_lib.Policy,
+  float32_modules: tuple[type, ...] = flax_layers.DEFAULT_FLOAT32_MODULES,
+  float32_paths: tuple[str, ...] = (),
 ) -> nnx.Module:
   """A copy of ``module`` whose layers carry ``policy`` (no wrapper around it).
 
@@ -153,7 +153,7 @@ def configured_copy(
     dtype = flax_layers.F32 if in_f32 else policy.compute_dtype
     attrs = set(vars(m))
     for name, value in flax_layers.layer_overrides(
-        attrs, lambda name: getattr(m, name), dtype, policy.param_dtype
+      attrs, lambda name: getattr(m, name), dtype, policy.param_dtype
     ).items():
       setattr(m, name, value)
     if not in_f32:

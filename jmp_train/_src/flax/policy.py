@@ -44,11 +44,11 @@ from jmp_train._src.flax.nnx_modules import NNXPolicyWrapper
 from jmp_train._src.hyperparams import check_bool
 
 __all__ = [
-    "DEFAULT_FLOAT32_MODULES",
-    "Float32LookupEmbed",
-    "apply_policy",
-    "LinenPolicyWrapper",
-    "NNXPolicyWrapper",
+  "DEFAULT_FLOAT32_MODULES",
+  "Float32LookupEmbed",
+  "apply_policy",
+  "LinenPolicyWrapper",
+  "NNXPolicyWrapper",
 ]
 
 # --------------------------------------------------------------------------
@@ -108,8 +108,8 @@ class LinenPolicyWrapper(nn.Module):
       # and cast inside, so that the half copy of a float32 batch is
       # recomputed too.
       run = nn.checkpoint(
-          lambda wrapper: wrapper._run(args, kwargs),
-          policy=flax_layers.remat_policy(self.policy, self.recompute),
+        lambda wrapper: wrapper._run(args, kwargs),
+        policy=flax_layers.remat_policy(self.policy, self.recompute),
       )
       out = run(self)
     return self.policy.cast_to_output(out)
@@ -130,10 +130,8 @@ class LinenPolicyWrapper(nn.Module):
     """
 
     def named(m: nn.Module) -> bool:
-      rel = tuple(m.scope.path)[len(root):]
-      return isinstance(m, self.float32_modules) or flax_layers.path_matches(
-          rel, self.float32_paths
-      )
+      rel = tuple(m.scope.path)[len(root) :]
+      return isinstance(m, self.float32_modules) or flax_layers.path_matches(rel, self.float32_paths)
 
     if named(module):
       return True, True
@@ -167,10 +165,10 @@ class LinenPolicyWrapper(nn.Module):
     dtype = flax_layers.F32 if in_f32 else self.policy.compute_dtype
     fields = flax_layers.linen_field_names(module)
     overrides = flax_layers.layer_overrides(
-        fields,
-        lambda name: getattr(module, name),
-        dtype,
-        self.policy.param_dtype,
+      fields,
+      lambda name: getattr(module, name),
+      dtype,
+      self.policy.param_dtype,
     )
     if not in_f32:
       overrides.update(fp8_flax.linen_fp8_fields(fields, self.policy.fp8))
@@ -180,8 +178,9 @@ class LinenPolicyWrapper(nn.Module):
       # mix dtypes (an error under strict promotion).
       args, kwargs = policy_lib.cast_floating((args, kwargs), flax_layers.F32)
     lookup = (
-        flax_layers.embedding_lookup_dtype(dtype)
-        if isinstance(module, nn.Embed) and context.method_name == "__call__" else None
+      flax_layers.embedding_lookup_dtype(dtype)
+      if isinstance(module, nn.Embed) and context.method_name == "__call__"
+      else None
     )
     if lookup is not None:  # gathered in float32, then cast: float32 gradient sums
       overrides["dtype"] = lookup
@@ -202,13 +201,13 @@ class LinenPolicyWrapper(nn.Module):
 
 
 def apply_policy(
-    module: nn.Module | nnx.Module,
-    policy: policy_lib.Policy | str,
-    *,
-    float32_modules: Sequence[type] = DEFAULT_FLOAT32_MODULES,
-    float32_paths: Sequence[str] = (),
-    cast_inputs: bool = True,
-    recompute: str | None = "float32",
+  module: nn.Module | nnx.Module,
+  policy: policy_lib.Policy | str,
+  *,
+  float32_modules: Sequence[type] = DEFAULT_FLOAT32_MODULES,
+  float32_paths: Sequence[str] = (),
+  cast_inputs: bool = True,
+  recompute: str | None = "float32",
 ) -> LinenPolicyWrapper | NNXPolicyWrapper:
   """Runs a Flax (linen or NNX) module under a mixed-precision policy.
 
@@ -325,9 +324,9 @@ def apply_policy(
     policy = policy_lib.get_policy(policy)
   else:
     raise ValueError(
-        f"policy must be a jmp_train.Policy or a spec string such as "
-        f"'mixed_bfloat16' or 'params=float32,compute=float16,output=float32', "
-        f"got {policy!r}."
+      f"policy must be a jmp_train.Policy or a spec string such as "
+      f"'mixed_bfloat16' or 'params=float32,compute=float16,output=float32', "
+      f"got {policy!r}."
     )
   classes = flax_layers.check_float32_modules(float32_modules)
   paths = flax_layers.check_float32_paths(float32_paths)
@@ -335,21 +334,20 @@ def apply_policy(
   check_bool(cast_inputs, "cast_inputs")
   if isinstance(module, nn.Module):
     return LinenPolicyWrapper(
-        module=module,
-        policy=policy,
-        float32_modules=classes,
-        float32_paths=paths,
-        cast_inputs=bool(cast_inputs),
-        recompute=recompute,
+      module=module,
+      policy=policy,
+      float32_modules=classes,
+      float32_paths=paths,
+      cast_inputs=bool(cast_inputs),
+      recompute=recompute,
     )
   if isinstance(module, nnx.Module):
     return flax_nnx.apply_policy_nnx(module, policy, classes, paths, bool(cast_inputs), recompute)
   if isinstance(module, type) and issubclass(module, (nn.Module, nnx.Module)):
     raise ValueError(
-        f"apply_policy needs a module instance, got the class {module.__name__}; "
-        f"construct it first, e.g. {module.__name__}(...)."
+      f"apply_policy needs a module instance, got the class {module.__name__}; "
+      f"construct it first, e.g. {module.__name__}(...)."
     )
   raise ValueError(
-      f"apply_policy needs a flax.linen.Module or flax.nnx.Module instance, "
-      f"got {type(module).__name__}: {module!r}."
+    f"apply_policy needs a flax.linen.Module or flax.nnx.Module instance, got {type(module).__name__}: {module!r}."
   )

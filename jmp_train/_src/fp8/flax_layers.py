@@ -31,15 +31,15 @@ from flax import nnx
 from jmp_train._src.fp8 import products as fp8_lib
 
 __all__ = [
-    "FP8_COLLECTION",
-    "Fp8Meta",
-    "Fp8DotGeneral",
-    "Fp8ConvGeneralDilated",
-    "NNXFp8DotGeneral",
-    "NNXFp8ConvGeneralDilated",
-    "initial_fp8_values",
-    "linen_fp8_fields",
-    "nnx_fp8_attributes",
+  "FP8_COLLECTION",
+  "Fp8Meta",
+  "Fp8DotGeneral",
+  "Fp8ConvGeneralDilated",
+  "NNXFp8DotGeneral",
+  "NNXFp8ConvGeneralDilated",
+  "initial_fp8_values",
+  "linen_fp8_fields",
+  "nnx_fp8_attributes",
 ]
 
 FP8_COLLECTION = "fp8_meta"
@@ -51,10 +51,7 @@ class Fp8Meta(nnx.Variable):
 
 
 def _to_meta(values: dict[str, jax.Array]) -> fp8_lib.Fp8DotMeta:
-  return fp8_lib.Fp8DotMeta(*(
-      fp8_lib.Fp8TensorMeta(values[f"{n}_scale"], values[f"{n}_amax_history"])
-      for n in _NAMES
-  ))
+  return fp8_lib.Fp8DotMeta(*(fp8_lib.Fp8TensorMeta(values[f"{n}_scale"], values[f"{n}_amax_history"]) for n in _NAMES))
 
 
 def initial_fp8_values(recipe: fp8_lib.Fp8Recipe) -> dict[str, jax.Array]:
@@ -75,8 +72,7 @@ class _LinenFp8(nn.Module):
 
   def _meta(self) -> fp8_lib.Fp8DotMeta:
     init = _initial_values(self.recipe)
-    return _to_meta({k: self.variable(FP8_COLLECTION, k, lambda v=v: v).value
-                     for k, v in init.items()})
+    return _to_meta({k: self.variable(FP8_COLLECTION, k, lambda v=v: v).value for k, v in init.items()})
 
 
 class Fp8DotGeneral(_LinenFp8):
@@ -92,11 +88,10 @@ class Fp8DotGeneral(_LinenFp8):
   """
 
   @nn.compact
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-               preferred_element_type=None, **kwargs):
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     return fp8_lib.fp8_dot_general(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type,
-        meta=self._meta(), recipe=self.recipe, **kwargs)
+      lhs, rhs, dimension_numbers, precision, preferred_element_type, meta=self._meta(), recipe=self.recipe, **kwargs
+    )
 
 
 class Fp8ConvGeneralDilated(_LinenFp8):
@@ -104,12 +99,10 @@ class Fp8ConvGeneralDilated(_LinenFp8):
 
   @nn.compact
   def __call__(self, lhs, rhs, *args, **kwargs):
-    return fp8_lib.fp8_conv_general_dilated(
-        lhs, rhs, *args, meta=self._meta(), recipe=self.recipe, **kwargs)
+    return fp8_lib.fp8_conv_general_dilated(lhs, rhs, *args, meta=self._meta(), recipe=self.recipe, **kwargs)
 
 
 class _NNXFp8(nnx.Module):
-
   def __init__(self, recipe: fp8_lib.Fp8Recipe = fp8_lib.Fp8Recipe()):
     self.recipe = recipe
     for name, value in _initial_values(recipe).items():
@@ -133,19 +126,17 @@ class NNXFp8DotGeneral(_NNXFp8):
     1
   """
 
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-               preferred_element_type=None, **kwargs):
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     return fp8_lib.fp8_dot_general(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type,
-        meta=self._meta(), recipe=self.recipe, **kwargs)
+      lhs, rhs, dimension_numbers, precision, preferred_element_type, meta=self._meta(), recipe=self.recipe, **kwargs
+    )
 
 
 class NNXFp8ConvGeneralDilated(_NNXFp8):
   """An NNX ``Conv``'s ``conv_general_dilated``: the convolution in FP8."""
 
   def __call__(self, lhs, rhs, *args, **kwargs):
-    return fp8_lib.fp8_conv_general_dilated(
-        lhs, rhs, *args, meta=self._meta(), recipe=self.recipe, **kwargs)
+    return fp8_lib.fp8_conv_general_dilated(lhs, rhs, *args, meta=self._meta(), recipe=self.recipe, **kwargs)
 
 
 def linen_fp8_fields(fields: Any, recipe: fp8_lib.Fp8Recipe | None) -> dict[str, Any]:
@@ -176,10 +167,10 @@ def nnx_fp8_attributes(module: Any, recipe: fp8_lib.Fp8Recipe | None) -> dict[st
   if recipe is None:
     return {}
   if isinstance(module, (nnx.Linear, nnx.LinearGeneral)) and not isinstance(
-      getattr(module, "dot_general", None), _NNXFp8):
+    getattr(module, "dot_general", None), _NNXFp8
+  ):
     return {"dot_general": nnx.data(NNXFp8DotGeneral(recipe))}
-  if isinstance(module, nnx.Conv) and not isinstance(
-      getattr(module, "conv_general_dilated", None), _NNXFp8):
+  if isinstance(module, nnx.Conv) and not isinstance(getattr(module, "conv_general_dilated", None), _NNXFp8):
     return {"conv_general_dilated": nnx.data(NNXFp8ConvGeneralDilated(recipe))}
   return {}
 

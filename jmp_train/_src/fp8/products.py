@@ -82,17 +82,17 @@ from jmp_train._src.varying_axes import pvary
 from jmp_train._src.varying_axes import varying_axes
 
 __all__ = [
-    "Fp8Recipe",
-    "Fp8TensorMeta",
-    "Fp8DotMeta",
-    "init_fp8_meta",
-    "fp8_scale",
-    "push_amax",
-    "fp8_quantize",
-    "fp8_dequantize",
-    "fp8_dot_general",
-    "fp8_conv_general_dilated",
-    "update_fp8_meta",
+  "Fp8Recipe",
+  "Fp8TensorMeta",
+  "Fp8DotMeta",
+  "init_fp8_meta",
+  "fp8_scale",
+  "push_amax",
+  "fp8_quantize",
+  "fp8_dequantize",
+  "fp8_dot_general",
+  "fp8_conv_general_dilated",
+  "update_fp8_meta",
 ]
 
 
@@ -178,8 +178,9 @@ def _replay(jaxpr: Any, *args: jax.Array) -> jax.Array:
   return out
 
 
-def _transposed(op: Callable[[jax.Array, jax.Array], jax.Array], argnum: int,
-                g: jax.Array, other: jax.Array, shapes: tuple[Any, Any]) -> jax.Array:
+def _transposed(
+  op: Callable[[jax.Array, jax.Array], jax.Array], argnum: int, g: jax.Array, other: jax.Array, shapes: tuple[Any, Any]
+) -> jax.Array:
   """The transpose of ``op`` with respect to operand ``argnum``, applied to
   the FP8 gradient ``g``, with the FP8 ``other`` operand: float32 result."""
   stand_in = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
@@ -193,8 +194,9 @@ def _transposed(op: Callable[[jax.Array, jax.Array], jax.Array], argnum: int,
   return _replay(jaxpr, g, other)
 
 
-def _fp8_binary(op: Callable[[jax.Array, jax.Array], jax.Array], recipe: Fp8Recipe,
-                l_dtype: Any, r_dtype: Any, out_dtype: Any):
+def _fp8_binary(
+  op: Callable[[jax.Array, jax.Array], jax.Array], recipe: Fp8Recipe, l_dtype: Any, r_dtype: Any, out_dtype: Any
+):
   """``op(lhs, rhs)`` on FP8 operands, with FP8 gradient products, as a
   ``custom_vjp``; ``op`` accumulates in (and returns) float32."""
 
@@ -239,10 +241,7 @@ def _fp8_binary(op: Callable[[jax.Array, jax.Array], jax.Array], recipe: Fp8Reci
 
 def _check_meta(meta: Any, fn: str) -> Fp8DotMeta:
   if not isinstance(meta, Fp8DotMeta):
-    raise TypeError(
-        f"{fn} needs meta=Fp8DotMeta (from jmp_train.init_fp8_meta), got "
-        f"{type(meta).__name__}."
-    )
+    raise TypeError(f"{fn} needs meta=Fp8DotMeta (from jmp_train.init_fp8_meta), got {type(meta).__name__}.")
   return meta
 
 
@@ -253,15 +252,15 @@ def _check_operands(lhs, rhs, fn: str) -> None:
 
 
 def fp8_dot_general(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    dimension_numbers: Any,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    *,
-    meta: Fp8DotMeta,
-    recipe: Fp8Recipe = Fp8Recipe(),
-    out_sharding: Any = None,
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers: Any,
+  precision: Any = None,
+  preferred_element_type: Any = None,
+  *,
+  meta: Fp8DotMeta,
+  recipe: Fp8Recipe = Fp8Recipe(),
+  out_sharding: Any = None,
 ) -> jax.Array:
   """``lax.dot_general`` with E4M3 operands and an E5M2 gradient.
 
@@ -311,12 +310,12 @@ def fp8_dot_general(
 
 
 def fp8_conv_general_dilated(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    *args: Any,
-    meta: Fp8DotMeta,
-    recipe: Fp8Recipe = Fp8Recipe(),
-    **kwargs: Any,
+  lhs: jax.Array,
+  rhs: jax.Array,
+  *args: Any,
+  meta: Fp8DotMeta,
+  recipe: Fp8Recipe = Fp8Recipe(),
+  **kwargs: Any,
 ) -> jax.Array:
   """``lax.conv_general_dilated`` with E4M3 operands and an E5M2 gradient.
 

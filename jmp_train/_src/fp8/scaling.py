@@ -18,21 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "E4M3",
-    "E5M2",
-    "FP8_SCOPE",
-    "Fp8DotMeta",
-    "Fp8Recipe",
-    "Fp8TensorMeta",
-    "calibrate",
-    "fp8_dequantize",
-    "fp8_dtype",
-    "fp8_quantize",
-    "fp8_scale",
-    "init_fp8_meta",
-    "pmax_together",
-    "push_amax",
-    "update_fp8_meta",
+  "E4M3",
+  "E5M2",
+  "FP8_SCOPE",
+  "Fp8DotMeta",
+  "Fp8Recipe",
+  "Fp8TensorMeta",
+  "calibrate",
+  "fp8_dequantize",
+  "fp8_dtype",
+  "fp8_quantize",
+  "fp8_scale",
+  "init_fp8_meta",
+  "pmax_together",
+  "push_amax",
+  "update_fp8_meta",
 ]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -75,9 +75,7 @@ class Fp8Recipe:
     if self.scaling not in _SCALINGS:
       raise ValueError(f"scaling must be one of {_SCALINGS}, got {self.scaling!r}.")
     if self.amax_compute_algo not in _AMAX_ALGOS:
-      raise ValueError(
-          f"amax_compute_algo must be one of {_AMAX_ALGOS}, got {self.amax_compute_algo!r}."
-      )
+      raise ValueError(f"amax_compute_algo must be one of {_AMAX_ALGOS}, got {self.amax_compute_algo!r}.")
     n = self.amax_history_len
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
       raise ValueError(f"amax_history_len must be a positive int, got {n!r}.")
@@ -133,10 +131,10 @@ def init_fp8_meta(recipe: Fp8Recipe = Fp8Recipe()) -> Fp8DotMeta:
   """
   if not isinstance(recipe, Fp8Recipe):
     raise TypeError(
-        f"init_fp8_meta needs an Fp8Recipe, e.g. Fp8Recipe(scaling='current'), got "
-        f"{type(recipe).__name__}: {recipe!r}.")
+      f"init_fp8_meta needs an Fp8Recipe, e.g. Fp8Recipe(scaling='current'), got {type(recipe).__name__}: {recipe!r}."
+    )
   one = lambda: Fp8TensorMeta(  # noqa: E731
-      jnp.ones((), jnp.float32), jnp.zeros((recipe.amax_history_len,), jnp.float32)
+    jnp.ones((), jnp.float32), jnp.zeros((recipe.amax_history_len,), jnp.float32)
   )
   return Fp8DotMeta(one(), one(), one())
 
@@ -153,8 +151,8 @@ def fp8_dtype(dtype: Any) -> np.dtype:
     key = None
   if key not in _FP8_NAMES:
     raise ValueError(
-        f"Bad FP8 dtype {dtype!r}; valid: {', '.join(map(repr, sorted(_FP8_NAMES)))} "
-        "or jnp.float8_e4m3fn, jnp.float8_e5m2."
+      f"Bad FP8 dtype {dtype!r}; valid: {', '.join(map(repr, sorted(_FP8_NAMES)))} "
+      "or jnp.float8_e4m3fn, jnp.float8_e5m2."
     )
   return _FP8_NAMES[key]
 
@@ -278,6 +276,7 @@ def calibrate(x, meta: Fp8TensorMeta, dtype, recipe: Fp8Recipe):
     scale = fp8_scale(past, meta.scale, dtype, recipe.margin)
   return scale, Fp8TensorMeta(scale, push_amax(history, amax))
 
+
 def pmax_together(leaves: list[jax.Array], axis_name: Any) -> list[jax.Array]:
   """The ``pmax`` over ``axis_name`` of several arrays, as one reduction.
 
@@ -293,11 +292,10 @@ def pmax_together(leaves: list[jax.Array], axis_name: Any) -> list[jax.Array]:
   """
   if not leaves:
     return []
-  flat = jax.lax.pmax(jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves]),
-                      axis_name)
+  flat = jax.lax.pmax(jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves]), axis_name)
   out, start = [], 0
   for x in leaves:
-    out.append(flat[start:start + x.size].reshape(x.shape).astype(x.dtype))
+    out.append(flat[start : start + x.size].reshape(x.shape).astype(x.dtype))
     start += x.size
   return out
 
@@ -334,8 +332,8 @@ def update_fp8_meta(fp8_meta: Any, fp8_grads: Any, axis_name: Any = None) -> Any
   """
   if jax.tree.structure(fp8_meta) != jax.tree.structure(fp8_grads):
     raise ValueError(
-        "fp8_grads must have fp8_meta's structure (the gradient with respect "
-        f"to it); got {jax.tree.structure(fp8_grads)} for {jax.tree.structure(fp8_meta)}."
+      "fp8_grads must have fp8_meta's structure (the gradient with respect "
+      f"to it); got {jax.tree.structure(fp8_grads)} for {jax.tree.structure(fp8_meta)}."
     )
 
   def leaf(old, new):

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "FROM_ARGS",
-    "as_counter_array",
-    "as_flag",
-    "as_scale_array",
-    "dynamic_config",
-    "dynamic_scale",
+  "FROM_ARGS",
+  "as_counter_array",
+  "as_flag",
+  "as_scale_array",
+  "dynamic_config",
+  "dynamic_scale",
 ]
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -59,22 +59,15 @@ def as_scale_array(value: Any, name: str) -> jax.Array:
   if is_concrete(arr):
     v = float(arr)
     if not (math.isfinite(v) and v > 0):
-      raise ValueError(
-          f"{name} must be finite and > 0, got {value!r}; valid values lie in "
-          f"(0, {_F32_MAX:.4g}]."
-      )
+      raise ValueError(f"{name} must be finite and > 0, got {value!r}; valid values lie in (0, {_F32_MAX:.4g}].")
   return arr
 
 
 def as_counter_array(value: Any, growth_interval: int) -> jax.Array:
   """Converts ``value`` to an int32 scalar in ``[0, growth_interval)``."""
-  counter = _as_scalar(value, jnp.int32, "counter",
-                       "an integer in [0, growth_interval)")
+  counter = _as_scalar(value, jnp.int32, "counter", "an integer in [0, growth_interval)")
   if is_concrete(counter) and not 0 <= int(counter) < growth_interval:
-    raise ValueError(
-        f"counter must lie in [0, growth_interval) = [0, {growth_interval}),"
-        f" got {int(counter)}."
-    )
+    raise ValueError(f"counter must lie in [0, growth_interval) = [0, {growth_interval}), got {int(counter)}.")
   return counter
 
 
@@ -83,16 +76,19 @@ def as_flag(grads_finite: jax.typing.ArrayLike) -> jax.Array:
   finite = jnp.asarray(grads_finite, dtype=jnp.bool_)
   if finite.shape != ():
     raise ValueError(
-        "adjust(grads_finite) takes one boolean scalar for the whole step "
-        f"(e.g. all_finite(grads)), got shape {finite.shape}; reduce it "
-        "first, e.g. with jnp.all."
+      "adjust(grads_finite) takes one boolean scalar for the whole step "
+      f"(e.g. all_finite(grads)), got shape {finite.shape}; reduce it "
+      "first, e.g. with jnp.all."
     )
   return finite
 
 
 def dynamic_config(
-    growth_interval: Any, growth_factor: Any, backoff_factor: Any,
-    min_scale: Any, max_scale: Any,
+  growth_interval: Any,
+  growth_factor: Any,
+  backoff_factor: Any,
+  min_scale: Any,
+  max_scale: Any,
 ) -> dict[str, Any]:
   """The validated static configuration of a :class:`DynamicLossScale`."""
   try:
@@ -100,15 +96,13 @@ def dynamic_config(
   except TypeError:
     interval = 0
   if interval < 1:
-    raise ValueError(
-        f"growth_interval must be an integer >= 1, got {growth_interval!r}."
-    )
+    raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}.")
   config = dict(
-      growth_interval=interval,
-      growth_factor=_static_float(growth_factor, "growth_factor"),
-      backoff_factor=_static_float(backoff_factor, "backoff_factor"),
-      min_scale=_static_float(min_scale, "min_scale"),
-      max_scale=_static_float(max_scale, "max_scale"),
+    growth_interval=interval,
+    growth_factor=_static_float(growth_factor, "growth_factor"),
+    backoff_factor=_static_float(backoff_factor, "backoff_factor"),
+    min_scale=_static_float(min_scale, "min_scale"),
+    max_scale=_static_float(max_scale, "max_scale"),
   )
   _check_factors(config["growth_factor"], config["backoff_factor"])
   _check_bounds(config["min_scale"], config["max_scale"])
@@ -119,40 +113,26 @@ def _check_factors(growth_factor: float, backoff_factor: float) -> None:
   if not growth_factor > 1.0:
     raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}.")
   if not 0.0 < backoff_factor < 1.0:
-    raise ValueError(
-        f"backoff_factor must lie in (0, 1), got {backoff_factor!r}."
-    )
+    raise ValueError(f"backoff_factor must lie in (0, 1), got {backoff_factor!r}.")
 
 
 def _check_bounds(min_scale: float, max_scale: float) -> None:
   if not _F32_TINY <= min_scale <= _F32_MAX:
     raise ValueError(
-        f"min_scale must be > 0 (at least {_F32_TINY:.4g}, the smallest "
-        f"normal float32), got {min_scale!r}."
+      f"min_scale must be > 0 (at least {_F32_TINY:.4g}, the smallest normal float32), got {min_scale!r}."
     )
   if not max_scale <= _F32_MAX:
-    raise ValueError(
-        f"max_scale must be finite (at most {_F32_MAX:.4g}), got "
-        f"{max_scale!r}."
-    )
+    raise ValueError(f"max_scale must be finite (at most {_F32_MAX:.4g}), got {max_scale!r}.")
   if min_scale > max_scale:
-    raise ValueError(
-        f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r})."
-    )
+    raise ValueError(f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r}).")
 
 
 def dynamic_scale(scale: Any, min_scale: float, max_scale: float) -> jax.Array:
   """The validated initial scale, inside ``[min_scale, max_scale]``."""
   loss_scale = as_scale_array(scale, "scale")
-  if is_concrete(loss_scale) and not (
-      np.float32(min_scale) <= float(loss_scale) <= np.float32(max_scale)
-  ):
-    raise ValueError(
-        f"scale must lie in [min_scale, max_scale] = [{min_scale!r}, "
-        f"{max_scale!r}], got {scale!r}."
-    )
+  if is_concrete(loss_scale) and not (np.float32(min_scale) <= float(loss_scale) <= np.float32(max_scale)):
+    raise ValueError(f"scale must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}], got {scale!r}.")
   return loss_scale
-
 
 
 def _static_float(value: Any, name: str) -> float:

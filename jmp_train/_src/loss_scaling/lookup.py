@@ -30,16 +30,19 @@ def _find_state(opt_state: Any, caller: str) -> LossScaledState:
   ``nnx.Optimizer``), including one nested in another's ``inner_state``,
   which is reported rather than silently shadowed.
   """
-  found = [state for _, state in optax.tree.get_all_with_path(
-      opt_state, LossScaledState.__name__,
-      filtering=lambda _, value: isinstance(value, LossScaledState))]
+  found = [
+    state
+    for _, state in optax.tree.get_all_with_path(
+      opt_state, LossScaledState.__name__, filtering=lambda _, value: isinstance(value, LossScaledState)
+    )
+  ]
   if len(found) != 1:
     what = "no" if not found else f"{len(found)}"
     raise ValueError(
-        f"{caller} found {what} LossScaledState in the optimizer state of "
-        f"type {type(opt_state).__name__}; it needs exactly one, made by "
-        "jmp_train.loss_scaled(...) (nested anywhere: optax.chain, "
-        "inject_hyperparams, MultiSteps, a Flax TrainState or nnx.Optimizer)."
+      f"{caller} found {what} LossScaledState in the optimizer state of "
+      f"type {type(opt_state).__name__}; it needs exactly one, made by "
+      "jmp_train.loss_scaled(...) (nested anywhere: optax.chain, "
+      "inject_hyperparams, MultiSteps, a Flax TrainState or nnx.Optimizer)."
     )
   # nnx.Optimizer wraps each array leaf of its state in a Variable.
   is_variable = lambda x: _unwrap_variable(x) is not x
@@ -106,9 +109,8 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
   """
   state = _find_state(opt_state, "loss_scale_metrics")
   return {
-      "loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
-      "notfinite_count": state.notfinite_count,
-      "total_notfinite": state.total_notfinite,
-      "last_finite": state.last_finite,
+    "loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
+    "notfinite_count": state.notfinite_count,
+    "total_notfinite": state.total_notfinite,
+    "last_finite": state.last_finite,
   }
-

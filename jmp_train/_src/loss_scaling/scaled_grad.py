@@ -40,25 +40,24 @@ def _as_loss_scale(loss_scale: Any) -> LossScale:
     return loss_scale.loss_scale
   if not _is_scalar(loss_scale):
     raise TypeError(
-        "The gradient function from scaled_value_and_grad takes the loss scale first: "
-        "grad_fn(loss_scale, params, ...), with loss_scale from "
-        "get_loss_scale(opt_state), a LossScaledState or a positive scalar. Its "
-        f"first argument here is {describe(loss_scale)}: was the loss scale left out?"
+      "The gradient function from scaled_value_and_grad takes the loss scale first: "
+      "grad_fn(loss_scale, params, ...), with loss_scale from "
+      "get_loss_scale(opt_state), a LossScaledState or a positive scalar. Its "
+      f"first argument here is {describe(loss_scale)}: was the loss scale left out?"
     )
   try:
     return StaticLossScale(loss_scale)
   except (TypeError, ValueError) as e:
     raise ValueError(
-        "loss_scale must be a loss-scale value (e.g. from get_loss_scale) or "
-        f"a positive scalar, got {describe(loss_scale)}: {e}"
+      "loss_scale must be a loss-scale value (e.g. from get_loss_scale) or "
+      f"a positive scalar, got {describe(loss_scale)}: {e}"
     ) from None
 
 
 def _argument_name(signature: inspect.Signature | None, index: int) -> str:
   """The name of ``fun``'s positional argument ``index``, for messages."""
   if signature is not None:
-    positional = [p for p in signature.parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if index < len(positional):
       return positional[index].name
     rest = [p for p in signature.parameters.values() if p.kind == p.VAR_POSITIONAL]
@@ -67,8 +66,9 @@ def _argument_name(signature: inspect.Signature | None, index: int) -> str:
   return f"args[{index}]"
 
 
-def _check_differentiable(signature: inspect.Signature | None, args: tuple[Any, ...],
-                          argnums: int | Sequence[int]) -> None:
+def _check_differentiable(
+  signature: inspect.Signature | None, args: tuple[Any, ...], argnums: int | Sequence[int]
+) -> None:
   """Names an integer (or boolean, key) leaf of a differentiated argument.
 
   Raises:
@@ -83,19 +83,19 @@ def _check_differentiable(signature: inspect.Signature | None, args: tuple[Any, 
       name = _argument_name(signature, index)
       path, dtype = found
       raise TypeError(
-          f"scaled_value_and_grad differentiates {name}, but {name}{path} has "
-          f"dtype {dtype}: gradients need floating-point (or complex) leaves. Cast "
-          f"it to a float dtype (e.g. x.astype(jnp.float32)), or pass integer "
-          f"values in an argument that argnums leaves out."
+        f"scaled_value_and_grad differentiates {name}, but {name}{path} has "
+        f"dtype {dtype}: gradients need floating-point (or complex) leaves. Cast "
+        f"it to a float dtype (e.g. x.astype(jnp.float32)), or pass integer "
+        f"values in an argument that argnums leaves out."
       )
 
 
 def scaled_value_and_grad(
-    fun: Callable[..., Any],
-    has_aux: bool = False,
-    argnums: int | Sequence[int] = 0,
-    *,
-    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+  fun: Callable[..., Any],
+  has_aux: bool = False,
+  argnums: int | Sequence[int] = 0,
+  *,
+  value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
 ) -> Callable[..., tuple[Any, Any]]:
   r"""Turns a loss function into one returning the loss and scaled gradients.
 
@@ -145,9 +145,7 @@ def scaled_value_and_grad(
   """
   for name, value in (("fun", fun), ("value_and_grad", value_and_grad)):
     if not callable(value):
-      raise TypeError(
-          f"scaled_value_and_grad needs a callable {name}, got "
-          f"{type(value).__name__}: {value!r}.")
+      raise TypeError(f"scaled_value_and_grad needs a callable {name}, got {type(value).__name__}: {value!r}.")
 
   try:
     signature = inspect.signature(fun)
@@ -166,9 +164,7 @@ def scaled_value_and_grad(
       loss, aux = out if has_aux else (out, None)
       return scale.scale(loss), (loss, aux)
 
-    (_, (loss, aux)), grads = value_and_grad(
-        scaled_fun, argnums=argnums, has_aux=True
-    )(*args)
+    (_, (loss, aux)), grads = value_and_grad(scaled_fun, argnums=argnums, has_aux=True)(*args)
     return ((loss, aux) if has_aux else loss), grads
 
   return _with_loss_scale_first(g, fun)
@@ -191,6 +187,5 @@ def _with_loss_scale_first(g: Callable[..., Any], fun: Callable[..., Any]):
   while name in signature.parameters:
     name += "_"
   first = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
-  g.__signature__ = signature.replace(
-      parameters=[first, *signature.parameters.values()])
+  g.__signature__ = signature.replace(parameters=[first, *signature.parameters.values()])
   return g

@@ -36,11 +36,12 @@ from jmp_train._src.loss_scaling.checks import dynamic_scale
 from jmp_train._src.dtypes import is_floating_array
 
 __all__ = [
-    "LossScale",
-    "NoOpLossScale",
-    "StaticLossScale",
-    "DynamicLossScale",
+  "LossScale",
+  "NoOpLossScale",
+  "StaticLossScale",
+  "DynamicLossScale",
 ]
+
 
 def _static(**kwargs: Any) -> Any:
   """A dataclass field that is static pytree metadata (not a leaf)."""
@@ -122,10 +123,7 @@ class LossScale:
     """
     names = {f.name for f in dataclasses.fields(self)}
     if unknown := set(changes) - names:
-      raise ValueError(
-          f"Unknown field(s) {sorted(unknown)} for {type(self).__name__}; "
-          f"fields: {sorted(names)}."
-      )
+      raise ValueError(f"Unknown field(s) {sorted(unknown)} for {type(self).__name__}; fields: {sorted(names)}.")
     return type(self)(**{n: changes.get(n, getattr(self, n)) for n in names})
 
 
@@ -177,10 +175,10 @@ class StaticLossScale(LossScale):
   loss_scale: jax.Array
 
   def __init__(
-      self,
-      scale: jax.typing.ArrayLike = FROM_ARGS,
-      *,
-      loss_scale: Any = FROM_ARGS,
+    self,
+    scale: jax.typing.ArrayLike = FROM_ARGS,
+    *,
+    loss_scale: Any = FROM_ARGS,
   ):
     """Builds a static loss scale.
 
@@ -196,8 +194,8 @@ class StaticLossScale(LossScale):
     """
     if (scale is FROM_ARGS) == (loss_scale is FROM_ARGS):
       raise ValueError(
-          "StaticLossScale takes the scale S, e.g. StaticLossScale(2.0**15); "
-          f"got scale={scale!r}, loss_scale={loss_scale!r}."
+        "StaticLossScale takes the scale S, e.g. StaticLossScale(2.0**15); "
+        f"got scale={scale!r}, loss_scale={loss_scale!r}."
       )
     if loss_scale is FROM_ARGS:
       loss_scale = as_scale_array(scale, "scale")
@@ -270,16 +268,16 @@ class DynamicLossScale(LossScale):
   max_scale: float = _static()
 
   def __init__(
-      self,
-      scale: jax.typing.ArrayLike = 2.0**15,
-      growth_interval: int = 2000,
-      growth_factor: float = 2.0,
-      backoff_factor: float = 0.5,
-      min_scale: float = 1.0,
-      max_scale: float = 2.0**24,
-      counter: jax.typing.ArrayLike = 0,
-      *,
-      loss_scale: Any = FROM_ARGS,
+    self,
+    scale: jax.typing.ArrayLike = 2.0**15,
+    growth_interval: int = 2000,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+    counter: jax.typing.ArrayLike = 0,
+    *,
+    loss_scale: Any = FROM_ARGS,
   ):
     """Builds a dynamic loss scale.
 
@@ -301,19 +299,20 @@ class DynamicLossScale(LossScale):
       ValueError: naming the bad argument and its valid range.
     """
     fields = dict(
-        loss_scale=loss_scale, counter=counter,
-        growth_interval=growth_interval, growth_factor=growth_factor,
-        backoff_factor=backoff_factor, min_scale=min_scale,
-        max_scale=max_scale,
+      loss_scale=loss_scale,
+      counter=counter,
+      growth_interval=growth_interval,
+      growth_factor=growth_factor,
+      backoff_factor=backoff_factor,
+      min_scale=min_scale,
+      max_scale=max_scale,
     )
     if loss_scale is FROM_ARGS:  # built by a user: validate everything
-      config = dynamic_config(growth_interval, growth_factor,
-                               backoff_factor, min_scale, max_scale)
+      config = dynamic_config(growth_interval, growth_factor, backoff_factor, min_scale, max_scale)
       fields.update(
-          config,
-          loss_scale=dynamic_scale(scale, config["min_scale"],
-                                    config["max_scale"]),
-          counter=as_counter_array(counter, config["growth_interval"]),
+        config,
+        loss_scale=dynamic_scale(scale, config["min_scale"], config["max_scale"]),
+        counter=as_counter_array(counter, config["growth_interval"]),
       )
     for name, value in fields.items():
       object.__setattr__(self, name, value)
@@ -338,9 +337,7 @@ class DynamicLossScale(LossScale):
     next_count = optax.safe_increment(counter)
     grow = finite & (next_count >= self.growth_interval)
     grown = jnp.minimum(scale * jnp.float32(self.growth_factor), self.max_scale)
-    shrunk = jnp.maximum(
-        scale * jnp.float32(self.backoff_factor), self.min_scale
-    )
+    shrunk = jnp.maximum(scale * jnp.float32(self.backoff_factor), self.min_scale)
     new_scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
     new_counter = jnp.where(finite & ~grow, next_count, jnp.zeros_like(counter))
     return self.replace(loss_scale=new_scale, counter=new_counter)

@@ -24,6 +24,7 @@ from jmp_train._src.varying_axes import varying_axes
 
 __all__ = ["branches", "unscaled_all_finite", "unscaler"]
 
+
 def _next_state(state: Any, finite: bool, inner_state: optax.OptState) -> Any:
   """The state after a finite or a skipped step (``finite`` is static).
 
@@ -38,10 +39,10 @@ def _next_state(state: Any, finite: bool, inner_state: optax.OptState) -> Any:
     count = optax.safe_increment(state.notfinite_count)
     total = optax.safe_increment(state.total_notfinite)
   return state._replace(  # a LossScaledState
-      loss_scale=state.loss_scale.adjust(jnp.asarray(finite)),
-      notfinite_count=count,
-      total_notfinite=total,
-      inner_state=inner_state,
+    loss_scale=state.loss_scale.adjust(jnp.asarray(finite)),
+    notfinite_count=count,
+    total_notfinite=total,
+    inner_state=inner_state,
   )
 
 
@@ -66,8 +67,10 @@ def _cast_like(new: Any, old: Any) -> Any:
 
 
 def branches(
-    run_inner: Callable[..., Any], grads: Any, state: Any,
-    params: Any,
+  run_inner: Callable[..., Any],
+  grads: Any,
+  state: Any,
+  params: Any,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
   """The finite and the skip step, as functions of ``(grads, state, params)``.
 
@@ -91,9 +94,9 @@ def branches(
     return zeros, _next_state(state, False, state.inner_state)
 
   axes = jax.tree.map(
-      lambda a, b: varying_axes(a) | varying_axes(b),
-      jax.eval_shape(apply, grads, state, params),
-      jax.eval_shape(skip, grads, state, params),
+    lambda a, b: varying_axes(a) | varying_axes(b),
+    jax.eval_shape(apply, grads, state, params),
+    jax.eval_shape(skip, grads, state, params),
   )
 
   def marked(branch):
@@ -118,8 +121,9 @@ def unscaler(loss_scale: LossScale) -> Callable[[Any], Any]:
 
 
 def unscaled_all_finite(
-    unscale: Callable[[Any], Any], scaled_grads: Any,
-    axis_name: str | Sequence[str] | None,
+  unscale: Callable[[Any], Any],
+  scaled_grads: Any,
+  axis_name: str | Sequence[str] | None,
 ) -> jax.Array:
   """``all_finite(unscale(scaled_grads), axis_name)``, from ``|G|``.
 
@@ -136,7 +140,5 @@ def unscaled_all_finite(
   this reduction (``|G| * (1/S)`` fused into it) and once by the inner
   update (``G * (1/S)`` fused into it), as by a step without loss scaling.
   """
-  magnitudes = jax.tree.map(
-      lambda x: jnp.abs(x) if is_floating_array(x) else x, scaled_grads)
+  magnitudes = jax.tree.map(lambda x: jnp.abs(x) if is_floating_array(x) else x, scaled_grads)
   return all_finite(unscale(magnitudes), axis_name)
-

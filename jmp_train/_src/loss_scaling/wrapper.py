@@ -77,11 +77,11 @@ _SKIP_MODES = ("cond", "select")
 
 
 def loss_scaled(
-    inner: optax.GradientTransformation,
-    loss_scale: LossScale,
-    *,
-    axis_name: str | Sequence[str] | None = None,
-    skip_mode: str = "cond",
+  inner: optax.GradientTransformation,
+  loss_scale: LossScale,
+  *,
+  axis_name: str | Sequence[str] | None = None,
+  skip_mode: str = "cond",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Wraps ``inner`` to take gradients of a scaled loss and skip overflows.
 
@@ -187,23 +187,18 @@ def loss_scaled(
   """
   _check_inner(inner)
   if not isinstance(loss_scale, LossScale):
-    raise ValueError(
-        f"loss_scale must be a NoOpLossScale, StaticLossScale or "
-        f"DynamicLossScale, got {loss_scale!r}."
-    )
+    raise ValueError(f"loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got {loss_scale!r}.")
   if skip_mode not in _SKIP_MODES:
-    raise ValueError(
-        f"Unknown skip_mode {skip_mode!r}; valid: {', '.join(_SKIP_MODES)}."
-    )
+    raise ValueError(f"Unknown skip_mode {skip_mode!r}; valid: {', '.join(_SKIP_MODES)}.")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     # A copy: a step that donates the state must not delete the caller's.
     return LossScaledState(
-        loss_scale=fresh_arrays(loss_scale),
-        notfinite_count=jnp.zeros((), jnp.int32),
-        total_notfinite=jnp.zeros((), jnp.int32),
-        inner_state=inner.init(params),
+      loss_scale=fresh_arrays(loss_scale),
+      notfinite_count=jnp.zeros((), jnp.int32),
+      total_notfinite=jnp.zeros((), jnp.int32),
+      inner_state=inner.init(params),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -211,8 +206,7 @@ def loss_scaled(
     finite = unscaled_all_finite(unscale, updates, axis_name)
 
     def run_inner(scaled_grads, inner_state, params):
-      return inner.update(unscale(scaled_grads), inner_state, params,
-                          **extra_args)
+      return inner.update(unscale(scaled_grads), inner_state, params, **extra_args)
 
     apply, skip = branches(run_inner, updates, state, params)
     if skip_mode == "cond":
@@ -220,8 +214,9 @@ def loss_scaled(
     # Both results, selected element by element: the skip branch's values
     # are the old state and zeros, bit for bit as with the cond.
     return jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old),
-        apply(updates, state, params), skip(updates, state, params),
+      lambda new, old: jnp.where(finite, new, old),
+      apply(updates, state, params),
+      skip(updates, state, params),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -230,20 +225,16 @@ def loss_scaled(
 def _check_inner(inner: Any) -> None:
   """Raises a TypeError unless ``inner`` is an optax transformation."""
   if isinstance(inner, optax.GradientTransformation) or (
-      not isinstance(inner, type)
-      and callable(getattr(inner, "init", None))
-      and callable(getattr(inner, "update", None))
+    not isinstance(inner, type) and callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
   ):
     return
   if callable(inner):
     name = getattr(inner, "__qualname__", None) or repr(inner)
-    hint = (f"; {name} looks like a factory: call it with its "
-            f"hyperparameters, e.g. {name}(learning_rate=1e-3)")
+    hint = f"; {name} looks like a factory: call it with its hyperparameters, e.g. {name}(learning_rate=1e-3)"
   else:
     hint = ""
   raise TypeError(
-      "loss_scaled(inner, ...) expects an optax.GradientTransformation (an "
-      "object with init and update, e.g. optax.adamw(1e-3)), got "
-      f"{type(inner).__name__} {inner!r}{hint}."
+    "loss_scaled(inner, ...) expects an optax.GradientTransformation (an "
+    "object with init and update, e.g. optax.adamw(1e-3)), got "
+    f"{type(inner).__name__} {inner!r}{hint}."
   )
-

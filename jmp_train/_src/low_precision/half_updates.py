@@ -30,9 +30,9 @@ def is_narrower_than_float32(dtype: Any) -> bool:
 def check_params(params: Any, name: str) -> None:
   if params is None:
     raise ValueError(
-        f"{name} needs the current parameters: call "
-        "`update(updates, state, params)` with params (and place it last in "
-        "an optax.chain, so the updates it receives are the final ones)."
+      f"{name} needs the current parameters: call "
+      "`update(updates, state, params)` with params (and place it last in "
+      "an optax.chain, so the updates it receives are the final ones)."
     )
 
 
@@ -41,8 +41,8 @@ def check_structure(updates: Any, params: Any, name: str) -> None:
   params_def = jax.tree.structure(params)
   if updates_def != params_def:
     raise ValueError(
-        f"{name}: updates and params must have the same tree structure; got "
-        f"updates {updates_def} and params {params_def}."
+      f"{name}: updates and params must have the same tree structure; got "
+      f"updates {updates_def} and params {params_def}."
     )
 
 
@@ -66,6 +66,7 @@ def land(p: jax.Array, step: jax.Array, update_dtype: Any) -> tuple[jax.Array, j
   # Exactly what optax.apply_updates will compute.
   landed = jnp.asarray(p + update).astype(p.dtype)
   return update, landed.astype(acc) - p_acc
+
 
 def unzip_pairs(like: Any, pairs: Any) -> tuple[Any, Any]:
   """A tree of ``(a, b)`` pairs as a tree of ``a`` and a tree of ``b``.

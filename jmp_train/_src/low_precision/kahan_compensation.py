@@ -32,7 +32,7 @@ class KahanCompensationState(NamedTuple):
 
 
 def kahan_compensation(
-    compensation_dtype: Any | None = None,
+  compensation_dtype: Any | None = None,
 ) -> optax.GradientTransformation:
   r"""Compensated (Kahan) summation of updates into low-precision parameters.
 
@@ -134,4 +134,3 @@ def kahan_compensation(
 # ---------------------------------------------------------------------------
 # Stochastic rounding.
 # ---------------------------------------------------------------------------
-

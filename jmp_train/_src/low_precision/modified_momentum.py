@@ -43,9 +43,7 @@ class ModifiedMomentumState(NamedTuple):
   momentum: optax.Updates
 
 
-def _check_momentum_hyperparams(
-    learning_rate: Any, momentum: Any, nesterov: Any, error_feedback: Any
-) -> None:
+def _check_momentum_hyperparams(learning_rate: Any, momentum: Any, nesterov: Any, error_feedback: Any) -> None:
   """Raises a ValueError naming the first invalid hyperparameter."""
   check_learning_rate(learning_rate)
   check_unit(momentum, "momentum", " (0 disables momentum)")
@@ -53,9 +51,7 @@ def _check_momentum_hyperparams(
   check_bool(error_feedback, "error_feedback")
 
 
-def _momentum_step(
-    g: jax.Array, buf: jax.Array, lr: Any, momentum: Any, nesterov: bool
-) -> tuple[jax.Array, jax.Array]:
+def _momentum_step(g: jax.Array, buf: jax.Array, lr: Any, momentum: Any, nesterov: bool) -> tuple[jax.Array, jax.Array]:
   """The modified momentum rule: the step (accumulation dtype), new buffer.
 
   ``G <- m G + g`` rounded once to the buffer's dtype; the step is
@@ -96,12 +92,11 @@ def _feedback_leaf(g, buf, p, lr, momentum, nesterov):
   return new_u, (new_buf.astype(acc) + feedback).astype(buf.dtype)
 
 
-
 def modified_momentum_sgd(
-    learning_rate: optax.ScalarOrSchedule,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    error_feedback: bool = True,
+  learning_rate: optax.ScalarOrSchedule,
+  momentum: float = 0.9,
+  nesterov: bool = False,
+  error_feedback: bool = True,
 ) -> optax.GradientTransformation:
   r"""Momentum SGD whose buffer accumulates gradients, for half-precision weights.
 
@@ -214,8 +209,8 @@ def modified_momentum_sgd(
 
   def init_fn(params):
     return ModifiedMomentumState(
-        count=jnp.zeros([], jnp.int32),
-        momentum=jax.tree.map(jnp.zeros_like, params),
+      count=jnp.zeros([], jnp.int32),
+      momentum=jax.tree.map(jnp.zeros_like, params),
     )
 
   def update_fn(updates, state, params=None):
@@ -224,16 +219,12 @@ def modified_momentum_sgd(
       check_params(params, caller)
       check_structure(updates, params, caller)
       pairs = jax.tree.map(
-          lambda g, b, p: _feedback_leaf(g, b, p, lr, momentum, nesterov),
-          updates, state.momentum, params)
+        lambda g, b, p: _feedback_leaf(g, b, p, lr, momentum, nesterov), updates, state.momentum, params
+      )
     else:
-      pairs = jax.tree.map(
-          lambda g, b: _plain_leaf(g, b, lr, momentum, nesterov),
-          updates, state.momentum)
+      pairs = jax.tree.map(lambda g, b: _plain_leaf(g, b, lr, momentum, nesterov), updates, state.momentum)
     new_updates, new_momentum = unzip_pairs(updates, pairs)
-    return new_updates, ModifiedMomentumState(
-        count=optax.safe_increment(state.count), momentum=new_momentum
-    )
+    return new_updates, ModifiedMomentumState(count=optax.safe_increment(state.count), momentum=new_momentum)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -18,13 +18,13 @@ from jmp_train._src.hyperparams import static_hint
 from jmp_train._src.dtypes import parse_dtype
 
 __all__ = [
-    "Moment",
-    "ROUNDINGS",
-    "STATE_DTYPES",
-    "check_options",
-    "map_leaves",
-    "parse_state_dtype",
-    "step_key",
+  "Moment",
+  "ROUNDINGS",
+  "STATE_DTYPES",
+  "check_options",
+  "map_leaves",
+  "parse_state_dtype",
+  "step_key",
 ]
 
 _EIGHT_BIT = ("8bit", "int8")
@@ -41,8 +41,7 @@ def parse_state_dtype(value: Any, name: str) -> Any:
     return parse_dtype(value)
   except (TypeError, ValueError):
     raise ValueError(
-        f"{name} must be None (the parameters' dtype) or one of "
-        f"{', '.join(map(repr, STATE_DTYPES))}; got {value!r}."
+      f"{name} must be None (the parameters' dtype) or one of {', '.join(map(repr, STATE_DTYPES))}; got {value!r}."
     ) from None
 
 
@@ -55,8 +54,7 @@ def check_options(block_size: Any, code: Any, min_8bit_size: Any, rounding: Any)
   if rounding not in ROUNDINGS:
     raise ValueError(f"rounding must be one of {ROUNDINGS}; got {rounding!r}.")
   if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-    raise ValueError(
-        f"min_8bit_size must be an int >= 0; got {min_8bit_size!r}{static_hint(min_8bit_size)}.")
+    raise ValueError(f"min_8bit_size must be an int >= 0; got {min_8bit_size!r}{static_hint(min_8bit_size)}.")
 
 
 class Moment:
@@ -99,7 +97,6 @@ def map_leaves(fn: Callable[..., tuple], updates: Any, *moments: Any) -> tuple:
   if not outs:  # an empty tree
     return (updates, *moments)
   return tuple(treedef.unflatten(list(col)) for col in zip(*outs))
-
 
 
 def step_key(seed: int, count: jax.Array) -> jax.Array:

@@ -53,26 +53,27 @@ from jmp_train._src.low_precision.moment_storage import parse_state_dtype
 from jmp_train._src.low_precision.moment_storage import step_key
 
 __all__ = [
-    "QuantizedTraceState",
-    "STATE_DTYPES",
-    "adam_8bit",
-    "scale_by_narrow_adam",
-    "sgd_8bit",
+  "QuantizedTraceState",
+  "STATE_DTYPES",
+  "adam_8bit",
+  "scale_by_narrow_adam",
+  "sgd_8bit",
 ]
 
+
 def scale_by_narrow_adam(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    *,
-    mu_dtype: Any = None,
-    nu_dtype: Any = None,
-    block_size: int = 256,
-    code: str = "dynamic",
-    min_8bit_size: int = 4096,
-    rounding: str = "stochastic",
-    seed: int = 0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  *,
+  mu_dtype: Any = None,
+  nu_dtype: Any = None,
+  block_size: int = 256,
+  code: str = "dynamic",
+  min_8bit_size: int = 4096,
+  rounding: str = "stochastic",
+  seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""Adam's rescaling with a storage dtype for each moment, 8 bits included.
 
@@ -162,9 +163,9 @@ def scale_by_narrow_adam(
   def init_fn(params):
     check_leaves(params, "parameters", "scale_by_narrow_adam")
     return optax.ScaleByAdamState(
-        count=jnp.zeros([], jnp.int32),
-        mu=jax.tree.map(mu.init, params),
-        nu=jax.tree.map(nu.init, params),
+      count=jnp.zeros([], jnp.int32),
+      mu=jax.tree.map(mu.init, params),
+      nu=jax.tree.map(nu.init, params),
     )
 
   def update_fn(updates, state, params=None):
@@ -191,19 +192,19 @@ def scale_by_narrow_adam(
 
 
 def adam_8bit(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    *,
-    eps_root: float = 0.0,
-    mask: Any = None,
-    block_size: int = 256,
-    code: str = "dynamic",
-    min_8bit_size: int = 4096,
-    rounding: str = "stochastic",
-    seed: int = 0,
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 0.0,
+  *,
+  eps_root: float = 0.0,
+  mask: Any = None,
+  block_size: int = 256,
+  code: str = "dynamic",
+  min_8bit_size: int = 4096,
+  rounding: str = "stochastic",
+  seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""Adam (AdamW with ``weight_decay``) whose moments are stored in 8 bits.
 
@@ -262,16 +263,23 @@ def adam_8bit(
   check_learning_rate(learning_rate)
   check_non_negative(weight_decay, "weight_decay")
   return optax.chain(
-      scale_by_narrow_adam(
-          b1, b2, eps, eps_root, mu_dtype="8bit", nu_dtype="8bit",
-          block_size=block_size, code=code, min_8bit_size=min_8bit_size,
-          rounding=rounding, seed=seed,
-      ),
-      # Without decay, no params needed (as optax.adam): 8-bit Adam can follow
-      # a transformation that does not pass them on.
-      optax.identity() if is_static_zero(weight_decay) else
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+    scale_by_narrow_adam(
+      b1,
+      b2,
+      eps,
+      eps_root,
+      mu_dtype="8bit",
+      nu_dtype="8bit",
+      block_size=block_size,
+      code=code,
+      min_8bit_size=min_8bit_size,
+      rounding=rounding,
+      seed=seed,
+    ),
+    # Without decay, no params needed (as optax.adam): 8-bit Adam can follow
+    # a transformation that does not pass them on.
+    optax.identity() if is_static_zero(weight_decay) else optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate),
   )
 
 
@@ -295,8 +303,7 @@ def _trace(decay, nesterov, moment: Moment, seed) -> optax.GradientTransformatio
 
   def init_fn(params):
     check_leaves(params, "parameters", "sgd_8bit")
-    return QuantizedTraceState(
-        count=jnp.zeros([], jnp.int32), trace=jax.tree.map(moment.init, params))
+    return QuantizedTraceState(count=jnp.zeros([], jnp.int32), trace=jax.tree.map(moment.init, params))
 
   def update_fn(updates, state, params=None):
     del params
@@ -317,15 +324,15 @@ def _trace(decay, nesterov, moment: Moment, seed) -> optax.GradientTransformatio
 
 
 def sgd_8bit(
-    learning_rate: optax.ScalarOrSchedule,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    *,
-    block_size: int = 256,
-    code: str = "dynamic",
-    min_8bit_size: int = 4096,
-    rounding: str = "stochastic",
-    seed: int = 0,
+  learning_rate: optax.ScalarOrSchedule,
+  momentum: float = 0.9,
+  nesterov: bool = False,
+  *,
+  block_size: int = 256,
+  code: str = "dynamic",
+  min_8bit_size: int = 4096,
+  rounding: str = "stochastic",
+  seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""Momentum SGD whose momentum buffer is stored in 8 bits.
 
@@ -377,6 +384,6 @@ def sgd_8bit(
   check_options(block_size, code, min_8bit_size, rounding)
   moment = Moment("8bit", True, block_size, code, min_8bit_size, rounding)
   return optax.chain(
-      _trace(momentum, bool(nesterov), moment, seed),
-      optax.scale_by_learning_rate(learning_rate),
+    _trace(momentum, bool(nesterov), moment, seed),
+    optax.scale_by_learning_rate(learning_rate),
   )

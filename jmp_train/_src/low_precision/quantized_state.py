@@ -54,12 +54,12 @@ import numpy as np
 from jmp_train._src.hyperparams import static_hint
 
 __all__ = [
-    "CODES",
-    "QuantizedArray",
-    "code_map",
-    "dequantize",
-    "quantize",
-    "zeros",
+  "CODES",
+  "QuantizedArray",
+  "code_map",
+  "dequantize",
+  "quantize",
+  "zeros",
 ]
 
 CODES = ("dynamic", "linear")
@@ -113,7 +113,7 @@ def _dynamic_map(signed: bool) -> np.ndarray:
   exponent_bits = 7
   data = []
   for i in range(exponent_bits):
-    items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
+    items = 2**i + 1 if signed else 2 ** (i + 1) + 1
     bounds = np.linspace(0.1, 1.0, items)
     means = (bounds[:-1] + bounds[1:]) / 2.0
     magnitude = 10.0 ** (-(exponent_bits - 1) + i) * means
@@ -171,8 +171,7 @@ def code_map(code: str = "dynamic", signed: bool = True) -> np.ndarray:
 
 def _check_block_size(block_size: Any) -> int:
   if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-    raise ValueError(
-        f"block_size must be a positive int; got {block_size!r}{static_hint(block_size)}.")
+    raise ValueError(f"block_size must be a positive int; got {block_size!r}{static_hint(block_size)}.")
   return int(block_size)
 
 
@@ -194,8 +193,12 @@ def _stochastic_codes(normed: jax.Array, table: jax.Array, key: jax.Array) -> ja
 
 
 def quantize(
-    x: jax.Array, *, block_size: int = 256, code: str = "dynamic", signed: bool = True,
-    key: jax.Array | None = None,
+  x: jax.Array,
+  *,
+  block_size: int = 256,
+  code: str = "dynamic",
+  signed: bool = True,
+  key: jax.Array | None = None,
 ) -> QuantizedArray:
   """Blockwise 8-bit quantization of ``x`` (rounding to the nearest code).
 
@@ -251,7 +254,7 @@ def _quantize(x, key, *, block_size: int, code: str, signed: bool) -> QuantizedA
 
 
 def zeros(
-    shape: tuple[int, ...], *, block_size: int = 256, code: str = "dynamic", signed: bool = True
+  shape: tuple[int, ...], *, block_size: int = 256, code: str = "dynamic", signed: bool = True
 ) -> QuantizedArray:
   """The :class:`QuantizedArray` of ``jnp.zeros(shape)``, built without quantizing.
 
@@ -281,9 +284,7 @@ def zeros(
   return QuantizedArray(jnp.full(shape, zero, jnp.uint8), jnp.zeros((num_blocks,), jnp.float32))
 
 
-def dequantize(
-    q: QuantizedArray, *, block_size: int = 256, code: str = "dynamic", signed: bool = True
-) -> jax.Array:
+def dequantize(q: QuantizedArray, *, block_size: int = 256, code: str = "dynamic", signed: bool = True) -> jax.Array:
   """The float32 values of a :class:`QuantizedArray` (``code_map[codes] * absmax``).
 
   Args:
@@ -310,9 +311,9 @@ def dequantize(
   num_blocks = max(1, math.ceil(q.codes.size / block_size))
   if q.absmax.shape != (num_blocks,):
     raise ValueError(
-        f"absmax has shape {q.absmax.shape}; codes of shape {q.codes.shape} in "
-        f"blocks of {block_size} need ({num_blocks},). Was it quantized with "
-        "another block_size?"
+      f"absmax has shape {q.absmax.shape}; codes of shape {q.codes.shape} in "
+      f"blocks of {block_size} need ({num_blocks},). Was it quantized with "
+      "another block_size?"
     )
   _check_code(code)
   return _dequantize(q, block_size=block_size, code=code, signed=bool(signed))

@@ -56,20 +56,13 @@ def _key_data(seed: Any) -> tuple[jax.Array, Any]:
   """Raw key data and key implementation from an int seed or a key."""
   if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
     key = jax.random.key(int(seed))
-  elif isinstance(seed, jax.Array) and jnp.issubdtype(
-      seed.dtype, jax.dtypes.prng_key
-  ):
+  elif isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
     key = seed
-  elif (
-      isinstance(seed, (jax.Array, np.ndarray))
-      and seed.dtype == np.uint32
-      and seed.ndim == 1
-  ):
+  elif isinstance(seed, (jax.Array, np.ndarray)) and seed.dtype == np.uint32 and seed.ndim == 1:
     key = jax.random.wrap_key_data(seed)
   else:
     raise ValueError(
-        f"seed must be a Python int, a typed key (jax.random.key) or a raw "
-        f"uint32 key (jax.random.PRNGKey), got {seed!r}."
+      f"seed must be a Python int, a typed key (jax.random.key) or a raw uint32 key (jax.random.PRNGKey), got {seed!r}."
     )
   if key.shape:
     raise ValueError(f"seed must be a single key, got a key array of shape {key.shape}.")
@@ -81,8 +74,7 @@ def _round_leaf(u: jax.Array, p: jax.Array, key: jax.Array) -> jax.Array:
 
   Float32 and wider parameters, and non-floating leaves, keep ``u``.
   """
-  if not (is_floating_array(p) and is_floating_array(u)
-          and is_narrower_than_float32(p.dtype)):
+  if not (is_floating_array(p) and is_floating_array(u) and is_narrower_than_float32(p.dtype)):
     return u
   p32 = p.astype(jnp.float32)
   target = _stochastic_round(p32 + u.astype(jnp.float32), p.dtype, key)

@@ -20,28 +20,28 @@ from jmp_train._src.dtypes import is_floating_array, parse_dtype
 from jmp_train._src.fp8.products import Fp8Recipe
 
 __all__ = [
-    "Policy",
-    "get_policy",
-    "cast_floating",
+  "Policy",
+  "get_policy",
+  "cast_floating",
 ]
 
 _KEY_ALIASES: dict[str, str] = {
-    "params": "param",
-    "param": "param",
-    "p": "param",
-    "compute": "compute",
-    "c": "compute",
-    "output": "output",
-    "o": "output",
+  "params": "param",
+  "param": "param",
+  "p": "param",
+  "compute": "compute",
+  "c": "compute",
+  "output": "output",
+  "o": "output",
 }
 _PRESETS: dict[str, tuple[str, str, str]] = {
-    "mixed_float16": ("float32", "float16", "float32"),
-    "mixed_bfloat16": ("float32", "bfloat16", "float32"),
-    "mixed_half": ("float32", "half", "float32"),
-    "float32": ("float32", "float32", "float32"),
+  "mixed_float16": ("float32", "float16", "float32"),
+  "mixed_bfloat16": ("float32", "bfloat16", "float32"),
+  "mixed_half": ("float32", "half", "float32"),
+  "float32": ("float32", "float32", "float32"),
 }
 _FP8_PRESETS: dict[str, Fp8Recipe] = {
-    "mixed_float8": Fp8Recipe(),
+  "mixed_float8": Fp8Recipe(),
 }
 # Keys of a spec that choose FP8 matmuls and their scaling recipe.
 _MATMUL_VALUES = {"fp8": "delayed", "fp8_delayed": "delayed", "fp8_current": "current"}
@@ -148,10 +148,7 @@ class Policy:
     return self.compute_dtype.itemsize < self.param_dtype.itemsize
 
   def __str__(self) -> str:
-    text = (
-        f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-        f"output={self.output_dtype.name}"
-    )
+    text = f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
     return text + _fp8_spec(self.fp8)
 
 
@@ -177,23 +174,18 @@ def _parse_fp8(spec: str, fp8_parts: dict[str, str]) -> Fp8Recipe | None:
   matmul = fp8_parts.get("matmul")
   if matmul is None:
     raise ValueError(
-        f"Policy spec {spec!r} sets {', '.join(sorted(fp8_parts))} without "
-        f"matmul=; add matmul= one of {', '.join(sorted(_MATMUL_VALUES))}."
+      f"Policy spec {spec!r} sets {', '.join(sorted(fp8_parts))} without "
+      f"matmul=; add matmul= one of {', '.join(sorted(_MATMUL_VALUES))}."
     )
   if matmul not in _MATMUL_VALUES:
-    raise ValueError(
-        f"In policy spec {spec!r}, matmul={matmul!r}; accepted: "
-        f"{', '.join(sorted(_MATMUL_VALUES))}."
-    )
+    raise ValueError(f"In policy spec {spec!r}, matmul={matmul!r}; accepted: {', '.join(sorted(_MATMUL_VALUES))}.")
   kwargs: dict[str, Any] = {"scaling": _MATMUL_VALUES[matmul]}
   for key, field in (("fp8_history", "amax_history_len"), ("fp8_margin", "margin")):
     if key in fp8_parts:
       try:
         kwargs[field] = int(fp8_parts[key])
       except ValueError:
-        raise ValueError(
-            f"In policy spec {spec!r}, {key} must be an integer, got {fp8_parts[key]!r}."
-        ) from None
+        raise ValueError(f"In policy spec {spec!r}, {key} must be an integer, got {fp8_parts[key]!r}.") from None
   if "fp8_amax" in fp8_parts:
     kwargs["amax_compute_algo"] = fp8_parts["fp8_amax"]
   try:
@@ -244,8 +236,8 @@ def get_policy(spec: str | Policy) -> Policy:
   text = spec.strip().lower()
   if not text:
     raise ValueError(
-        "Empty policy spec; give e.g. 'params=float32,compute=float16,"
-        f"output=float32' or a preset: {', '.join(sorted(_PRESETS) + sorted(_FP8_PRESETS))}."
+      "Empty policy spec; give e.g. 'params=float32,compute=float16,"
+      f"output=float32' or a preset: {', '.join(sorted(_PRESETS) + sorted(_FP8_PRESETS))}."
     )
   if text in _PRESETS:
     return Policy(*_PRESETS[text])
@@ -256,9 +248,9 @@ def get_policy(spec: str | Policy) -> Policy:
       dtype = parse_dtype(text)
     except ValueError as e:
       raise ValueError(
-          f"Unknown policy spec {spec!r}: {e} Accepted forms: a preset "
-          f"({', '.join(sorted(_PRESETS) + sorted(_FP8_PRESETS))}), one dtype for all three, or "
-          "'params=...,compute=...,output=...'."
+        f"Unknown policy spec {spec!r}: {e} Accepted forms: a preset "
+        f"({', '.join(sorted(_PRESETS) + sorted(_FP8_PRESETS))}), one dtype for all three, or "
+        "'params=...,compute=...,output=...'."
       ) from None
     return Policy(dtype, dtype, dtype)
   values: dict[str, np.dtype] = {}
@@ -266,8 +258,8 @@ def get_policy(spec: str | Policy) -> Policy:
   for part in text.split(","):
     if "=" not in part:
       raise ValueError(
-          f"Bad part {part.strip()!r} in policy spec {spec!r}: expected "
-          f"key=dtype with a key in {', '.join(_ACCEPTED_KEYS)}."
+        f"Bad part {part.strip()!r} in policy spec {spec!r}: expected "
+        f"key=dtype with a key in {', '.join(_ACCEPTED_KEYS)}."
       )
     key, _, value = (s.strip() for s in part.partition("="))
     if key in _FP8_KEYS:
@@ -276,15 +268,10 @@ def get_policy(spec: str | Policy) -> Policy:
       fp8_parts[key] = value
       continue
     if key not in _KEY_ALIASES:
-      raise ValueError(
-          f"Unknown key {key!r} in policy spec {spec!r}; accepted keys: "
-          f"{', '.join(_ACCEPTED_KEYS)}."
-      )
+      raise ValueError(f"Unknown key {key!r} in policy spec {spec!r}; accepted keys: {', '.join(_ACCEPTED_KEYS)}.")
     canonical = _KEY_ALIASES[key]
     if canonical in values:
-      raise ValueError(
-          f"Key {key!r} ({canonical}) given twice in policy spec {spec!r}."
-      )
+      raise ValueError(f"Key {key!r} ({canonical}) given twice in policy spec {spec!r}.")
     try:
       values[canonical] = parse_dtype(value)
     except ValueError as e:
@@ -292,8 +279,6 @@ def get_policy(spec: str | Policy) -> Policy:
   missing = [k for k in ("param", "compute", "output") if k not in values]
   if missing:
     raise ValueError(
-        f"Policy spec {spec!r} is missing {', '.join(missing)}; it needs "
-        "params=, compute= and output= (or p=, c=, o=)."
+      f"Policy spec {spec!r} is missing {', '.join(missing)}; it needs params=, compute= and output= (or p=, c=, o=)."
     )
-  return Policy(values["param"], values["compute"], values["output"],
-                fp8=_parse_fp8(spec, fp8_parts))
+  return Policy(values["param"], values["compute"], values["output"], fp8=_parse_fp8(spec, fp8_parts))

@@ -114,4 +114,3 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     out = out[0]
   outs = out if isinstance(out, (list, tuple)) else (out,)
   return bool(outs) and all(_is_half_floating(o) for o in outs)
-

@@ -47,8 +47,10 @@ from jmp_train._src.messages import error_summary
 from jmp_train._src.train.state import TrainState
 
 __all__ = [
-    "checkpoint_save_args", "restore_checkpoint", "restore_latest_checkpoint",
-    "save_checkpoint",
+  "checkpoint_save_args",
+  "restore_checkpoint",
+  "restore_latest_checkpoint",
+  "save_checkpoint",
 ]
 
 
@@ -56,9 +58,7 @@ def _orbax():
   try:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError(
-        "Checkpoints need orbax-checkpoint: pip install 'jmp_train[checkpoint]'"
-    ) from e
+    raise ImportError("Checkpoints need orbax-checkpoint: pip install 'jmp_train[checkpoint]'") from e
   return ocp
 
 
@@ -66,8 +66,8 @@ def _check_leaves(state: Any) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
       raise TypeError(
-          f"Cannot checkpoint the leaf {jax.tree_util.keystr(path)} of type "
-          f"{type(leaf).__name__}: every leaf must be an array (or None)."
+        f"Cannot checkpoint the leaf {jax.tree_util.keystr(path)} of type "
+        f"{type(leaf).__name__}: every leaf must be an array (or None)."
       )
 
 
@@ -107,8 +107,13 @@ def _words(x: jax.Array) -> jax.Array:
     return x.astype(jnp.uint32)
   bits = (jnp.finfo(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype)).bits
   if bits < 8:  # int4, float4: widened exactly
-    x = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating)
-                 else jnp.int8 if jnp.issubdtype(x.dtype, jnp.signedinteger) else jnp.uint8)
+    x = x.astype(
+      jnp.float32
+      if jnp.issubdtype(x.dtype, jnp.floating)
+      else jnp.int8
+      if jnp.issubdtype(x.dtype, jnp.signedinteger)
+      else jnp.uint8
+    )
     bits = jnp.dtype(x.dtype).itemsize * 8
   unsigned = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint32}[bits]
   return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
@@ -123,10 +128,13 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
   for axis in reversed(range(w.ndim)):
     index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(stride % 2**32)
     stride *= w.shape[axis]
-  a = _fmix(w ^ _fmix(index * jnp.uint32(0x9E3779B9) + jnp.uint32(0x6A09E667),
-                      0x85EBCA6B, 13, 0xC2B2AE35), 0x85EBCA6B, 13, 0xC2B2AE35)
-  b = _fmix(w + _fmix(index ^ jnp.uint32(0xBB67AE85), 0x7FEB352D, 15, 0x846CA68B),
-            0x7FEB352D, 15, 0x846CA68B)
+  a = _fmix(
+    w ^ _fmix(index * jnp.uint32(0x9E3779B9) + jnp.uint32(0x6A09E667), 0x85EBCA6B, 13, 0xC2B2AE35),
+    0x85EBCA6B,
+    13,
+    0xC2B2AE35,
+  )
+  b = _fmix(w + _fmix(index ^ jnp.uint32(0xBB67AE85), 0x7FEB352D, 15, 0x846CA68B), 0x7FEB352D, 15, 0x846CA68B)
   return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
 
 
@@ -141,6 +149,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
   if x.is_fully_replicated:
     return np.asarray(x.addressable_data(0))
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -175,9 +184,12 @@ def _checksums(state: Any) -> dict[str, dict[str, Any]]:
     out = _to_host(_checksum_leaves([_host_words(named[i][2]) for i in indices]))
     sums.update(zip(indices, out))
   return {
-      "/".join(names): {"shape": list(np.shape(leaf)), "dtype": str(leaf.dtype),
-                        "checksum": f"{int(sums[i][0]):08x}{int(sums[i][1]):08x}"}
-      for i, (names, _, leaf) in enumerate(named)
+    "/".join(names): {
+      "shape": list(np.shape(leaf)),
+      "dtype": str(leaf.dtype),
+      "checksum": f"{int(sums[i][0]):08x}{int(sums[i][1]):08x}",
+    }
+    for i, (names, _, leaf) in enumerate(named)
   }
 
 
@@ -193,8 +205,7 @@ def _json_checksum(value: Any) -> str:
 def _checksum_metadata(state: Any, json_items: dict[str, Any] | None = None) -> dict[str, Any]:
   metadata = {"format": _CHECKSUM_FORMAT, "leaves": _checksums(state)}
   if json_items:
-    metadata["json_items"] = {name: _json_checksum(_canonical_json(value))
-                              for name, value in json_items.items()}
+    metadata["json_items"] = {name: _json_checksum(_canonical_json(value)) for name, value in json_items.items()}
   return {_CHECKSUMS: metadata}
 
 
@@ -224,16 +235,21 @@ class _DamagedCheckpoint(ValueError):
 
 def _incomplete(path: pathlib.Path, reason: str) -> _DamagedCheckpoint:
   return _DamagedCheckpoint(
-      f"{path} is not a complete jmp_train checkpoint: {reason}. Restore from a "
-      "folder that save_checkpoint wrote (the path it returned), or save the "
-      "state again.", path, reason)
+    f"{path} is not a complete jmp_train checkpoint: {reason}. Restore from a "
+    "folder that save_checkpoint wrote (the path it returned), or save the "
+    "state again.",
+    path,
+    reason,
+  )
 
 
 def _damaged(path: pathlib.Path, reason: str) -> _DamagedCheckpoint:
   return _DamagedCheckpoint(
-      f"{path} is a damaged jmp_train checkpoint: {reason}. Restore an older one "
-      "(restore_latest_checkpoint passes over damaged steps), or save the state again.",
-      path, reason)
+    f"{path} is a damaged jmp_train checkpoint: {reason}. Restore an older one "
+    "(restore_latest_checkpoint passes over damaged steps), or save the state again.",
+    path,
+    reason,
+  )
 
 
 def _names(entries: list[pathlib.Path], limit: int = 5, slash: bool = True) -> str:
@@ -322,8 +338,9 @@ def _check_ocdbt(path: pathlib.Path) -> None:
       raise _incomplete(path, f"its data file {name} is missing (it holds {key!r})")
     size = file.stat().st_size
     if size < offset + length:
-      raise _incomplete(path, f"its data file {name} is truncated ({size} bytes; {key!r} "
-                              f"ends at byte {offset + length})")
+      raise _incomplete(
+        path, f"its data file {name} is truncated ({size} bytes; {key!r} ends at byte {offset + length})"
+      )
 
   def read_value(key, read):
     result = read.result()
@@ -335,9 +352,12 @@ def _check_ocdbt(path: pathlib.Path) -> None:
     store = ts.KvStore.open(_ocdbt_store(path)).result()
     keys = list(store.list().result())
     arrays = dict(_array_names(keys))
-    metadata = {f"{name}/{last}".encode(): name
-                for name, driver in arrays.items()
-                for last, d in _ARRAY_METADATA.items() if d == driver}
+    metadata = {
+      f"{name}/{last}".encode(): name
+      for name, driver in arrays.items()
+      for last, d in _ARRAY_METADATA.items()
+      if d == driver
+    }
     # Issued together: TensorStore reads them concurrently.
     metadata_reads = {key: store.read(key) for key in metadata}
     zstd = set()
@@ -345,17 +365,14 @@ def _check_ocdbt(path: pathlib.Path) -> None:
       meta = json.loads(read_value(key, metadata_reads[key]))
       if isinstance(meta, dict) and (meta.get("compressor") or {}).get("id") == "zstd":
         zstd.add(name)
-    chunks = [key for key in keys
-              if key not in metadata and key.decode().rpartition("/")[0] in arrays]
+    chunks = [key for key in keys if key not in metadata and key.decode().rpartition("/")[0] in arrays]
     lasts = {key: store.read(key, byte_range=slice(-1, None)) for key in chunks}
-    heads = {key: store.read(key, byte_range=slice(0, 4)) for key in chunks
-             if key.decode().rpartition("/")[0] in zstd}
+    heads = {key: store.read(key, byte_range=slice(0, 4)) for key in chunks if key.decode().rpartition("/")[0] in zstd}
     for key, last in lasts.items():
       read_value(key, last)
     for key, head in heads.items():
       if read_value(key, head) != _ZSTD_MAGIC:
-        raise ValueError(f"the chunk {key.decode()!r}{_data_file(path, values, key.decode())} "
-                         "is not zstd data")
+        raise ValueError(f"the chunk {key.decode()!r}{_data_file(path, values, key.decode())} is not zstd data")
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise _incomplete(path, f"its array store cannot be read ({error_summary(e)})") from None
   if not metadata:
@@ -363,8 +380,7 @@ def _check_ocdbt(path: pathlib.Path) -> None:
 
 
 def _is_array_item(path: pathlib.Path) -> bool:
-  return path.is_dir() and any(
-      (path / name).exists() for name in (_TREE_METADATA, "manifest.ocdbt", "d"))
+  return path.is_dir() and any((path / name).exists() for name in (_TREE_METADATA, "manifest.ocdbt", "d"))
 
 
 def _manager_item(path: pathlib.Path, step: bool = False) -> pathlib.Path:
@@ -388,8 +404,7 @@ def _manager_item(path: pathlib.Path, step: bool = False) -> pathlib.Path:
 
 
 def _is_manager_step(path: pathlib.Path) -> bool:
-  return (path / _STEP_METADATA).is_file() and any(
-      (p / _TREE_METADATA).is_file() for p in path.iterdir() if p.is_dir())
+  return (path / _STEP_METADATA).is_file() and any((p / _TREE_METADATA).is_file() for p in path.iterdir() if p.is_dir())
 
 
 def _check_folder(path: pathlib.Path) -> None:
@@ -413,15 +428,15 @@ def _check_folder(path: pathlib.Path) -> None:
     if steps and not inner:
       steps.sort(key=lambda p: (len(p.name), p.name))
       raise ValueError(
-          f"{path} is not a complete jmp_train checkpoint, but it holds the steps of "
-          f"an orbax CheckpointManager ({_names(steps, slash=False)}): pass one of "
-          f"them, e.g. restore_checkpoint({str(steps[-1])!r}, like)."
+        f"{path} is not a complete jmp_train checkpoint, but it holds the steps of "
+        f"an orbax CheckpointManager ({_names(steps, slash=False)}): pass one of "
+        f"them, e.g. restore_checkpoint({str(steps[-1])!r}, like)."
       )
     if inner:
       raise ValueError(
-          f"{path} is not a complete jmp_train checkpoint, but it holds "
-          f"checkpoints ({_names(inner, slash=False)}): pass one of them, e.g. "
-          f"restore_checkpoint({str(inner[-1])!r}, like)."
+        f"{path} is not a complete jmp_train checkpoint, but it holds "
+        f"checkpoints ({_names(inner, slash=False)}): pass one of them, e.g. "
+        f"restore_checkpoint({str(inner[-1])!r}, like)."
       )
     raise _incomplete(path, f"it has no {_TREE_METADATA} file (it holds {_names(entries)})")
   files = [path / name for name in _JSON_FILES]
@@ -435,7 +450,7 @@ def _check_folder(path: pathlib.Path) -> None:
       content = json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, OSError) as e:
       raise _incomplete(
-          path, f"its file {file.relative_to(path)} does not parse as JSON ({error_summary(e)})"
+        path, f"its file {file.relative_to(path)} does not parse as JSON ({error_summary(e)})"
       ) from None
     if file.name == _TREE_METADATA:
       tree_metadata = content
@@ -479,8 +494,7 @@ def _is_orbax_noise(unraisable: Any) -> bool:
 
 def _orbax_coroutines_alive() -> bool:
   return any(
-      inspect.iscoroutine(o) and o.cr_frame is not None and "orbax" in o.cr_code.co_filename
-      for o in gc.get_objects()
+    inspect.iscoroutine(o) and o.cr_frame is not None and "orbax" in o.cr_code.co_filename for o in gc.get_objects()
   )
 
 
@@ -565,16 +579,15 @@ def _check_target(path: pathlib.Path, force: bool) -> None:
     if not entries or any((path / name).exists() for name in _CHECKPOINT_MARKERS):
       if not force:
         raise FileExistsError(
-            f"{path} already exists: pass save_checkpoint(..., force=True) to "
-            "overwrite it, or save to a new folder."
+          f"{path} already exists: pass save_checkpoint(..., force=True) to overwrite it, or save to a new folder."
         )
       return
     what = f"a folder that is not a checkpoint (it holds {_names(entries)})"
   else:
     what = "a file, not a folder"
   raise (ValueError if force else FileExistsError)(
-      f"{path} exists and is {what}: save_checkpoint(..., force=True) only replaces "
-      "a checkpoint folder, so it is left as it is. Save to another path."
+    f"{path} exists and is {what}: save_checkpoint(..., force=True) only replaces "
+    "a checkpoint folder, so it is left as it is. Save to another path."
   )
 
 
@@ -594,8 +607,7 @@ def _check_writable(path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=path.parent)).rmdir()
   except OSError as e:
-    raise type(e)(f"Cannot write a checkpoint at {path}: its folder cannot be written "
-                  f"({error_summary(e)}).") from None
+    raise type(e)(f"Cannot write a checkpoint at {path}: its folder cannot be written ({error_summary(e)}).") from None
 
 
 def _release_orbax_threads(before: set[threading.Thread]) -> None:
@@ -608,16 +620,18 @@ def _release_orbax_threads(before: set[threading.Thread]) -> None:
   """
   try:
     from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
+
     signaling = future._SignalingThread  # pylint: disable=protected-access
   except (ImportError, AttributeError):
     return
-  stuck = [t for t in threading.enumerate()
-           if t not in before and isinstance(t, signaling) and t.is_alive()]
+  stuck = [t for t in threading.enumerate() if t not in before and isinstance(t, signaling) and t.is_alive()]
   for thread in stuck:
     try:
       thread.cancel()
-      future.set_signals(thread._receive_signals,  # pylint: disable=protected-access
-                         operation_id=thread._operation_id)  # pylint: disable=protected-access
+      future.set_signals(
+        thread._receive_signals,  # pylint: disable=protected-access
+        operation_id=thread._operation_id,
+      )  # pylint: disable=protected-access
     except Exception:  # pylint: disable=broad-exception-caught
       pass
   deadline = time.monotonic() + 10.0
@@ -678,7 +692,8 @@ def save_checkpoint(directory: str | pathlib.Path, state: TrainState, *, force: 
     # StandardCheckpointer.save has no argument for the item's metadata:
     # its base class's save, with the same handler, takes StandardSave's.
     super(ocp.StandardCheckpointer, checkpointer).save(
-        path, args=ocp.args.StandardSave(state, custom_metadata=custom_metadata), force=force)
+      path, args=ocp.args.StandardSave(state, custom_metadata=custom_metadata), force=force
+    )
     checkpointer.wait_until_finished()
   except BaseException:
     _release_orbax_threads(before)
@@ -738,8 +753,7 @@ def checkpoint_save_args(state: TrainState, **json_items: Any) -> Any:
   save = ocp.args.StandardSave(state, custom_metadata=_checksum_metadata(state, json_items))
   if not json_items:
     return save
-  return ocp.args.Composite(
-      state=save, **{name: ocp.args.JsonSave(value) for name, value in json_items.items()})
+  return ocp.args.Composite(state=save, **{name: ocp.args.JsonSave(value) for name, value in json_items.items()})
 
 
 def _key_name(key: Any) -> str:
@@ -749,8 +763,10 @@ def _key_name(key: Any) -> str:
 def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], str, Any]]:
   # Orbax stores a dataclass or NamedTuple as a dict or list of its fields:
   # compare leaves by the names along their paths.
-  return [(tuple(_key_name(k) for k in path), jax.tree_util.keystr(path), leaf)
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return [
+    (tuple(_key_name(k) for k in path), jax.tree_util.keystr(path), leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
 
 
 def _describe_leaf(leaf: Any) -> str:
@@ -768,19 +784,19 @@ def _shape_mismatch(stored: Any, like: Any) -> str | None:
     if meta is None:
       return f"the leaf {name} is missing from the checkpoint"
     if tuple(meta.shape) != tuple(np.shape(leaf)):
-      return (f"the leaf {name} has shape {tuple(meta.shape)} in the checkpoint "
-              f"but {tuple(np.shape(leaf))} in the template")
+      return (
+        f"the leaf {name} has shape {tuple(meta.shape)} in the checkpoint but {tuple(np.shape(leaf))} in the template"
+      )
     if getattr(meta, "dtype", None) is not None and np.dtype(meta.dtype) != np.dtype(leaf.dtype):
-      return (f"the leaf {name} has dtype {np.dtype(meta.dtype)} in the checkpoint "
-              f"but {np.dtype(leaf.dtype)} in the template")
+      return (
+        f"the leaf {name} has dtype {np.dtype(meta.dtype)} in the checkpoint but {np.dtype(leaf.dtype)} in the template"
+      )
   like_names = {names for names, _, _ in like_leaves}
   for names, name, leaf in stored_named:
     if names not in like_names:
-      return (f"the checkpoint's leaf {name} ({_describe_leaf(leaf)}) is not in the "
-              "template")
+      return f"the checkpoint's leaf {name} ({_describe_leaf(leaf)}) is not in the template"
   if len(stored_leaves) != len(like_leaves):
-    return (f"the checkpoint has {len(stored_leaves)} array leaves, the template "
-            f"{len(like_leaves)}")
+    return f"the checkpoint has {len(stored_leaves)} array leaves, the template {len(like_leaves)}"
   return None
 
 
@@ -798,16 +814,24 @@ def _stored_checksums(path: pathlib.Path) -> dict[str, Any] | None:
   hex16 = re.compile(r"[0-9a-f]{16}")
 
   def well_formed(entry: Any) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
-            and isinstance(entry.get("dtype"), str)
-            and isinstance(entry.get("checksum"), str) and hex16.fullmatch(entry["checksum"]))
+    return (
+      isinstance(entry, dict)
+      and isinstance(entry.get("shape"), list)
+      and isinstance(entry.get("dtype"), str)
+      and isinstance(entry.get("checksum"), str)
+      and hex16.fullmatch(entry["checksum"])
+    )
 
-  if not (isinstance(checksums, dict) and checksums.get("format") == _CHECKSUM_FORMAT
-          and isinstance(checksums.get("leaves"), dict)
-          and all(well_formed(e) for e in checksums["leaves"].values())
-          and all(isinstance(v, str) for v in (checksums.get("json_items") or {}).values())):
-    raise _damaged(path, f"the checksums in its {name} file are not in the form "
-                         f"{_CHECKSUM_FORMAT!r} that save_checkpoint writes")
+  if not (
+    isinstance(checksums, dict)
+    and checksums.get("format") == _CHECKSUM_FORMAT
+    and isinstance(checksums.get("leaves"), dict)
+    and all(well_formed(e) for e in checksums["leaves"].values())
+    and all(isinstance(v, str) for v in (checksums.get("json_items") or {}).values())
+  ):
+    raise _damaged(
+      path, f"the checksums in its {name} file are not in the form {_CHECKSUM_FORMAT!r} that save_checkpoint writes"
+    )
   return checksums
 
 
@@ -825,11 +849,12 @@ def _metadata_disagrees(stored_tree: Any, checksums: dict[str, Any]) -> str | No
     except TypeError:
       dtype = str(dtype)
     if list(meta.shape) != entry["shape"] or dtype not in (None, entry["dtype"]):
-      return (f"its {_TREE_METADATA} gives the leaf {keystr} {_describe_leaf(meta)}, its "
-              f"checksums shape {tuple(entry['shape'])}, {entry['dtype']}")
+      return (
+        f"its {_TREE_METADATA} gives the leaf {keystr} {_describe_leaf(meta)}, its "
+        f"checksums shape {tuple(entry['shape'])}, {entry['dtype']}"
+      )
   if len(stored) != len(leaves):
-    return (f"its {_TREE_METADATA} lists {len(stored)} leaves, its checksums "
-            f"{len(leaves)}")
+    return f"its {_TREE_METADATA} lists {len(stored)} leaves, its checksums {len(leaves)}"
   return None
 
 
@@ -840,8 +865,13 @@ def _leaf_files(path: pathlib.Path, name: str) -> str:
   except Exception:  # pylint: disable=broad-exception-caught
     return ""
   prefix = name.replace("/", ".") + "/"  # orbax's array names join the keys with dots
-  files = sorted({str(where[0].relative_to(path)) for key, where in values.items()
-                  if key.startswith(prefix) and where is not None and where[0].is_relative_to(path)})
+  files = sorted(
+    {
+      str(where[0].relative_to(path))
+      for key, where in values.items()
+      if key.startswith(prefix) and where is not None and where[0].is_relative_to(path)
+    }
+  )
   return f" (in {', '.join(files)})" if files else ""
 
 
@@ -851,9 +881,12 @@ def _verify_arrays(path: pathlib.Path, restored: Any, checksums: dict[str, Any])
   for name, entry in _checksums(restored).items():
     saved = leaves.get(name, {}).get("checksum")
     if saved != entry["checksum"]:
-      raise _damaged(path, f"the data of the leaf {keystrs[name]}{_leaf_files(path, name)} does "
-                           f"not match the checksum saved with it in {_TREE_METADATA} (saved "
-                           f"{saved}, read {entry['checksum']}): it changed after the save")
+      raise _damaged(
+        path,
+        f"the data of the leaf {keystrs[name]}{_leaf_files(path, name)} does "
+        f"not match the checksum saved with it in {_TREE_METADATA} (saved "
+        f"{saved}, read {entry['checksum']}): it changed after the save",
+      )
 
 
 def _json_items(step: pathlib.Path, item: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -871,12 +904,14 @@ def _json_items(step: pathlib.Path, item: pathlib.Path) -> dict[str, pathlib.Pat
     try:
       handlers = json.loads((step / _STEP_METADATA).read_text(encoding="utf-8"))
     except (ValueError, OSError) as e:
-      raise _damaged(step, f"its file {_STEP_METADATA} does not parse as JSON "
-                           f"({error_summary(e)})") from None
+      raise _damaged(step, f"its file {_STEP_METADATA} does not parse as JSON ({error_summary(e)})") from None
     handlers = handlers.get("item_handlers") if isinstance(handlers, dict) else None
     if isinstance(handlers, dict):
-      return {name: step / name / "metadata" for name, handler in handlers.items()
-              if isinstance(handler, str) and handler.endswith("JsonCheckpointHandler")}
+      return {
+        name: step / name / "metadata"
+        for name, handler in handlers.items()
+        if isinstance(handler, str) and handler.endswith("JsonCheckpointHandler")
+      }
   for sub in sorted(step.iterdir()):
     if sub != item and sub.is_dir() and (sub / "metadata").is_file() and not _is_array_item(sub):
       items[sub.name] = sub / "metadata"
@@ -898,8 +933,11 @@ def _check_json_items(step: pathlib.Path, item: pathlib.Path, checksums: dict[st
     except (ValueError, OSError) as e:
       raise _damaged(step, f"its file {where} does not parse as JSON ({error_summary(e)})") from None
     if name in expected and _json_checksum(value) != expected[name]:
-      raise _damaged(step, f"its file {where} does not match the checksum saved with the state "
-                           f"in {item.name}/{_TREE_METADATA}: it changed after the save")
+      raise _damaged(
+        step,
+        f"its file {where} does not match the checksum saved with the state "
+        f"in {item.name}/{_TREE_METADATA}: it changed after the save",
+      )
 
 
 def _restore(directory: str | pathlib.Path, like: TrainState, step: bool = False) -> TrainState:
@@ -930,9 +968,9 @@ def _restore(directory: str | pathlib.Path, like: TrainState, step: bool = False
     problem = _shape_mismatch(stored.tree, abstract)
     if problem is not None:
       raise ValueError(
-          f"Cannot restore {path} into this template: {problem}. Build the template as "
-          "the saved run built its state (the same model, optimizer, policy, mode and "
-          "replica count: that run's step.init(params)), or restore another checkpoint."
+        f"Cannot restore {path} into this template: {problem}. Build the template as "
+        "the saved run built its state (the same model, optimizer, policy, mode and "
+        "replica count: that run's step.init(params)), or restore another checkpoint."
       )
     try:
       with _QuietOrbax():
@@ -1057,13 +1095,15 @@ def restore_latest_checkpoint(directory: str | pathlib.Path, like: TrainState) -
   root = pathlib.Path(directory).absolute()
   if not root.is_dir():
     raise FileNotFoundError(
-        f"No checkpoints in {root}: " + ("it is a file, not a folder of steps."
-                                         if root.exists() else "the folder does not exist."))
+      f"No checkpoints in {root}: "
+      + ("it is a file, not a folder of steps." if root.exists() else "the folder does not exist.")
+    )
   steps = _steps(root)
   if not steps:
     raise FileNotFoundError(
-        f"No checkpoints in {root}: it holds no step folders (named <step>, as a "
-        "CheckpointManager writes them, or <name>_<step>).")
+      f"No checkpoints in {root}: it holds no step folders (named <step>, as a "
+      "CheckpointManager writes them, or <name>_<step>)."
+    )
   first = None
   for n, folder in steps:
     try:
@@ -1073,9 +1113,12 @@ def restore_latest_checkpoint(directory: str | pathlib.Path, like: TrainState) -
       where = pathlib.Path(getattr(e, "path", folder))
       where = where.relative_to(root) if where.is_relative_to(root) else where
       first = first or f"step {n}: {reason}"
-      warnings.warn(f"Passing over step {n} of {root}, damaged or incomplete: {where}: {reason}; "
-                    "trying the next older step.", UserWarning, stacklevel=2)
+      warnings.warn(
+        f"Passing over step {n} of {root}, damaged or incomplete: {where}: {reason}; trying the next older step.",
+        UserWarning,
+        stacklevel=2,
+      )
   raise ValueError(
-      f"No intact checkpoint in {root}: all {len(steps)} step(s) are damaged or incomplete "
-      f"(the newest, {first}). Start from a fresh state or another folder of checkpoints."
+    f"No intact checkpoint in {root}: all {len(steps)} step(s) are damaged or incomplete "
+    f"(the newest, {first}). Start from a fresh state or another folder of checkpoints."
   )

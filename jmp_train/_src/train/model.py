@@ -63,15 +63,19 @@ def _linen_rng_error(e: Exception, rng: Any, rng_collections: Sequence[str]) -> 
   name = match.group(1) if match else None
   wanted = repr(name) if name else "each collection the model draws from"
   if rng is None:
-    fix = ("the state holds no PRNG key: make it with step.init(params, rng=0) (an "
-           "int seed or a PRNG key), and make_train_step passes a key, folded with "
-           "the step and the replica, under each name in rng_collections "
-           f"(now {tuple(rng_collections)!r}), which must include {wanted}")
+    fix = (
+      "the state holds no PRNG key: make it with step.init(params, rng=0) (an "
+      "int seed or a PRNG key), and make_train_step passes a key, folded with "
+      "the step and the replica, under each name in rng_collections "
+      f"(now {tuple(rng_collections)!r}), which must include {wanted}"
+    )
   else:
     names = tuple(rng_collections) + ((name,) if name and name not in rng_collections else ())
-    fix = (f"make_train_step passes keys only under the names in rng_collections, "
-           f"now {tuple(rng_collections)!r}: pass make_train_step(..., "
-           f"rng_collections={names!r})")
+    fix = (
+      f"make_train_step passes keys only under the names in rng_collections, "
+      f"now {tuple(rng_collections)!r}: pass make_train_step(..., "
+      f"rng_collections={names!r})"
+    )
   return ValueError(f"The model needs a PRNG key ({_first_line(e)}), but {fix}.")
 
 
@@ -81,12 +85,12 @@ def _nnx_rng_error(e: Exception) -> ValueError | None:
   if not re.search(r"no `?rngs`? (argument )?was provided", text):
     return None
   return ValueError(
-      f"An nnx.Dropout of the module has no RNG stream ({_first_line(e)}). "
-      "make_train_step passes no rngs to an NNX module (rng_collections and "
-      "step.init's rng are for linen models): each step draws from the module's "
-      "own nnx.Rngs streams, which it stores in model_state. Construct the "
-      "Dropout with a stream, nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0)), or "
-      "pass the module's rngs (an nnx.Rngs with a 'dropout' stream) to it."
+    f"An nnx.Dropout of the module has no RNG stream ({_first_line(e)}). "
+    "make_train_step passes no rngs to an NNX module (rng_collections and "
+    "step.init's rng are for linen models): each step draws from the module's "
+    "own nnx.Rngs streams, which it stores in model_state. Construct the "
+    "Dropout with a stream, nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0)), or "
+    "pass the module's rngs (an nnx.Rngs with a 'dropout' stream) to it."
   )
 
 
@@ -100,20 +104,24 @@ def _missing_collection_error(e: Exception, model_state: Any) -> ValueError:
   name = _collection_name(e) or "batch_stats"
   if name == fp8_meta_collection():
     return ValueError(
-        f"The model's FP8 products keep their scaling state in the {name!r} collection, "
-        f"which the state does not hold ({_first_line(e)}). Make it with "
-        "step.init(params, ..., inputs=example_inputs): the step traces the model once "
-        "on the example inputs (their shapes) to find its products.")
+      f"The model's FP8 products keep their scaling state in the {name!r} collection, "
+      f"which the state does not hold ({_first_line(e)}). Make it with "
+      "step.init(params, ..., inputs=example_inputs): the step traces the model once "
+      "on the example inputs (their shapes) to find its products."
+    )
   held = sorted(model_state) if isinstance(model_state, dict) else []
   hint = ""
   if held:
-    hint = (f" model_state holds {held}: it maps collection names to their variables, "
-            f"so pass model_state={{{name!r}: variables[{name!r}]}}, not the "
-            "collection's contents.")
+    hint = (
+      f" model_state holds {held}: it maps collection names to their variables, "
+      f"so pass model_state={{{name!r}: variables[{name!r}]}}, not the "
+      "collection's contents."
+    )
   return ValueError(
-      f"The model reads the {name!r} collection, which the state does not hold "
-      f"({_first_line(e)}). Pass it to step.init(params, model_state={{{name!r}: "
-      f"variables[{name!r}]}}) with variables = model.init(...).{hint}")
+    f"The model reads the {name!r} collection, which the state does not hold "
+    f"({_first_line(e)}). Pass it to step.init(params, model_state={{{name!r}: "
+    f"variables[{name!r}]}}) with variables = model.init(...).{hint}"
+  )
 
 
 def fp8_meta_collection() -> str:
@@ -145,8 +153,7 @@ class LinenModel:
   # The policy of the "flax" mechanism (FP8 scaling state at init).
   policy: Any = None
 
-  def initial(self, params: Any, model_state: Any, inputs: Any = None,
-              axis_name: str | None = None) -> tuple[Any, Any]:
+  def initial(self, params: Any, model_state: Any, inputs: Any = None, axis_name: str | None = None) -> tuple[Any, Any]:
     """``(params, model_state)``, the latter with FP8 scaling state made if missing.
 
     Raises:
@@ -163,17 +170,17 @@ class LinenModel:
         if self.mechanism != "flax":  # a model of the user's: it may hold no FP8 products
           return params, model_state
         raise ValueError(
-            f"Under the FP8 policy {self.policy} each product of the model keeps its "
-            f"scaling state in the {name!r} collection, which model_state does not hold. "
-            "Pass example inputs (one batch's inputs, or arrays of their shapes) so the "
-            "step can make it: step.init(params, ..., inputs=example_inputs).")
+          f"Under the FP8 policy {self.policy} each product of the model keeps its "
+          f"scaling state in the {name!r} collection, which model_state does not hold. "
+          "Pass example inputs (one batch's inputs, or arrays of their shapes) so the "
+          "step can make it: step.init(params, ..., inputs=example_inputs)."
+        )
       fp8_meta = self._initial_fp8_meta(params, model_state, inputs, axis_name)
       if fp8_meta:
         model_state[name] = fp8_meta
     return params, model_state
 
-  def _initial_fp8_meta(self, params: Any, model_state: Any, inputs: Any,
-                        axis_name: str | None) -> Any:
+  def _initial_fp8_meta(self, params: Any, model_state: Any, inputs: Any, axis_name: str | None) -> Any:
     """The ``"fp8_meta"`` collection of the model on ``inputs``, at its initial values."""
     from jmp_train._src.fp8 import flax_layers
 
@@ -181,8 +188,7 @@ class LinenModel:
     key = jax.random.key(0)
     rngs = {c: key for c in self.rng_collections}
     inputs = self.policy.cast_to_compute(inputs)
-    trace = lambda p, s, x: self.apply_fn({"params": p, **s}, x, rngs=rngs,
-                                          mutable=[*s, name])[1]
+    trace = lambda p, s, x: self.apply_fn({"params": p, **s}, x, rngs=rngs, mutable=[*s, name])[1]
     if axis_name is not None:  # the model's collectives (synchronized BatchNorm)
       trace = jax.vmap(trace, in_axes=None, out_axes=None, axis_size=1, axis_name=axis_name)
     try:
@@ -212,15 +218,11 @@ class LinenModel:
     variables = {"params": params, **model_state}
     kwargs = {}
     if rng is not None:
-      kwargs["rngs"] = {
-          name: jax.random.fold_in(rng, i) for i, name in enumerate(self.rng_collections)
-      }
+      kwargs["rngs"] = {name: jax.random.fold_in(rng, i) for i, name in enumerate(self.rng_collections)}
     try:
       if not model_state:
         return self.apply_fn(variables, inputs, **kwargs), model_state
-      outputs, new_model_state = self.apply_fn(
-          variables, inputs, mutable=list(model_state), **kwargs
-      )
+      outputs, new_model_state = self.apply_fn(variables, inputs, mutable=list(model_state), **kwargs)
     except _invalid_rng_error() as e:
       raise _linen_rng_error(e, rng, self.rng_collections) from None
     except _scope_errors()[0] as e:
@@ -240,25 +242,25 @@ class LinenModel:
       raise _missing_collection_error(e, model_state) from None
     except _scope_errors()[1] as e:
       raise ValueError(
-          f"evaluate calls the model with nothing mutable, but it writes to the "
-          f"{_collection_name(e) or 'batch_stats'!r} collection in this mode "
-          f"({_first_line(e)}): a model in training mode (BatchNorm updating its "
-          "statistics). Pass make_train_step(..., eval_apply_fn=functools.partial("
-          "model.apply, train=False)), an apply in evaluation mode."
+        f"evaluate calls the model with nothing mutable, but it writes to the "
+        f"{_collection_name(e) or 'batch_stats'!r} collection in this mode "
+        f"({_first_line(e)}): a model in training mode (BatchNorm updating its "
+        "statistics). Pass make_train_step(..., eval_apply_fn=functools.partial("
+        "model.apply, train=False)), an apply in evaluation mode."
       ) from None
     except _invalid_rng_error() as e:
       raise ValueError(
-          f"evaluate calls the model without PRNG keys, but it needs one "
-          f"({_first_line(e)}): pass make_train_step(..., eval_apply_fn=...) an "
-          "apply in evaluation mode, e.g. functools.partial(model.apply, "
-          "train=False), with its Dropout deterministic."
+        f"evaluate calls the model without PRNG keys, but it needs one "
+        f"({_first_line(e)}): pass make_train_step(..., eval_apply_fn=...) an "
+        "apply in evaluation mode, e.g. functools.partial(model.apply, "
+        "train=False), with its Dropout deterministic."
       ) from None
 
 
 def _key_to_data(tree: Any) -> Any:
   return jax.tree.map(
-      lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
-      tree,
+    lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+    tree,
   )
 
 
@@ -302,8 +304,7 @@ class NnxModel:
   fallback: None = None
 
   @classmethod
-  def from_module(cls, module: Any, policy: Any = None, mechanism: str = "inputs",
-                  audit: bool = False) -> "NnxModel":
+  def from_module(cls, module: Any, policy: Any = None, mechanism: str = "inputs", audit: bool = False) -> "NnxModel":
     from flax import nnx
     from jmp_train._src.flax import nnx_modules
 
@@ -316,8 +317,7 @@ class NnxModel:
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     return cls(graphdef, params, _key_to_data(rest), policy, mechanism, user_graphdef, audit)
 
-  def initial(self, params: Any, model_state: Any, inputs: Any = None,
-              axis_name: str | None = None) -> tuple[Any, Any]:
+  def initial(self, params: Any, model_state: Any, inputs: Any = None, axis_name: str | None = None) -> tuple[Any, Any]:
     del inputs, axis_name  # An NNX module holds all of its state already.
     if params is None:
       return self.params, self.rest if model_state is None else model_state
@@ -325,8 +325,7 @@ class NnxModel:
       other = NnxModel.from_module(params, self.policy, self.mechanism)
       if jax.tree.structure(other.params) != jax.tree.structure(self.params):
         raise ValueError(
-            "init got an nnx.Module whose parameters differ in structure from "
-            "the module the step was built from."
+          "init got an nnx.Module whose parameters differ in structure from the module the step was built from."
         )
       return other.params, other.rest if model_state is None else model_state
     return params, self.rest if model_state is None else model_state
@@ -384,9 +383,9 @@ class NnxModel:
     _, _, rest = nnx.split(model, nnx.Param, ...)
     # Keep the stored (unfolded) keys; the streams' counters move on.
     rest = jax.tree.map(
-        lambda new, old: old if jnp.issubdtype(new.dtype, jax.dtypes.prng_key) else new,
-        rest,
-        model_state,
+      lambda new, old: old if jnp.issubdtype(new.dtype, jax.dtypes.prng_key) else new,
+      rest,
+      model_state,
     )
     return outputs, rest
 
@@ -406,11 +405,11 @@ def _linen_apply_fn(fn: Any, policy: Any, mechanism: str) -> Any:
 
 
 def as_model(
-    apply_fn: Any,
-    eval_apply_fn: Any,
-    rng_collections: Sequence[str],
-    policy: Any = None,
-    model_policy: str = "inputs",
+  apply_fn: Any,
+  eval_apply_fn: Any,
+  rng_collections: Sequence[str],
+  policy: Any = None,
+  model_policy: str = "inputs",
 ) -> LinenModel | NnxModel:
   """The model interface for what was passed as ``apply_fn``.
 
@@ -441,30 +440,24 @@ def as_model(
 
   narrow = policy is not None and mp.is_narrow(policy)
   mechanism = model_policy if narrow and not mp.applies_policy(apply_fn) else "inputs"
-  audit = mechanism != "inputs" or (narrow and model_policy == "auto"
-                                    and not mp.applies_policy(apply_fn))
+  audit = mechanism != "inputs" or (narrow and model_policy == "auto" and not mp.applies_policy(apply_fn))
   if _is_nnx_module(apply_fn):
     if eval_apply_fn is not None:
       raise TypeError(
-          "eval_apply_fn is not used with an nnx.Module: evaluation calls "
-          "module.eval() on a copy of the module."
+        "eval_apply_fn is not used with an nnx.Module: evaluation calls module.eval() on a copy of the module."
       )
-    return NnxModel.from_module(apply_fn, policy, "flax" if mechanism == "auto" else mechanism,
-                                audit)
+    return NnxModel.from_module(apply_fn, policy, "flax" if mechanism == "auto" else mechanism, audit)
   if _is_linen_module(apply_fn):
     apply_fn = apply_fn.apply
   if _is_linen_module(eval_apply_fn):
     eval_apply_fn = eval_apply_fn.apply
   if not callable(apply_fn):
     raise TypeError(
-        f"apply_fn must be callable (a linen apply such as model.apply, a "
-        f"linen Module or an nnx.Module), got {type(apply_fn).__name__}: {apply_fn!r}."
+      f"apply_fn must be callable (a linen apply such as model.apply, a "
+      f"linen Module or an nnx.Module), got {type(apply_fn).__name__}: {apply_fn!r}."
     )
   if eval_apply_fn is not None and not callable(eval_apply_fn):
-    raise TypeError(
-        f"eval_apply_fn must be callable or None, got "
-        f"{type(eval_apply_fn).__name__}: {eval_apply_fn!r}."
-    )
+    raise TypeError(f"eval_apply_fn must be callable or None, got {type(eval_apply_fn).__name__}: {eval_apply_fn!r}.")
   rng_collections = tuple(rng_collections)
   fallback = None
   if mechanism == "auto":
@@ -473,12 +466,14 @@ def as_model(
     else:
       # Casts first; autocast where they leave products wide (audited).
       mechanism = "inputs"
-      fallback = LinenModel(mp.linen_apply(apply_fn, policy, "autocast"),
-                            mp.linen_apply(eval_apply_fn, policy, "autocast"),
-                            rng_collections, "autocast", audit=True)
+      fallback = LinenModel(
+        mp.linen_apply(apply_fn, policy, "autocast"),
+        mp.linen_apply(eval_apply_fn, policy, "autocast"),
+        rng_collections,
+        "autocast",
+        audit=True,
+      )
   if mechanism != "inputs":
     apply_fn = mp.linen_apply(apply_fn, policy, mechanism)
-    eval_apply_fn = (None if eval_apply_fn is None
-                     else _linen_apply_fn(eval_apply_fn, policy, mechanism))
-  return LinenModel(apply_fn, eval_apply_fn, rng_collections, mechanism, audit, fallback,
-                    policy)
+    eval_apply_fn = None if eval_apply_fn is None else _linen_apply_fn(eval_apply_fn, policy, mechanism)
+  return LinenModel(apply_fn, eval_apply_fn, rng_collections, mechanism, audit, fallback, policy)

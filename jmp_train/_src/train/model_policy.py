@@ -41,8 +41,15 @@ from jax.extend import source_info_util
 from jmp_train._src.dtypes import is_floating_dtype
 from jmp_train._src.policy.policy import Policy
 
-__all__ = ["MODEL_POLICIES", "applies_policy", "audited", "check_model_policy",
-           "linen_parts", "mark_applied", "wide_products"]
+__all__ = [
+  "MODEL_POLICIES",
+  "applies_policy",
+  "audited",
+  "check_model_policy",
+  "linen_parts",
+  "mark_applied",
+  "wide_products",
+]
 
 MODEL_POLICIES = ("auto", "flax", "autocast", "inputs")
 _PRODUCTS = ("dot_general", "conv_general_dilated")
@@ -58,10 +65,11 @@ def check_model_policy(model_policy: Any) -> str:
   """
   if not isinstance(model_policy, str) or model_policy not in MODEL_POLICIES:
     raise ValueError(
-        f"model_policy must be one of {MODEL_POLICIES}, got {model_policy!r}: 'auto' "
-        "applies the policy to every product of the model (jmp_train.flax.apply_policy "
-        "for Flax modules, autocast where casts do not suffice), 'inputs' only casts "
-        "the parameters and inputs (the layers' declared dtypes win).")
+      f"model_policy must be one of {MODEL_POLICIES}, got {model_policy!r}: 'auto' "
+      "applies the policy to every product of the model (jmp_train.flax.apply_policy "
+      "for Flax modules, autocast where casts do not suffice), 'inputs' only casts "
+      "the parameters and inputs (the layers' declared dtypes win)."
+    )
   return model_policy
 
 
@@ -119,8 +127,7 @@ def _autocast(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
   return autocast(fn, policy, params_argnums=0)
 
 
-def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str
-                ) -> Callable[..., Any] | None:
+def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str) -> Callable[..., Any] | None:
   """``fn`` (a linen-style apply) with ``policy`` applied by ``mechanism``."""
   if fn is None or mechanism == "inputs" or applies_policy(fn):
     return fn
@@ -128,10 +135,11 @@ def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str
   if mechanism == "flax":
     if parts is None:
       raise TypeError(
-          f"model_policy='flax' applies jmp_train.flax.apply_policy, which needs a "
-          f"flax.linen.Module, its apply, or a functools.partial of its apply; got "
-          f"{fn!r}. Pass the module (or model.apply), or model_policy='autocast' for "
-          "any function.")
+        f"model_policy='flax' applies jmp_train.flax.apply_policy, which needs a "
+        f"flax.linen.Module, its apply, or a functools.partial of its apply; got "
+        f"{fn!r}. Pass the module (or model.apply), or model_policy='autocast' for "
+        "any function."
+      )
     from jmp_train._src.flax import policy as flax_policy
 
     module, args, kwargs = parts
@@ -177,8 +185,7 @@ def wide_products(jaxpr: Any, compute_dtype: Any) -> list[str]:
       continue
     dtypes = [_float_dtype(v) for v in eqn.invars[:2]]
     if any(d is not None and d.itemsize > width for d in dtypes):
-      shapes = " x ".join(f"{d.name if d else '?'}{list(v.aval.shape)}"
-                          for d, v in zip(dtypes, eqn.invars[:2]))
+      shapes = " x ".join(f"{d.name if d else '?'}{list(v.aval.shape)}" for d, v in zip(dtypes, eqn.invars[:2]))
       found.append(f"{eqn.primitive.name} {shapes} at {_where(eqn)}")
   return found
 
@@ -188,11 +195,11 @@ def _forward_jaxpr(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def audited(
-    model: Any,
-    policy: Policy,
-    call: Callable[[Any], Callable[..., Any]],
-    args: tuple[Any, ...],
-    warn: bool,
+  model: Any,
+  policy: Policy,
+  call: Callable[[Any], Callable[..., Any]],
+  args: tuple[Any, ...],
+  warn: bool,
 ) -> Any:
   """The model to run: ``model``, or its ``autocast`` fallback; warns on wide products.
 
@@ -222,16 +229,18 @@ def audited(
   if wide and warn:
     shown = "; ".join(wide[:3]) + (f"; and {len(wide) - 3} more" if len(wide) > 3 else "")
     warnings.warn(
-        f"Under the policy {policy} the model still runs {len(wide)} matrix "
-        f"product(s) or convolution(s) with operands wider than "
-        f"{policy.compute_dtype.name}: {shown}. Something inside the model casts to "
-        "float32 (jnp.asarray(x, jnp.float32), .astype(jnp.float32)) or runs a "
-        "custom primitive or custom_vjp rule the policy does not reach. Cast there "
-        "to the compute dtype (or take it from the inputs' dtype), pass "
-        "make_train_step(..., model_policy='autocast'), or, if float32 is meant "
-        "there, wrap the model in jmp_train.flax.apply_policy(..., float32_paths=...) "
-        "yourself (a model that applies a policy itself is not audited).",
-        UserWarning, stacklevel=2)
+      f"Under the policy {policy} the model still runs {len(wide)} matrix "
+      f"product(s) or convolution(s) with operands wider than "
+      f"{policy.compute_dtype.name}: {shown}. Something inside the model casts to "
+      "float32 (jnp.asarray(x, jnp.float32), .astype(jnp.float32)) or runs a "
+      "custom primitive or custom_vjp rule the policy does not reach. Cast there "
+      "to the compute dtype (or take it from the inputs' dtype), pass "
+      "make_train_step(..., model_policy='autocast'), or, if float32 is meant "
+      "there, wrap the model in jmp_train.flax.apply_policy(..., float32_paths=...) "
+      "yourself (a model that applies a policy itself is not audited).",
+      UserWarning,
+      stacklevel=2,
+    )
   return model
 
 

@@ -18,9 +18,16 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "FP8_GPU_COMPILER_OPTIONS", "check_compiler_options", "default_compiler_options",
-    "compile_single", "compile_pmap", "compile_shard_map", "expand", "first",
-    "waits_for_each_step", "waiting",
+  "FP8_GPU_COMPILER_OPTIONS",
+  "check_compiler_options",
+  "default_compiler_options",
+  "compile_single",
+  "compile_pmap",
+  "compile_shard_map",
+  "expand",
+  "first",
+  "waits_for_each_step",
+  "waiting",
 ]
 
 
@@ -52,17 +59,21 @@ def check_compiler_options(options: Any) -> dict[str, Any] | None:
     return None
   if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
     raise TypeError(
-        "compiler_options must be None (the default options) or a mapping from XLA option "
-        "names to values, e.g. {'xla_gpu_enable_triton_gemm': False}, got "
-        f"{type(options).__name__}: {options!r}.")
+      "compiler_options must be None (the default options) or a mapping from XLA option "
+      "names to values, e.g. {'xla_gpu_enable_triton_gemm': False}, got "
+      f"{type(options).__name__}: {options!r}."
+    )
   return dict(options)
 
 
 def compile_single(train, evaluate, init, donate, compiler_options=None):
   donate_argnums = (0,) if donate else ()
   options = compiler_options or None
-  return (jax.jit(train, donate_argnums=donate_argnums, compiler_options=options),
-          jax.jit(evaluate, compiler_options=options), jax.jit(init))
+  return (
+    jax.jit(train, donate_argnums=donate_argnums, compiler_options=options),
+    jax.jit(evaluate, compiler_options=options),
+    jax.jit(init),
+  )
 
 
 def compile_pmap(train, evaluate, init, donate, axis_name):
@@ -88,19 +99,15 @@ def compile_shard_map(train, evaluate, init, donate, axis_name, mesh, compiler_o
 
   spec = P(axis_name)
   step_fn = jax.jit(
-      jax.shard_map(sharded_train, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, P())),
-      donate_argnums=(0,) if donate else (),
-      compiler_options=compiler_options or None,
+    jax.shard_map(sharded_train, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, P())),
+    donate_argnums=(0,) if donate else (),
+    compiler_options=compiler_options or None,
   )
   eval_fn = jax.jit(
-      jax.shard_map(lambda s, b: evaluate(first(s), b), mesh=mesh, in_specs=(spec, spec),
-                    out_specs=P()),
-      compiler_options=compiler_options or None,
+    jax.shard_map(lambda s, b: evaluate(first(s), b), mesh=mesh, in_specs=(spec, spec), out_specs=P()),
+    compiler_options=compiler_options or None,
   )
-  init_fn = jax.jit(
-      jax.shard_map(lambda p: expand(init(first(p))), mesh=mesh, in_specs=spec,
-                    out_specs=spec)
-  )
+  init_fn = jax.jit(jax.shard_map(lambda p: expand(init(first(p))), mesh=mesh, in_specs=spec, out_specs=spec))
   return step_fn, eval_fn, init_fn
 
 

@@ -33,6 +33,7 @@ from jmp_train._src.train.state import TrainState
 
 __all__ = ["StepConfig", "eval_step", "train_step"]
 
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
   """What the per-replica step needs to know (static)."""
@@ -62,28 +63,26 @@ def _split_batch(batch: Any) -> tuple[Any, Any]:
     elif isinstance(batch, dict):
       what += f" with keys {sorted(batch)}"
     raise TypeError(
-        f"The batch must be a tuple (inputs, targets), got {what}. Pass "
-        f"step(state, (inputs, targets)), e.g. (batch['image'], batch['label'])."
+      f"The batch must be a tuple (inputs, targets), got {what}. Pass "
+      f"step(state, (inputs, targets)), e.g. (batch['image'], batch['label'])."
     )
   return batch[0], batch[1]
 
 
 # First parameter names of a loss that expects the model, its state or its
 # parameters (a Flax-tutorial ``loss_fn(model, batch)``), not its outputs.
-_MODEL_PARAMETERS = frozenset(
-    {"model", "module", "net", "network", "state", "train_state", "params", "variables"})
+_MODEL_PARAMETERS = frozenset({"model", "module", "net", "network", "state", "train_state", "params", "variables"})
 
 _LOSS_SIGNATURE = (
-    "make_train_step calls loss_fn(outputs, targets): outputs is what the model "
-    "returns for the inputs of a batch (inputs, targets), cast to the policy's "
-    "output dtype, and targets is the batch's second element; loss_fn returns a "
-    "scalar loss, or (loss, aux) with aux a dict of scalar metrics and "
-    "has_aux=True."
+  "make_train_step calls loss_fn(outputs, targets): outputs is what the model "
+  "returns for the inputs of a batch (inputs, targets), cast to the policy's "
+  "output dtype, and targets is the batch's second element; loss_fn returns a "
+  "scalar loss, or (loss, aux) with aux a dict of scalar metrics and "
+  "has_aux=True."
 )
 
 
-def _loss_signature_mismatch(loss_fn: Callable[..., Any], error: Exception,
-                             outputs: Any, targets: Any) -> str | None:
+def _loss_signature_mismatch(loss_fn: Callable[..., Any], error: Exception, outputs: Any, targets: Any) -> str | None:
   """Why ``error`` from ``loss_fn(outputs, targets)`` is a signature mistake, or None.
 
   Only three signs count, so that a genuine error inside a loss of the right
@@ -105,14 +104,18 @@ def _loss_signature_mismatch(loss_fn: Callable[..., Any], error: Exception,
       return f"The {shown} given cannot be called so ({error_summary(error)})."
     first = next(iter(signature.parameters), None)
     if first in _MODEL_PARAMETERS:
-      return (f"The {shown} given takes {first!r} first (make_train_step runs the "
-              "model itself, so a Flax-tutorial loss_fn(model, batch) or "
-              f"loss_fn(params, batch) does not fit) and raised {error_summary(error)}. "
-              "A term of the parameters (an L2 penalty) goes in make_train_step(..., "
-              "regularizer=lambda params: ...).")
+      return (
+        f"The {shown} given takes {first!r} first (make_train_step runs the "
+        "model itself, so a Flax-tutorial loss_fn(model, batch) or "
+        f"loss_fn(params, batch) does not fit) and raised {error_summary(error)}. "
+        "A term of the parameters (an L2 penalty) goes in make_train_step(..., "
+        "regularizer=lambda params: ...)."
+      )
   if isinstance(error, TypeError) and "string indexing" in str(error):
-    return (f"The {shown} given indexed an array with a string ({error_summary(error)}), "
-            "as a Flax-tutorial loss_fn(model, batch) does with batch['label'].")
+    return (
+      f"The {shown} given indexed an array with a string ({error_summary(error)}), "
+      "as a Flax-tutorial loss_fn(model, batch) does with batch['label']."
+    )
   return None
 
 
@@ -125,10 +128,10 @@ def _call_loss_fn(cfg: StepConfig, outputs, targets):
     if why is None:
       raise
   raise TypeError(
-      f"{_LOSS_SIGNATURE} {why} Pass the model as apply_fn and a loss of its "
-      "outputs, e.g. lambda logits, labels: optax.softmax_cross_entropy_with_"
-      "integer_labels(logits, labels).mean(), with step(state, (batch['image'], "
-      "batch['label']))."
+    f"{_LOSS_SIGNATURE} {why} Pass the model as apply_fn and a loss of its "
+    "outputs, e.g. lambda logits, labels: optax.softmax_cross_entropy_with_"
+    "integer_labels(logits, labels).mean(), with step(state, (batch['image'], "
+    "batch['label']))."
   ) from None
 
 
@@ -144,26 +147,25 @@ def _loss(cfg: StepConfig, outputs, targets):
   result = _call_loss_fn(cfg, cfg.policy.cast_to_output(outputs), targets)
   if cfg.has_aux:
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
-      raise TypeError(
-          f"With has_aux=True, loss_fn must return (loss, aux), got {describe(result)}.")
+      raise TypeError(f"With has_aux=True, loss_fn must return (loss, aux), got {describe(result)}.")
     loss, aux = result
     if not isinstance(aux, collections.abc.Mapping):
       raise TypeError(
-          "With has_aux=True, loss_fn returns (loss, aux) with aux a dict of scalar "
-          f"metrics (averaged and returned with the step's metrics), got aux as "
-          f"{describe(aux)}.")
+        "With has_aux=True, loss_fn returns (loss, aux) with aux a dict of scalar "
+        f"metrics (averaged and returned with the step's metrics), got aux as "
+        f"{describe(aux)}."
+      )
   else:
     if isinstance(result, (tuple, list)):
       raise TypeError(
-          f"loss_fn returned a {type(result).__name__} of length {len(result)}, not a "
-          "scalar loss: if it returns (loss, aux) with aux a dict of scalar metrics, "
-          "pass make_train_step(..., has_aux=True).")
+        f"loss_fn returned a {type(result).__name__} of length {len(result)}, not a "
+        "scalar loss: if it returns (loss, aux) with aux a dict of scalar metrics, "
+        "pass make_train_step(..., has_aux=True)."
+      )
     loss, aux = result, {}
   loss = jnp.asarray(loss, jnp.float32)
   if loss.shape != ():
-    raise ValueError(
-        f"loss_fn must return a scalar loss, got shape {loss.shape}: reduce it "
-        "(e.g. with jnp.mean).")
+    raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}: reduce it (e.g. with jnp.mean).")
   return loss, aux
 
 
@@ -176,8 +178,9 @@ def _regularization(cfg: StepConfig, params):
   value = jnp.asarray(cfg.regularizer(params), jnp.float32)
   if value.shape != ():
     raise ValueError(
-        f"regularizer must return a scalar, got shape {value.shape}: reduce it "
-        "(e.g. with sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params))).")
+      f"regularizer must return a scalar, got shape {value.shape}: reduce it "
+      "(e.g. with sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params)))."
+    )
   return value
 
 
@@ -188,17 +191,22 @@ def _unbound_axis(cfg: StepConfig, e: NameError) -> ValueError | None:
     return None
   name = match.group(1).strip("'\".,")
   if cfg.axis_name is None:
-    fix = (f"build the step with mode='shard_map' (or 'pmap') and axis_name={name!r}, "
-           "or, to train on one device with mode='single', build the model without it "
-           "(BatchNorm(..., axis_name=None))")
+    fix = (
+      f"build the step with mode='shard_map' (or 'pmap') and axis_name={name!r}, "
+      "or, to train on one device with mode='single', build the model without it "
+      "(BatchNorm(..., axis_name=None))"
+    )
   else:
-    fix = (f"the step maps the axis {cfg.axis_name!r}: build it with "
-           f"make_train_step(..., axis_name={name!r}), or the model with "
-           f"axis_name={cfg.axis_name!r}")
+    fix = (
+      f"the step maps the axis {cfg.axis_name!r}: build it with "
+      f"make_train_step(..., axis_name={name!r}), or the model with "
+      f"axis_name={cfg.axis_name!r}"
+    )
   return ValueError(
-      f"The model averages over an axis named {name!r} (a BatchNorm with "
-      f"axis_name={name!r}, as in Flax's ImageNet example, or a collective of its "
-      f"own), which the step does not map: {fix}.")
+    f"The model averages over an axis named {name!r} (a BatchNorm with "
+    f"axis_name={name!r}, as in Flax's ImageNet example, or a collective of its "
+    f"own), which the step does not map: {fix}."
+  )
 
 
 def _in_collective(e: BaseException) -> bool:
@@ -226,10 +234,10 @@ def _run_model(cfg: StepConfig, run: Callable[[], Any]) -> Any:
     if cfg.axis_name is None or not _in_collective(e):
       raise
     raise ValueError(
-        f"A collective inside the model (a BatchNorm's axis_name, or a psum/pmean of "
-        f"its own) names an axis the step does not map: the step maps "
-        f"{cfg.axis_name!r}. Build the model with axis_name={cfg.axis_name!r}, or the "
-        f"step with the model's axis name, make_train_step(..., axis_name=...)."
+      f"A collective inside the model (a BatchNorm's axis_name, or a psum/pmean of "
+      f"its own) names an axis the step does not map: the step maps "
+      f"{cfg.axis_name!r}. Build the model with axis_name={cfg.axis_name!r}, or the "
+      f"step with the model's axis name, make_train_step(..., axis_name=...)."
     ) from None
 
 
@@ -242,16 +250,17 @@ def _forward(cfg: StepConfig, params, model_state, inputs, targets, rng, replica
 
   def run():
     model = model_policy.audited(
-        cfg.model, cfg.policy,
-        lambda m: lambda p, s, x: m.train_apply(p, s, x, rng, replica),
-        (params, model_state, inputs), warn=True)
+      cfg.model,
+      cfg.policy,
+      lambda m: lambda p, s, x: m.train_apply(p, s, x, rng, replica),
+      (params, model_state, inputs),
+      warn=True,
+    )
     return model.train_apply(params, model_state, inputs, rng, replica)
 
   outputs, new_model_state = _run_model(cfg, run)
   # Keep the model state's dtypes stable across steps.
-  new_model_state = jax.tree.map(
-      lambda new, old: jnp.asarray(new, old.dtype), new_model_state, model_state
-  )
+  new_model_state = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), new_model_state, model_state)
   loss, aux = _loss(cfg, outputs, targets)
   if cfg.regularizer is not None:
     loss = loss + _regularization(cfg, stored)
@@ -272,12 +281,12 @@ def _check_params(params: Any) -> None:
   if found is not None:
     path, dtype = found
     raise TypeError(
-        f"make_train_step differentiates every leaf of params, but "
-        f"params{path} has dtype {dtype}: gradients need floating-point leaves. "
-        "Cast it to a float dtype before step.init (e.g. jnp.float32), or keep "
-        "integer values out of params: in model_state (another Flax collection, "
-        "step.init(params, model_state={...}); for an NNX module, an nnx.Variable "
-        "that is not an nnx.Param), which the step carries without differentiating."
+      f"make_train_step differentiates every leaf of params, but "
+      f"params{path} has dtype {dtype}: gradients need floating-point leaves. "
+      "Cast it to a float dtype before step.init (e.g. jnp.float32), or keep "
+      "integer values out of params: in model_state (another Flax collection, "
+      "step.init(params, model_state={...}); for an NNX module, an nnx.Variable "
+      "that is not an nnx.Param), which the step carries without differentiating."
     )
 
 
@@ -310,9 +319,7 @@ def _gradients(cfg: StepConfig, state: TrainState, inputs, targets):
   else:
     current = cfg.ls_api.get_loss_scale(state.opt_state)
     scale = jnp.asarray(current.loss_scale, jnp.float32)
-    (loss, (aux, model_state)), grads = cfg.ls_api.scaled_value_and_grad(
-        objective, has_aux=True
-    )(current, diff)
+    (loss, (aux, model_state)), grads = cfg.ls_api.scaled_value_and_grad(objective, has_aux=True)(current, diff)
   if has_fp8:
     grads, fp8_grads = grads
   if cfg.exchange:
@@ -321,8 +328,8 @@ def _gradients(cfg: StepConfig, state: TrainState, inputs, targets):
     # Batch statistics from each replica's share of the batch, averaged so
     # that every replica keeps the same model state (as Flax's examples do).
     model_state = jax.tree.map(
-        lambda x: lax.pmean(x, cfg.axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-        model_state,
+      lambda x: lax.pmean(x, cfg.axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+      model_state,
     )
   if has_fp8:
     new_fp8 = fp8_lib.update_fp8_meta(fp8, fp8_grads, cfg.axis_name)
@@ -339,9 +346,7 @@ def _update(cfg: StepConfig, state: TrainState, grads, model_state):
     return params, opt_state, model_state, None, zero, zero
   ls_metrics = cfg.ls_api.loss_scale_metrics(opt_state)
   finite = jnp.asarray(ls_metrics["last_finite"], jnp.bool_)
-  model_state = jax.tree.map(
-      lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
-  )
+  model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state, state.model_state)
   skipped = jnp.asarray(ls_metrics["total_notfinite"], jnp.int32)
   # Skipped in a row: a run stuck at the scale's floor (a model that makes
   # NaN by itself) shows here while ``skipped`` only grows.
@@ -363,21 +368,20 @@ def train_step(cfg: StepConfig, state: TrainState, batch):
   inputs, targets = _split_batch(batch)
   loss, aux, model_state, grads, scale = _gradients(cfg, state, inputs, targets)
   grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / scale
-  params, opt_state, model_state, new_scale, skipped, consecutive = _update(
-      cfg, state, grads, model_state)
+  params, opt_state, model_state, new_scale, skipped, consecutive = _update(cfg, state, grads, model_state)
   new_state = state.replace(
-      step=optax.safe_increment(state.step),
-      params=params,
-      opt_state=opt_state,
-      model_state=model_state,
+    step=optax.safe_increment(state.step),
+    params=params,
+    opt_state=opt_state,
+    model_state=model_state,
   )
   metrics = {
-      "loss": loss,
-      "loss_scale": scale if new_scale is None else new_scale,
-      "skipped_steps": skipped,
-      "consecutive_skipped_steps": consecutive,
-      "grad_norm": grad_norm,
-      **aux,
+    "loss": loss,
+    "loss_scale": scale if new_scale is None else new_scale,
+    "skipped_steps": skipped,
+    "consecutive_skipped_steps": consecutive,
+    "grad_norm": grad_norm,
+    **aux,
   }
   return new_state, jax.tree.map(functools.partial(_mean, cfg), metrics)
 
@@ -388,8 +392,9 @@ def eval_step(cfg: StepConfig, state: TrainState, batch):
   inputs = cfg.policy.cast_to_compute(inputs)
 
   def run():
-    model = model_policy.audited(cfg.model, cfg.policy, lambda m: m.eval_apply,
-                                 (params, state.model_state, inputs), warn=False)
+    model = model_policy.audited(
+      cfg.model, cfg.policy, lambda m: m.eval_apply, (params, state.model_state, inputs), warn=False
+    )
     return model.eval_apply(params, state.model_state, inputs)
 
   outputs = _run_model(cfg, run)

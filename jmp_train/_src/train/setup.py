@@ -23,8 +23,12 @@ from jmp_train._src.hyperparams import check_bool
 from jmp_train._src.compression.replica_averaging import ReplicaCompressor, ReplicaOptimizer
 
 __all__ = [
-    "LossScalingFns", "check_arguments", "compose", "layout", "warn_float16_without_loss_scale",
-    "warn_half_weights_without_narrow_rule",
+  "LossScalingFns",
+  "check_arguments",
+  "compose",
+  "layout",
+  "warn_float16_without_loss_scale",
+  "warn_half_weights_without_narrow_rule",
 ]
 
 MODES = ("single", "pmap", "shard_map")
@@ -43,16 +47,15 @@ def _check_transformation(name: str, tx: Any, allow_none: bool) -> None:
   if tx is None and allow_none:
     return
   if isinstance(tx, optax.GradientTransformation) or (
-      callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+    callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
   ):
     return
   hint = ""
   if callable(tx):
-    hint = (f" {getattr(tx, '__name__', tx)!r} looks like a factory: call it, "
-            f"e.g. optax.sgd(0.1) rather than optax.sgd.")
+    hint = f" {getattr(tx, '__name__', tx)!r} looks like a factory: call it, e.g. optax.sgd(0.1) rather than optax.sgd."
   raise TypeError(
-      f"{name} must be an optax.GradientTransformation"
-      f"{' or None' if allow_none else ''}, got {type(tx).__name__}: {tx!r}.{hint}"
+    f"{name} must be an optax.GradientTransformation"
+    f"{' or None' if allow_none else ''}, got {type(tx).__name__}: {tx!r}.{hint}"
   )
 
 
@@ -60,18 +63,18 @@ def _check_optimizer_slot(optimizer: Any, compression: Any) -> None:
   """A transformation that averages local gradients itself belongs in ``compression``."""
   if isinstance(optimizer, ReplicaOptimizer):
     raise TypeError(
-        "optimizer is a complete optimizer on local gradients (one_bit_adam or "
-        "one_bit_momentum) that averages them across replicas itself: pass it as "
-        "compression=, with optimizer=None, e.g. make_train_step(apply_fn, loss_fn, None, "
-        "compression=one_bit_adam(...), mode='shard_map')."
+      "optimizer is a complete optimizer on local gradients (one_bit_adam or "
+      "one_bit_momentum) that averages them across replicas itself: pass it as "
+      "compression=, with optimizer=None, e.g. make_train_step(apply_fn, loss_fn, None, "
+      "compression=one_bit_adam(...), mode='shard_map')."
     )
   if isinstance(optimizer, ReplicaCompressor):
     raise TypeError(
-        "optimizer is a compressor of local gradients (sign_compression or "
-        "compressed_mean), which averages them across replicas and applies no "
-        "learning rate: pass it as compression=, and an optax optimizer as optimizer="
-        ", e.g. make_train_step(apply_fn, loss_fn, optax.sgd(0.1), "
-        "compression=sign_compression('batch'), mode='shard_map')."
+      "optimizer is a compressor of local gradients (sign_compression or "
+      "compressed_mean), which averages them across replicas and applies no "
+      "learning rate: pass it as compression=, and an optax optimizer as optimizer="
+      ", e.g. make_train_step(apply_fn, loss_fn, optax.sgd(0.1), "
+      "compression=sign_compression('batch'), mode='shard_map')."
     )
 
 
@@ -79,11 +82,12 @@ def warn_float16_without_loss_scale(policy: Any, loss_scale: Any) -> None:
   """A ``UserWarning`` when float16 gradients have no loss scale to keep them from flushing."""
   if loss_scale is None and jnp.dtype(policy.compute_dtype) == jnp.float16:
     warnings.warn(
-        f"float16 compute without loss scaling (policy {policy}): gradients smaller "
-        "than 2**-24 flush to zero in float16 and larger than 65504 overflow. Pass "
-        "loss_scale=jmp_train.DynamicLossScale(2.0**15), or use a bfloat16 policy "
-        "('mixed_bfloat16'), which needs no loss scale.",
-        UserWarning, stacklevel=3,
+      f"float16 compute without loss scaling (policy {policy}): gradients smaller "
+      "than 2**-24 flush to zero in float16 and larger than 65504 overflow. Pass "
+      "loss_scale=jmp_train.DynamicLossScale(2.0**15), or use a bfloat16 policy "
+      "('mixed_bfloat16'), which needs no loss scale.",
+      UserWarning,
+      stacklevel=3,
     )
 
 
@@ -92,12 +96,12 @@ def warn_float16_without_loss_scale(policy: Any, loss_scale: Any) -> None:
 # nearest drop it (see the narrow-weights guide). The 8-bit optimizers only
 # store their moments narrowly: they are not among them.
 _NARROW_WEIGHT_RULE_MODULES = frozenset(
-    f"jmp_train._src.low_precision.{name}"
-    for name in ("stochastic_rounding", "kahan_compensation", "modified_momentum")
+  f"jmp_train._src.low_precision.{name}" for name in ("stochastic_rounding", "kahan_compensation", "modified_momentum")
 )
 # Composition helpers, left out of an optimizer's description.
-_WRAPPERS = frozenset(("chain", "named_chain", "with_extra_args_support", "identity",
-                       "inject_hyperparams", "init_empty_state"))
+_WRAPPERS = frozenset(
+  ("chain", "named_chain", "with_extra_args_support", "identity", "inject_hyperparams", "init_empty_state")
+)
 
 
 def _functions(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
@@ -141,8 +145,12 @@ def _functions(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
 
 def _parts(*transformations: Any) -> list[Any]:
   seen: set[int] = set()
-  return [f for tx in transformations if tx is not None
-          for f in _functions((getattr(tx, "init", None), getattr(tx, "update", None)), seen)]
+  return [
+    f
+    for tx in transformations
+    if tx is not None
+    for f in _functions((getattr(tx, "init", None), getattr(tx, "update", None)), seen)
+  ]
 
 
 def has_narrow_weights_rule(*transformations: Any) -> bool:
@@ -164,7 +172,8 @@ def _describe(tx: Any) -> str:
     # A closure made by a factory, or a factory itself (inject_hyperparams').
     head = f.__qualname__.split(".<locals>")[0]
     factory = head != f.__qualname__ or (
-        f.__module__.split(".")[0] in ("optax", "jmp_train") and not head.startswith("_"))
+      f.__module__.split(".")[0] in ("optax", "jmp_train") and not head.startswith("_")
+    )
     if factory and head not in _WRAPPERS and head not in names:
       names.append(head)
   return "built from " + (", ".join(names[:4]) or type(tx).__name__)
@@ -190,15 +199,16 @@ def warn_half_weights_without_narrow_rule(policy: Any, optimizer: Any, compressi
   bits = 11 if dtype == np.dtype(jnp.float16) else 8
   used = " and ".join(_describe(t) for t in (compression, optimizer) if t is not None)
   warnings.warn(
-      f"Half-precision parameters ({dtype.name}, policy {policy}) with an optimizer that "
-      f"has no narrow-weights rule ({used}): updates smaller than about |w|*2**-{bits} "
-      f"round away in {dtype.name}, so the weights stop moving where float32 ones go on. "
-      "Chain a rule last, e.g. optax.chain(optimizer, jmp_train.stochastic_rounding(seed=0)) "
-      "or optax.chain(optimizer, jmp_train.kahan_compensation()), or use "
-      "jmp_train.modified_momentum_sgd(...) for float16 weights; or keep float32 "
-      "parameters with policy='mixed_float16' or 'mixed_bfloat16'. See the guide on "
-      "narrow weights and optimizer state.",
-      UserWarning, stacklevel=3,
+    f"Half-precision parameters ({dtype.name}, policy {policy}) with an optimizer that "
+    f"has no narrow-weights rule ({used}): updates smaller than about |w|*2**-{bits} "
+    f"round away in {dtype.name}, so the weights stop moving where float32 ones go on. "
+    "Chain a rule last, e.g. optax.chain(optimizer, jmp_train.stochastic_rounding(seed=0)) "
+    "or optax.chain(optimizer, jmp_train.kahan_compensation()), or use "
+    "jmp_train.modified_momentum_sgd(...) for float16 weights; or keep float32 "
+    "parameters with policy='mixed_float16' or 'mixed_bfloat16'. See the guide on "
+    "narrow weights and optimizer state.",
+    UserWarning,
+    stacklevel=3,
   )
 
 
@@ -209,13 +219,13 @@ def _dtype_name(dtype: Any) -> str | None:
     return None
 
 
-def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype,
-                    bucket_bytes=buckets.DEFAULT_BUCKET_BYTES, **options) -> None:
+def check_arguments(
+  loss_fn, optimizer, compression, mode, grad_reduce_dtype, bucket_bytes=buckets.DEFAULT_BUCKET_BYTES, **options
+) -> None:
   """Validation in one place: TypeError/ValueError naming the bad value."""
   if not callable(loss_fn):
     raise TypeError(
-        f"loss_fn must be callable as loss_fn(outputs, targets), got "
-        f"{type(loss_fn).__name__}: {loss_fn!r}."
+      f"loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__}: {loss_fn!r}."
     )
   _check_transformation("optimizer", optimizer, allow_none=compression is not None)
   _check_transformation("compression", compression, allow_none=True)
@@ -224,33 +234,34 @@ def check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype,
     raise ValueError(f"Unknown mode {mode!r}; valid modes: {', '.join(MODES)}.")
   if compression is not None and mode == "single":
     raise ValueError(
-        "compression averages gradients across replicas, so it needs mode "
-        "'pmap' or 'shard_map', not 'single'."
+      "compression averages gradients across replicas, so it needs mode 'pmap' or 'shard_map', not 'single'."
     )
   if grad_reduce_dtype is not None and _dtype_name(grad_reduce_dtype) not in _REDUCE_DTYPES:
     raise ValueError(
-        f"grad_reduce_dtype {grad_reduce_dtype!r} is not supported; valid: None, "
-        f"{', '.join(_REDUCE_DTYPES)}."
+      f"grad_reduce_dtype {grad_reduce_dtype!r} is not supported; valid: None, {', '.join(_REDUCE_DTYPES)}."
     )
   buckets.check_bucket_bytes(bucket_bytes)
   _check_options(**options)
 
 
-def _check_options(axis_name="batch", has_aux=False, cast_params=True, donate=True,
-                   rng_collections=("dropout",), remat_policy=None) -> None:
+def _check_options(
+  axis_name="batch", has_aux=False, cast_params=True, donate=True, rng_collections=("dropout",), remat_policy=None
+) -> None:
   if not isinstance(axis_name, str):
     raise ValueError(f"axis_name must be a string, got {axis_name!r}.")
   for name, value in (("has_aux", has_aux), ("cast_params", cast_params), ("donate", donate)):
     check_bool(value, name)
   if isinstance(rng_collections, str) or not all(
-      isinstance(c, str) for c in _iterable(rng_collections, "rng_collections")):
+    isinstance(c, str) for c in _iterable(rng_collections, "rng_collections")
+  ):
     raise ValueError(
-        f"rng_collections must be a sequence of collection names such as "
-        f"('dropout',), got {rng_collections!r}.")
+      f"rng_collections must be a sequence of collection names such as ('dropout',), got {rng_collections!r}."
+    )
   if remat_policy is not None and not callable(remat_policy):
     raise TypeError(
-        f"remat_policy must be None or a jax.checkpoint policy (a callable such as "
-        f"jax.checkpoint_policies.dots_saveable), got {remat_policy!r}.")
+      f"remat_policy must be None or a jax.checkpoint policy (a callable such as "
+      f"jax.checkpoint_policies.dots_saveable), got {remat_policy!r}."
+    )
 
 
 def _iterable(value: Any, name: str) -> tuple:
@@ -266,10 +277,7 @@ def layout(mode: str, axis_name: str, mesh: Mesh | None) -> tuple[Mesh | None, i
     if mesh is None:
       mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
     if axis_name not in mesh.axis_names:
-      raise ValueError(
-          f"axis_name {axis_name!r} is not an axis of the mesh; mesh axes: "
-          f"{mesh.axis_names}."
-      )
+      raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; mesh axes: {mesh.axis_names}.")
     return mesh, mesh.shape[axis_name]
   if mesh is not None:
     raise ValueError(f"mesh is only used with mode='shard_map', not {mode!r}.")
@@ -295,9 +303,8 @@ def compose(optimizer, compression, loss_scale, axis):
   # pylint: enable=g-import-not-at-top
 
   fns = LossScalingFns(
-      get_loss_scale=loss_scale_lookup.get_loss_scale,
-      scaled_value_and_grad=scaled_grad.scaled_value_and_grad,
-      loss_scale_metrics=loss_scale_lookup.loss_scale_metrics,
+    get_loss_scale=loss_scale_lookup.get_loss_scale,
+    scaled_value_and_grad=scaled_grad.scaled_value_and_grad,
+    loss_scale_metrics=loss_scale_lookup.loss_scale_metrics,
   )
   return loss_scaling.loss_scaled(tx, loss_scale, axis_name=axis), fns
-

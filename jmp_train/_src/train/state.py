@@ -77,11 +77,11 @@ def tree_bytes(tree: Any) -> int:
     58
   """
   return int(
-      sum(
-          np.prod(np.shape(x), dtype=np.int64) * np.dtype(x.dtype).itemsize
-          for x in jax.tree.leaves(tree)
-          if hasattr(x, "dtype")
-      )
+    sum(
+      np.prod(np.shape(x), dtype=np.int64) * np.dtype(x.dtype).itemsize
+      for x in jax.tree.leaves(tree)
+      if hasattr(x, "dtype")
+    )
   )
 
 
@@ -163,9 +163,9 @@ class TrainStep:
       problem = self._batch_layout_problem(jax.tree_util.keystr(path) or "batch", x)
       if problem is not None:
         raise ValueError(
-            f"{call}(state, batch) in mode {self.mode!r} got a batch that is not laid "
-            f"out for it: {problem}. Pass step.shard_batch(batch), which lays out this "
-            "process's examples for the mode."
+          f"{call}(state, batch) in mode {self.mode!r} got a batch that is not laid "
+          f"out for it: {problem}. Pass step.shard_batch(batch), which lays out this "
+          "process's examples for the mode."
         )
 
   @staticmethod
@@ -173,10 +173,10 @@ class TrainStep:
     leaves = jax.tree.leaves(state) if every_leaf else [getattr(state, "step", None)]
     if any([isinstance(x, jax.Array) and x.is_deleted() for x in leaves]):
       raise ValueError(
-          f"The state passed to {call}(state, batch) was donated to an earlier step: "
-          "its buffers were reused for the state that step returned. Pass the returned "
-          "state (state, metrics = step(state, batch)), or build the step with "
-          "make_train_step(..., donate=False) to keep the input state alive."
+        f"The state passed to {call}(state, batch) was donated to an earlier step: "
+        "its buffers were reused for the state that step returned. Pass the returned "
+        "state (state, metrics = step(state, batch)), or build the step with "
+        "make_train_step(..., donate=False) to keep the input state alive."
       ) from None
 
   @functools.cached_property
@@ -195,12 +195,13 @@ class TrainStep:
       return f"the leaf {name} has shape {shape}, expected {expected}"
     n = self.num_replicas
     if not shape or shape[0] % n:
-      return (f"the leaf {name} has shape {shape}, whose leading axis does not divide "
-              f"among the mesh's {n} devices")
+      return f"the leaf {name} has shape {shape}, whose leading axis does not divide among the mesh's {n} devices"
     if jax.process_count() > 1 and not isinstance(x, jax.Array):
-      return (f"the leaf {name} of shape {shape} is a host array "
-              f"({type(x).__name__}), but a multi-process run needs one global device "
-              "array built from each process's examples")
+      return (
+        f"the leaf {name} of shape {shape} is a host array "
+        f"({type(x).__name__}), but a multi-process run needs one global device "
+        "array built from each process's examples"
+      )
     return None
 
   def lower(self, state: TrainState, batch: Any) -> Any:
@@ -208,12 +209,12 @@ class TrainStep:
     return self._step.lower(state, batch)
 
   def init(
-      self,
-      params: Any = None,
-      *,
-      model_state: Any = None,
-      rng: jax.Array | int | None = None,
-      inputs: Any = None,
+    self,
+    params: Any = None,
+    *,
+    model_state: Any = None,
+    rng: jax.Array | int | None = None,
+    inputs: Any = None,
   ) -> TrainState:
     """Builds the initial :class:`TrainState`, laid out for the mode.
 
@@ -244,11 +245,11 @@ class TrainStep:
     elif rng is not None and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
       rng = jax.random.key_data(rng)
     state = TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=None,
-        model_state=model_state,
-        rng=rng,
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=None,
+      model_state=model_state,
+      rng=rng,
     )
     state = self.replicate(state)
     # The optimizer state is made per replica, inside the mapped context, so
@@ -269,9 +270,7 @@ class TrainStep:
     """
     if not hasattr(self._model, "to_module"):
       raise TypeError("to_nnx needs a step built from an nnx.Module.")
-    return self._model.to_module(
-        self.unreplicate(state.params), self.unreplicate(state.model_state)
-    )
+    return self._model.to_module(self.unreplicate(state.params), self.unreplicate(state.model_state))
 
   def replicate(self, tree: Any) -> Any:
     """Copies a per-replica tree to every device in this mode's layout."""
@@ -282,19 +281,15 @@ class TrainStep:
       devices = jax.local_devices()
       sharding = NamedSharding(Mesh(np.asarray(devices), ("local",)), P("local"))
       return jax.tree.map(
-          lambda x: jax.device_put(
-              np.broadcast_to(np.asarray(x), (len(devices), *np.shape(x))), sharding
-          ),
-          tree,
+        lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (len(devices), *np.shape(x))), sharding),
+        tree,
       )
     sharding = NamedSharding(self.mesh, P(self.axis_name))
 
     def put(x):
       x = np.asarray(x)
       shape = (self.num_replicas, *x.shape)
-      return jax.make_array_from_callback(
-          shape, sharding, lambda index: np.broadcast_to(x, shape)[index]
-      )
+      return jax.make_array_from_callback(shape, sharding, lambda index: np.broadcast_to(x, shape)[index])
 
     return jax.tree.map(put, tree)
 
@@ -321,24 +316,20 @@ class TrainStep:
     """
     n_local = 1 if self.mode == "single" else jax.local_device_count()
     if self.mode == "shard_map":
-      n_local = len(
-          [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-      )
+      n_local = len([d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
     for x in jax.tree.leaves(batch):
       if np.shape(x)[0] % n_local:
         raise ValueError(
-            f"A batch of {np.shape(x)[0]} examples per process does not divide "
-            f"among {n_local} local devices in mode {self.mode!r}; use a "
-            f"multiple of {n_local}."
+          f"A batch of {np.shape(x)[0]} examples per process does not divide "
+          f"among {n_local} local devices in mode {self.mode!r}; use a "
+          f"multiple of {n_local}."
         )
     if self.mode == "single":
       return jax.tree.map(jnp.asarray, batch)
     if self.mode == "pmap":
-      return jax.tree.map(
-          lambda x: np.reshape(x, (n_local, -1, *np.shape(x)[1:])), batch
-      )
+      return jax.tree.map(lambda x: np.reshape(x, (n_local, -1, *np.shape(x)[1:])), batch)
     sharding = NamedSharding(self.mesh, P(self.axis_name))
     return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
-        batch,
+      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+      batch,
     )

@@ -37,27 +37,27 @@ __all__ = ["make_train_step"]
 
 
 def make_train_step(
-    apply_fn: Callable[..., Any],
-    loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation | None,
-    *,
-    policy: Policy | str = "float32",
-    loss_scale: Any = None,
-    compression: optax.GradientTransformation | None = None,
-    mode: str = "single",
-    axis_name: str = "batch",
-    mesh: Mesh | None = None,
-    has_aux: bool = False,
-    model_policy: str = "auto",
-    cast_params: bool | None = None,
-    regularizer: Callable[[Any], Any] | None = None,
-    rng_collections: Sequence[str] = ("dropout",),
-    eval_apply_fn: Callable[..., Any] | None = None,
-    donate: bool = True,
-    remat_policy: Callable[..., bool] | None = None,
-    bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES,
-    grad_reduce_dtype: Any = None,
-    compiler_options: Mapping[str, Any] | None = None,
+  apply_fn: Callable[..., Any],
+  loss_fn: Callable[..., Any],
+  optimizer: optax.GradientTransformation | None,
+  *,
+  policy: Policy | str = "float32",
+  loss_scale: Any = None,
+  compression: optax.GradientTransformation | None = None,
+  mode: str = "single",
+  axis_name: str = "batch",
+  mesh: Mesh | None = None,
+  has_aux: bool = False,
+  model_policy: str = "auto",
+  cast_params: bool | None = None,
+  regularizer: Callable[[Any], Any] | None = None,
+  rng_collections: Sequence[str] = ("dropout",),
+  eval_apply_fn: Callable[..., Any] | None = None,
+  donate: bool = True,
+  remat_policy: Callable[..., bool] | None = None,
+  bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES,
+  grad_reduce_dtype: Any = None,
+  compiler_options: Mapping[str, Any] | None = None,
 ) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
@@ -265,16 +265,27 @@ def make_train_step(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
     https://arxiv.org/abs/1710.03740
   """
-  check_arguments(loss_fn, optimizer, compression, mode, grad_reduce_dtype, bucket_bytes,
-                  axis_name=axis_name, has_aux=has_aux,
-                  cast_params=True if cast_params is None else cast_params,
-                  donate=donate, rng_collections=rng_collections, remat_policy=remat_policy)
+  check_arguments(
+    loss_fn,
+    optimizer,
+    compression,
+    mode,
+    grad_reduce_dtype,
+    bucket_bytes,
+    axis_name=axis_name,
+    has_aux=has_aux,
+    cast_params=True if cast_params is None else cast_params,
+    donate=donate,
+    rng_collections=rng_collections,
+    remat_policy=remat_policy,
+  )
   model_policy = check_model_policy(model_policy)
   if regularizer is not None and not callable(regularizer):
     raise TypeError(
-        f"regularizer must be None or a function of the parameters returning a scalar, "
-        f"e.g. lambda params: 1e-4 * sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params)), "
-        f"got {type(regularizer).__name__}: {regularizer!r}.")
+      f"regularizer must be None or a function of the parameters returning a scalar, "
+      f"e.g. lambda params: 1e-4 * sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params)), "
+      f"got {type(regularizer).__name__}: {regularizer!r}."
+    )
   policy = get_policy(policy)
   warn_float16_without_loss_scale(policy, loss_scale)
   warn_half_weights_without_narrow_rule(policy, optimizer, compression)
@@ -285,12 +296,19 @@ def make_train_step(
   axis = axis_name if mode != "single" else None
   tx, ls_api = compose(optimizer, compression, loss_scale, axis)
   cfg = StepConfig(
-      model=model, loss_fn=loss_fn, tx=tx, policy=policy, ls_api=ls_api,
-      axis_name=axis, exchange=axis is not None and compression is None,
-      has_aux=has_aux, cast_params=cast_params, remat_policy=remat_policy,
-      regularizer=regularizer,
-      bucket_bytes=bucket_bytes,
-      reduce_dtype=None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
+    model=model,
+    loss_fn=loss_fn,
+    tx=tx,
+    policy=policy,
+    ls_api=ls_api,
+    axis_name=axis,
+    exchange=axis is not None and compression is None,
+    has_aux=has_aux,
+    cast_params=cast_params,
+    remat_policy=remat_policy,
+    regularizer=regularizer,
+    bucket_bytes=bucket_bytes,
+    reduce_dtype=None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
   )
   train = functools.partial(train_step, cfg)
   evaluate = functools.partial(eval_step, cfg)
@@ -298,9 +316,10 @@ def make_train_step(
   options = train_modes.check_compiler_options(compiler_options)
   if mode == "pmap" and options:
     raise ValueError(
-        f"compiler_options={options!r} cannot apply to mode='pmap' (jax.pmap compiles "
-        "without per-function options): use mode='shard_map', or set XLA_FLAGS before JAX "
-        "starts, e.g. XLA_FLAGS=--xla_gpu_enable_triton_gemm=false.")
+      f"compiler_options={options!r} cannot apply to mode='pmap' (jax.pmap compiles "
+      "without per-function options): use mode='shard_map', or set XLA_FLAGS before JAX "
+      "starts, e.g. XLA_FLAGS=--xla_gpu_enable_triton_gemm=false."
+    )
   if options is None:
     options = train_modes.default_compiler_options(policy, devices[0].platform)
   if mode == "single":
@@ -308,13 +327,19 @@ def make_train_step(
   elif mode == "pmap":
     compiled = train_modes.compile_pmap(train, evaluate, tx.init, donate, axis_name)
   else:
-    compiled = train_modes.compile_shard_map(train, evaluate, tx.init, donate, axis_name, mesh,
-                                             options)
+    compiled = train_modes.compile_shard_map(train, evaluate, tx.init, donate, axis_name, mesh, options)
   step_fn, eval_fn, init_fn = compiled
   if train_modes.waits_for_each_step(mode, devices):
     step_fn = train_modes.waiting(step_fn)
   return TrainStep(
-      tx=tx, policy=policy, mode=mode, axis_name=axis, mesh=mesh,
-      num_replicas=num_replicas, _step=step_fn, _eval=eval_fn, _init_opt=init_fn,
-      _model=model,
+    tx=tx,
+    policy=policy,
+    mode=mode,
+    axis_name=axis,
+    mesh=mesh,
+    num_replicas=num_replicas,
+    _step=step_fn,
+    _eval=eval_fn,
+    _init_opt=init_fn,
+    _model=model,
   )
