@@ -336,7 +336,7 @@ def collective_bytes(compiled_or_hlo_text: Any, *, wire: bool = False) -> dict[s
 def conditional_branches(compiled_or_hlo_text: Any) -> set[str]:
   """Names of the computations that are branches of a conditional in the module.
 
-  A collective whose :attr:`CollectiveOp.computation` is among them runs
+  A collective whose ``computation`` (see :func:`collective_ops`) is among them runs
   only on the steps that take its branch (a warm-up, a refresh); one in the
   entry computation runs on every step.
 
