@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
       records = module.run(quick=args.quick)
       if not records:
         raise RuntimeError(f"benchmark {name!r} returned no records")
-    except Exception:  # pylint: disable=broad-except  # Report, run the rest.
+    except Exception:  # Report, run the rest.
       traceback.print_exc()
       print(f"(benchmark {name!r} FAILED)", flush=True)
       failed.append(name)

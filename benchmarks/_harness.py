@@ -203,7 +203,7 @@ def compiled_memory(compiled: Any) -> dict[str, int | None]:
   }
   try:
     stats = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except  # Unsupported backend.
+  except Exception:  # Unsupported backend.
     stats = None
   if stats is None:
     return {k: None for k in keys}
@@ -214,7 +214,7 @@ def compiled_flops(compiled: Any) -> float | None:
   """XLA's count of floating-point operations per call, or ``None``."""
   try:
     cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except  # Unsupported backend.
+  except Exception:  # Unsupported backend.
     return None
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
@@ -275,7 +275,7 @@ def _version(package: str) -> str | None:
 def _device_memory(device: Any) -> int | None:
   try:
     stats = device.memory_stats()
-  except Exception:  # pylint: disable=broad-except  # Not every backend has it.
+  except Exception:  # Not every backend has it.
     return None
   if not stats:
     return None

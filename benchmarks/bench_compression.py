@@ -22,22 +22,23 @@ The programs of part 1 are only inspected, never run: they are compiled
 with LLVM's optimizations off (``xla_backend_optimization_level=0``), which
 changes the machine code, not the HLO and its collectives.
 
-Part 2, throughput: one device, each direction of the 1-bit codec for K = 8
-(``_worker``: residual add, scales, bits, packing, new residual;
-``_worker_donated``: the same with the residual donated, as a train step
-runs it, each call's new residual the next call's; ``_owner``:
-unpack and decode the K received chunks, average, add the server residual,
-re-quantize, pack; ``_decode``: the gathered bits to the leaves), the
-bfloat16/float8 quantize + dequantize (``compressed_mean()`` without an
-axis), and bit packing + unpacking alone, against an elementwise pass over
-the same float32 buffer (``x + 1``, a read and a write: the memory-bound
-floor), for a 2048 x 2048 float32 gradient, and (rows ending in ``_mlp``)
-for the gradients of the MLP of part 1, six leaves. On a GPU the buffers
-are larger, so that they dwarf its L2 cache and a call its launch cost: a
-16384 x 16384 gradient and a 4096-16384-4096-1000 MLP's. GB/s counts the
-buffer's float32 bytes once (for the owner: the K chunks it decodes);
-``vs_copy`` is the copy's time over the codec's, in the same run. The
-column decode transposes packed 32-bit words only.
+Part 2, throughput: one device, the codecs as a train step runs them:
+``1bit_column`` / ``1bit_l1`` / ``1bit_l2`` is :func:`jmp_train.sign_compression`'s
+update under ``pmap`` over one device (one replica), its state donated
+(each call's new state the next call's): residual add, scales, bits and
+packing, the owner's decode, average, server residual and re-encode, and
+the final decode, with a one-replica exchange. With K replicas a replica
+does the same element work (it encodes its gradient, decodes and
+re-encodes K chunks of ``n/K``, decodes ``n``), on chunks K times
+shorter; ``bfloat16`` / ``float8_e4m3`` quantize +
+dequantize is ``compressed_mean()`` without an axis. Each against an
+elementwise pass over the same float32 buffer (``x + 1``, a read and a
+write: the memory-bound floor), for a 2048 x 2048 float32 gradient, and
+(rows ending in ``_mlp``) for the gradients of the MLP of part 1, six
+leaves. On a GPU the buffers are larger, so that they dwarf its L2 cache
+and a call its launch cost: a 16384 x 16384 gradient and a
+4096-16384-4096-1000 MLP's. GB/s counts the gradient's float32 bytes once;
+``vs_copy`` is the copy's time over the codec's, in the same run.
 
 ``--quick`` (a smoke test, figures meaningless): a 64-128-10 MLP, K = 2,
 a 64 x 64 gradient, everything compiled without LLVM optimizations.
@@ -142,51 +143,34 @@ def _bytes_records(shapes, ks, all_devices) -> list[dict]:
   return records
 
 
-def _codec_calls(shapes, k: int, suffix: str = "") -> dict:
-  """name -> (jitted function, args), for every direction of every codec."""
-  from jmp_train._src.compression import sign_bits
-  from jmp_train._src.compression import sign_codec
-  from jmp_train._src.compression import sign_layout
+def _codec_calls(shapes, suffix: str = "") -> dict:
+  """name -> (jitted function, args[, carry]), for every codec timed.
+
+  The 1-bit rows run :func:`jmp_train.sign_compression`'s update as a
+  replica's step runs it (``pmap`` over one device, the state donated and
+  each call's new state passed to the next): the worker's encode, the
+  owner's decode, average and re-encode, and the final decode, with the
+  exchange of a single replica (no bytes leave the device).
+  """
   from jmp_train import compressed_mean
+  from jmp_train import sign_compression
 
   keys = jax.random.split(jax.random.key(0), len(shapes))
   grads = [jax.random.normal(key, s, jnp.float32) for key, s in zip(keys, shapes)]
-  n = sum(int(np.prod(s)) for s in shapes)
   flat = jnp.concatenate([g.reshape(-1) for g in grads])
   calls = {f"elementwise_x_plus_1{suffix}": (jax.jit(lambda x: x + 1.0), (flat,))}
+  one = jax.devices()[:1]
+  mapped = [g[None] for g in grads]
   for scale in ("column", "l1", "l2"):
-    layout = sign_layout.make_layout(shapes, scale, k)
-    r = tuple(jnp.zeros(s or (1,), jnp.float32) for s in shapes)
-
-    def worker(g, r, layout=layout, scale=scale):
-      return sign_codec.worker_step(g, r, layout, scale, decode=False)[:3]
-
-    s, m = layout.chunk, layout.max_local
-    bits = jax.random.bits(jax.random.key(1), (k, s // 8), jnp.uint8)
-    pairs = jnp.tile(jnp.asarray([0.5, -0.5], jnp.float32), (k, m, 1))
-    e = jnp.zeros((s,), jnp.float32)
-    calls[f"1bit_{scale}_worker{suffix}"] = (jax.jit(worker), (grads, r))
-    # As a train step runs it: the residual donated, each call's new one
-    # passed to the next (argument 1 <- output 2).
-    r_donated = tuple(jnp.zeros_like(x) for x in r)
-    calls[f"1bit_{scale}_worker_donated{suffix}"] = (jax.jit(worker, donate_argnums=1), (grads, r_donated), (1, 2))
-    calls[f"1bit_{scale}_owner{suffix}"] = (
-      jax.jit(lambda b, p, e, i, layout=layout, scale=scale: sign_codec.owner_step(b, p, e, i, layout, scale)),
-      (bits, pairs, e, jnp.int32(k // 2)),
-    )
-    calls[f"1bit_{scale}_decode{suffix}"] = (
-      jax.jit(lambda b, p, layout=layout: sign_codec.final_decode(b, p, layout, [jnp.float32] * len(shapes))),
-      (bits, pairs),
-    )
+    tx = sign_compression(AXIS, scale=scale)
+    state = jax.pmap(tx.init, axis_name=AXIS, devices=one)(mapped)
+    step = jax.pmap(tx.update, axis_name=AXIS, devices=one, donate_argnums=1)
+    calls[f"1bit_{scale}{suffix}"] = (step, (mapped, state), (1, 1))
   if not suffix:
     tree = {"w": grads[0]}
     for wire in ("bfloat16", "float8_e4m3"):
       tx = compressed_mean(wire=wire)
       calls[f"{wire}_quantize_dequantize"] = (jax.jit(tx.update), (tree, tx.init(tree)))
-    calls["pack_unpack_bits"] = (
-      jax.jit(lambda x: sign_bits.unpack(sign_bits.pack(x >= 0))),
-      (flat[: n - n % 8],),
-    )
   return calls
 
 
@@ -208,11 +192,11 @@ class _Call:
     return out
 
 
-def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None) -> list[dict]:
+def _throughput_records(shape_sets, repeats: int, compiler_options=None) -> list[dict]:
   calls = {}
   sizes = {}
   for suffix, shapes in shape_sets.items():
-    part = _codec_calls(shapes, k, suffix)
+    part = _codec_calls(shapes, suffix)
     calls.update(part)
     sizes.update({name: (suffix, sum(int(np.prod(s)) for s in shapes)) for name in part})
   if compiler_options:
@@ -228,7 +212,7 @@ def _throughput_records(shape_sets, repeats: int, k: int, compiler_options=None)
       {
         "part": "throughput",
         "scheme": name,
-        "replicas": k if "_owner" in name or "_decode" in name else 1,
+        "replicas": 1,
         "params": n,
         "seconds": t,
         "gb_per_s": 4 * n / t / 1e9,
@@ -251,5 +235,5 @@ def run(quick: bool) -> list[dict]:
   records = _bytes_records(mlp, ks, devices)
   if quick:
     # A smoke test: its figures mean nothing, so skip LLVM's optimizations too.
-    return records + _throughput_records({"": [(64, 64)]}, repeats=3, k=2, compiler_options=_INSPECT_ONLY)
-  return records + _throughput_records(_throughput_shapes(mlp), repeats=15, k=8)
+    return records + _throughput_records({"": [(64, 64)]}, repeats=3, compiler_options=_INSPECT_ONLY)
+  return records + _throughput_records(_throughput_shapes(mlp), repeats=15)

@@ -306,7 +306,7 @@ def gpu_probe(out_dir=None, budget_s: float | None = None) -> int:
       path = _harness.save_results(name, records, out_dir)
       print(_harness.format_table(records, getattr(module, "COLUMNS", None)), flush=True)
       row.update(status="ok", file=str(path), headline=_probe_headline(name, records))
-    except Exception as e:  # pylint: disable=broad-except  # Report, run the rest.
+    except Exception as e:  # Report, run the rest.
       traceback.print_exc()
       failed = True
       row.update(status="FAILED", headline=f"{type(e).__name__}: {str(e)[:120]}")

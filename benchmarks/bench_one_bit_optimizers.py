@@ -140,7 +140,7 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
   """(optimizer, mode, learning rate, schedule name, factory) per row."""
   from jmp_train import one_bit_momentum, sign_compression
 
-  exact = digits._exact_mean(AXIS)  # pylint: disable=protected-access
+  exact = digits._exact_mean(AXIS)
   warmup, refresh = steps * warmup_percent // 100, max(1, steps // 8)
   rows = []
   for lr in lr_momentum:
@@ -256,8 +256,8 @@ def run(quick: bool) -> list[dict]:
   seeds = (0,) if quick else _seeds(os.environ.get("BENCH_ONE_BIT_OPTIMIZERS_SEEDS", ""))
   lr_momentum = (0.1,) if quick else (0.1, 0.3)
   adam = (("cosine", 3e-3),) if quick else (("constant", 3e-3), ("cosine", 3e-3), ("cosine", 1e-2))
-  params = digits._init_model(jax.random.key(0), hidden)  # pylint: disable=protected-access
-  large = digits._init_mlp(jax.random.key(0), (784, 2048, 1024, 10))  # pylint: disable=protected-access
+  params = digits._init_model(jax.random.key(0), hidden)
+  large = digits._init_mlp(jax.random.key(0), (784, 2048, 1024, 10))
   records, wire = [], {}
   warmup_percent = 20 if quick else _harness.env_int("BENCH_ONE_BIT_OPTIMIZERS_WARMUP", 20)
   if warmup_percent >= 100:

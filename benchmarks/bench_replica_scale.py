@@ -25,10 +25,12 @@ at 10, 100 and 400 Gbit/s per replica, K up to 1,024:
 * ``one_bit_ms``: the two-phase 1-bit exchange of ``sign_compression``
   (column scales): its all-to-all and all-gather, ``2(K-1)·alpha +
   2(K-1)·(S/8 + 8M)/B`` with the chunk ``S`` and pairs ``M`` of the actual
-  layout (``sign_layout.make_layout`` of the model's leaves: padding and
-  pairs included), plus the codec's compute, ``c·N``, where ``c`` is the
-  codec's time per element (worker with donated residual + owner + final
-  decode, the 1.1M MLP rows) measured by the ``compression`` benchmark and
+  layout (:func:`jmp_train.sign_compression_wire_bytes` of the model's
+  leaves: padding and pairs included), plus the codec's compute, ``c·N``,
+  where ``c`` is the codec's time per element (a replica's whole
+  ``sign_compression`` update, the 1.1M MLP row; per phase in older
+  results: worker with donated residual + owner + final decode) measured
+  by the ``compression`` benchmark and
   stored in ``results/compression-<device>.json`` (``codec``: which device's
   file; ``c_ns`` its value);
 * ``alpha = 10 µs`` per message, ``B`` the link's bytes per second; the
@@ -222,8 +224,9 @@ MODELS = {"124M": gpt_shapes(768, 12), "1.3B": gpt_shapes(2048, 24, context=2048
 def codec_seconds_per_element(results_dir: pathlib.Path = _harness.RESULTS_DIR) -> dict[str, float]:
   """Codec seconds per element, per device, from the stored ``compression`` results.
 
-  Worker (with a donated residual where measured) + owner + final decode,
-  column scales, the MLP rows.
+  A replica's whole update (``1bit_column_mlp``), or, in results measured
+  per phase, worker (with a donated residual where measured) + owner +
+  final decode; column scales, the MLP rows.
   """
   out = {}
   for path in sorted(results_dir.glob("compression-*.json")):
@@ -231,23 +234,31 @@ def codec_seconds_per_element(results_dir: pathlib.Path = _harness.RESULTS_DIR) 
       continue
     payload = json.loads(path.read_text())
     rows = {r["scheme"]: r for r in payload["records"] if r.get("part") == "throughput"}
+    device = path.stem.removeprefix("compression-")
+    step = rows.get("1bit_column_mlp")
+    if step:
+      out[device] = step["seconds"] / step["params"]
+      continue
+    # Results measured per phase (the codec's worker, owner and decode).
     worker = rows.get("1bit_column_worker_donated_mlp") or rows.get("1bit_column_worker_mlp")
     owner, decode = rows.get("1bit_column_owner_mlp"), rows.get("1bit_column_decode_mlp")
     if worker and owner and decode:
-      device = path.stem.removeprefix("compression-")
       out[device] = (worker["seconds"] + owner["seconds"] + decode["seconds"]) / worker["params"]
   return out
 
 
 def projection(codecs: dict[str, float]) -> list[dict]:
-  from jmp_train._src.compression.sign_layout import make_layout
+  import jax
+  import jax.numpy as jnp
+
+  from jmp_train import sign_compression_wire_bytes
 
   records = []
   for model, shapes in MODELS.items():
     n = sum(int(np.prod(s)) for s in shapes)
+    like = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     for k in PROJECTED_KS:
-      layout = make_layout(shapes, "column", k)
-      one_bit_bytes = 2 * (k - 1) * (layout.chunk // 8 + 8 * layout.max_local)
+      one_bit_bytes = sign_compression_wire_bytes(like, k)
       ring_bytes = 2 * (k - 1) / k * 4 * n
       latency = 2 * (k - 1) * ALPHA_S
       for gbit in LINKS_GBIT_S:

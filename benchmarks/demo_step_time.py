@@ -45,7 +45,7 @@ def settings(small: bool = False, steps: int = 200) -> DemoSettings:
 
 def _compiled_step(name: str, s: DemoSettings):
   task = TASKS["text"](s)
-  step = demo_training._build_step(CONFIGS[name], task, s)  # pylint: disable=protected-access
+  step = demo_training._build_step(CONFIGS[name], task, s)
   state = step.init(demo_training.init_task_params(task, s))
   compiled = step.lower(state, step.shard_batch(task.train_batch(0))).compile()
   return task, step, state, compiled

@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train._src.compression.sign_compression import SignCompressionState as SignCompressionState
   from jmp_train._src.compression.sign_compression import sign_compression as sign_compression
   from jmp_train._src.compression.sign_compression import sign_compression_specs as sign_compression_specs
+  from jmp_train._src.compression.sign_compression import sign_compression_wire_bytes as sign_compression_wire_bytes
   from jmp_train._src.compression.compressed_mean import CompressedMeanState as CompressedMeanState
   from jmp_train._src.compression.compressed_mean import compressed_mean as compressed_mean
   from jmp_train._src.buckets import bucketed_mean as bucketed_mean

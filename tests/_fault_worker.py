@@ -57,7 +57,7 @@ def _args(argv):
 
 def batch(i, pid, n, per_process=8):
   """Process ``pid``'s share of the global batch of step ``i``."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   rng = np.random.default_rng(1000 + i)
   x = rng.normal(size=(n * per_process, 8)).astype(np.float32)
@@ -67,8 +67,8 @@ def batch(i, pid, n, per_process=8):
 
 def make_step(mesh=None):
   """The train step (over ``mesh``, else all devices of the job)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import jmp_train  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import jmp_train
 
   def apply_fn(variables, x):
     p = variables["params"]
@@ -88,7 +88,7 @@ def make_step(mesh=None):
 
 
 def params():
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   rng = np.random.default_rng(0)
   return {
@@ -100,8 +100,8 @@ def params():
 
 def local_replicas(state) -> dict:
   """``{"<leaf path>@<replica>": array}`` for this process's replicas of every leaf."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
 
   out = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):
@@ -116,7 +116,7 @@ def _mark(path: pathlib.Path) -> None:
 
 def main(argv) -> int:
   a = _args(argv)
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   jax.config.update("jax_num_cpu_devices", DEVICES)
   jax.config.update("jax_platforms", "cpu")
@@ -134,9 +134,9 @@ def main(argv) -> int:
     heartbeat_timeout_seconds=HEARTBEAT_S,
     shutdown_timeout_seconds=HEARTBEAT_S,
   )
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  import jmp_train  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  import orbax.checkpoint as ocp
+  import jmp_train
 
   step = make_step()
   state = step.init(params())

@@ -6,15 +6,15 @@ import os
 # XLA:CPU's collective timeouts stay at their defaults, as a user has them:
 # a loop that queues steps with collectives waits for each (as
 # make_train_step does on CPU devices, and the README asks of hand-written
-# loops). The tests' programs are small and most run once or twice:
-# skipping LLVM's optimization passes (XLA's HLO passes, fusion included,
-# still run) cuts the suite's compile time by about a quarter.
+# loops). The tests' programs are small and most run once or twice, so
+# LLVM's optimization passes are skipped (XLA's HLO passes, fusion included,
+# still run): compilation dominates the suite's time.
 os.environ["XLA_FLAGS"] = (
   "--xla_backend_optimization_level=0 " + os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No persistent compilation cache by default: CI starts from a clean clone,
-# and writing a cold cache cost the suite about 40 s on the 2-core machine.
+# where writing a cold cache costs more than it saves.
 # To reuse compilations across local runs, set JAX_COMPILATION_CACHE_DIR
 # (the xdist workers and the processes the tests start inherit it).
 if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -32,15 +32,13 @@ def pytest_configure(config):
   assert jax.device_count() == NUM_DEVICES, f"expected {NUM_DEVICES} simulated CPU devices, got {jax.devices()}"
 
 
-# The longest tests (notebooks, the demo, the benchmarks' quick runs) go
-# first: with ``--dist worksteal`` the two workers then share out the short
-# ones and finish together, instead of one waiting on a notebook queued last.
-_LONG_FIRST = ("test_notebooks.py", "test_demo.py", "test_benchmarks.py")
-
-
+# The long runs (marked ``slow``: notebooks, the demo's processes,
+# convergence) go first: with ``--dist worksteal`` the two workers then share
+# out the short tests and finish together, instead of one waiting on a long
+# run queued last.
 def pytest_collection_modifyitems(config, items):
   del config
-  items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in _LONG_FIRST)
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

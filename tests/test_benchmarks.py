@@ -170,13 +170,15 @@ def _check_activation_memory_records(records):
 
 
 def _check_compression_records(records):
-  # Every 1-bit scale's worker is timed undonated and donated, against the copy.
+  # Every 1-bit scale's update and every wire's quantize + dequantize is
+  # timed against the copy.
   by = {r["scheme"]: r for r in records if r["part"] == "throughput"}
   assert by["elementwise_x_plus_1"]["vs_copy"] == 1.0
-  for scale in ("column", "l1", "l2"):
-    for name in ("worker", "worker_donated", "owner", "decode"):
-      record = by[f"1bit_{scale}_{name}"]
-      assert record["seconds"] > 0 and record["vs_copy"] > 0, record
+  names = [f"1bit_{scale}" for scale in ("column", "l1", "l2")]
+  names += [f"{wire}_quantize_dequantize" for wire in ("bfloat16", "float8_e4m3")]
+  assert sorted(by) == sorted(names + ["elementwise_x_plus_1"])
+  for name in names:
+    assert by[name]["seconds"] > 0 and by[name]["vs_copy"] > 0, by[name]
 
 
 _QUICK_RECORD_CHECKS = {
@@ -357,7 +359,7 @@ def test_selected_rows_follow_the_environment(monkeypatch):
 def test_multiprocess_names_from_the_environment(monkeypatch):
   from benchmarks import bench_multiprocess as bench
 
-  names = bench._env_names  # pylint: disable=protected-access
+  names = bench._env_names
   monkeypatch.delenv("BENCH_MULTIPROCESS_SIZES", raising=False)
   assert names("BENCH_MULTIPROCESS_SIZES", ("1M", "8M"), tuple(bench.SIZES)) == ("1M", "8M")
   monkeypatch.setenv("BENCH_MULTIPROCESS_SIZES", "8M,32M")
@@ -386,7 +388,7 @@ def test_one_bit_optimizers_rejects_a_warmup_of_the_whole_run(monkeypatch):
 def test_one_bit_optimizers_seeds_from_the_environment(value, seeds):
   from benchmarks import bench_one_bit_optimizers as bench
 
-  assert bench._seeds(value) == seeds  # pylint: disable=protected-access
+  assert bench._seeds(value) == seeds
 
 
 @pytest.mark.parametrize("value", ["0", "4-3", "a", "1,2", "-2"])
@@ -394,7 +396,7 @@ def test_one_bit_optimizers_rejects_bad_seeds(value):
   from benchmarks import bench_one_bit_optimizers as bench
 
   with pytest.raises(ValueError, match="BENCH_ONE_BIT_OPTIMIZERS_SEEDS must be a count"):
-    bench._seeds(value)  # pylint: disable=protected-access
+    bench._seeds(value)
 
 
 def test_one_bit_wire_ratio_counts_every_step_but_the_exact_branch():
@@ -501,7 +503,7 @@ def test_demo_step_time_isolated_and_profiled(tmp_path, capsys, monkeypatch):
 
   # Both runs below use one configuration and size: build and compile its
   # step once (the step donates its state: each run gets a fresh copy).
-  built = functools.cache(demo_step_time._compiled_step)  # pylint: disable=protected-access
+  built = functools.cache(demo_step_time._compiled_step)
 
   def compiled_step(name, s):
     task, step, state, compiled = built(name, s)

@@ -366,11 +366,11 @@ def test_a_failed_save_lets_the_interpreter_exit_at_once(tmp_path):
 
 @pytest.mark.parametrize("kind", ["one_bit", "truncated_record"])
 def test_the_demo_resumes_from_its_newest_intact_step(saved, tmp_path, kind):
-  from jmp_train_examples import demo_training  # pylint: disable=g-import-not-at-top
-  from jmp_train_examples.demo_configs import DemoSettings  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import demo_training
+  from jmp_train_examples.demo_configs import DemoSettings
 
   s = DemoSettings(checkpoint_dir=str(tmp_path))
-  checkpoints = demo_training._Checkpoints("f32", s)  # pylint: disable=protected-access
+  checkpoints = demo_training._Checkpoints("f32", s)
   for n in (1, 2):
     state = jax.tree.map(jnp.asarray, saved["states"][n])
     curves = {"loss": [float(n)], "loss_scale": [1.0]}
@@ -382,7 +382,7 @@ def test_the_demo_resumes_from_its_newest_intact_step(saved, tmp_path, kind):
   else:
     damage, fragment = _RECORD_DAMAGE[kind]
     damage(tmp_path / "f32" / "2")
-  checkpoints = demo_training._Checkpoints("f32", s)  # pylint: disable=protected-access
+  checkpoints = demo_training._Checkpoints("f32", s)
   checkpoints.check()  # the damaged step's record is left to restore()
   with pytest.warns(UserWarning, match="Passing over step 2") as record:
     state, n, run_record = checkpoints.restore(saved["like"])

@@ -207,7 +207,7 @@ def test_out_that_cannot_be_written_fails_before_training(tmp_path, capsys):
 
 def test_out_is_created(tmp_path):
   out = tmp_path / "new" / "folder"
-  cli._check_output_dir(str(out))  # pylint: disable=protected-access
+  cli._check_output_dir(str(out))
   assert out.is_dir() and not list(out.iterdir())
 
 
@@ -230,7 +230,7 @@ def test_help_is_plain_text_and_needs_no_jax():
 
 def test_demo_uses_the_public_api():
   """The example modules import jmp_train's public names, not jmp_train._src."""
-  import ast  # pylint: disable=g-import-not-at-top
+  import ast
 
   for path in sorted((ROOT / "examples" / "jmp_train_examples").glob("*.py")):
     name = path.name
@@ -244,7 +244,7 @@ def test_demo_uses_the_public_api():
 
 
 def test_schedule_warms_up_and_decays_to_the_final_rate():
-  from jmp_train_examples import demo  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import demo
 
   s = demo.DemoSettings(steps=100, learning_rate=0.2, warmup_fraction=0.1, final_lr_fraction=0.01)
   lr = np.asarray([float(demo.learning_rate_schedule(s)(i)) for i in range(101)])
@@ -254,8 +254,8 @@ def test_schedule_warms_up_and_decays_to_the_final_rate():
 
 
 def test_gpt2_init_draws_small_weights_and_scales_residual_projections():
-  import jax  # pylint: disable=g-import-not-at-top
-  from jmp_train_examples import demo, models  # pylint: disable=g-import-not-at-top
+  import jax
+  from jmp_train_examples import demo, models
 
   model = models.TransformerBlock(d_model=64, num_layers=4)
   params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
@@ -272,7 +272,7 @@ def test_gpt2_init_draws_small_weights_and_scales_residual_projections():
 
 
 def test_bad_init_names_the_valid_ones():
-  from jmp_train_examples import demo_tasks  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import demo_tasks
 
   s = demo_tasks.DemoSettings(task="text", init="xavier", steps=1)
   task = demo_tasks.TASKS["text"](s)
@@ -283,9 +283,9 @@ def test_bad_init_names_the_valid_ones():
 def test_one_bit_scale_and_init_flags_reach_the_settings():
   parser = cli.build_parser()
   args = parser.parse_args(["--one-bit-scale", "column", "--init", "gpt2"])
-  settings = cli._settings(args, parser.config_names)  # pylint: disable=protected-access
+  settings = cli._settings(args, parser.config_names)
   assert settings["one_bit_scale"] == "column" and settings["init"] == "gpt2"
-  default = cli._settings(parser.parse_args([]), parser.config_names)  # pylint: disable=protected-access
+  default = cli._settings(parser.parse_args([]), parser.config_names)
   assert default["one_bit_scale"] == "l1" and default["init"] == "flax"
   # The DiLoCo rows run when asked for by name.
   assert default["configs"] == demo_configs.DEFAULT_CONFIGS == demo_configs.DemoSettings().configs
@@ -359,7 +359,7 @@ def test_readme_quick_start_runs_as_written(capsys):
   code = _readme_quick_start()
   assert len(code.strip().splitlines()) <= 15
   namespace = {"__name__": "__readme__"}
-  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  exec(compile(code, "README.md", "exec"), namespace)
   assert "'loss_scale'" in capsys.readouterr().out
   metrics = {k: float(v) for k, v in namespace["metrics"].items()}
   assert set(metrics) == {"loss", "loss_scale", "skipped_steps", "consecutive_skipped_steps", "grad_norm"}
@@ -425,6 +425,6 @@ def test_worker_processes_keep_every_xla_flag_but_the_device_count():
     "--xla_gpu_ftz=true --xla_force_host_platform_device_count=8 "
     "--xla_cpu_collective_call_terminate_timeout_seconds=600"
   )
-  kept = demo._worker_xla_flags(flags)  # pylint: disable=protected-access
+  kept = demo._worker_xla_flags(flags)
   assert kept.split() == ["--xla_gpu_ftz=true", "--xla_cpu_collective_call_terminate_timeout_seconds=600"]
-  assert demo._worker_xla_flags("") == ""  # pylint: disable=protected-access
+  assert demo._worker_xla_flags("") == ""

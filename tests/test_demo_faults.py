@@ -91,9 +91,7 @@ def test_the_unresponsive_process_is_named_in_one_line_without_stack_frames(monk
     results[named] = Finished(-signal.SIGKILL, "", ended=True)
     monkeypatch.setattr(demo, "run_processes", lambda commands, env, r=results, **kw: r)
     with pytest.raises(demo.DemoError) as e:
-      demo._run_processes(  # pylint: disable=protected-access
-        demo.DemoSettings(num_processes=2), ["8dev-f32"], []
-      )
+      demo._run_processes(demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
     assert str(e.value) == (
       f"process {named} of 2 stopped responding (alive but not answering: process "
       f"{survivor} gave up on its heartbeats and stopped, it did not); the launcher "
@@ -106,7 +104,7 @@ def test_the_unresponsive_process_is_named_in_one_line_without_stack_frames(monk
     }
     assert capsys.readouterr().err.splitlines() == [f"process {pid} of 2: {lines[pid]}" for pid in range(2)]
   # A failure of its own is its error line, never a stack frame.
-  assert demo._failure_line(_PEER_STOPPED_LOG) == (  # pylint: disable=protected-access
+  assert demo._failure_line(_PEER_STOPPED_LOG) == (
     "TimeoutError: Timed out while waiting for async_write_complete barrier."
   )
 

@@ -23,9 +23,7 @@ def test_a_killed_worker_is_named_not_the_one_that_stopped_after_it(monkeypatch)
   aborted = "F1127 client.h:80] Terminating process because ... Task 1 heartbeat timeout\n"
   monkeypatch.setattr(demo, "run_processes", lambda commands, env: [(-signal.SIGABRT, aborted), (-signal.SIGKILL, "")])
   with pytest.raises(demo.DemoError) as e:
-    demo._run_processes(  # pylint: disable=protected-access
-      demo.DemoSettings(num_processes=2), ["8dev-f32"], []
-    )
+    demo._run_processes(demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
   assert str(e.value) == ("process 1 of 2 was lost (killed by SIGKILL); the others stopped without it")
 
 
@@ -34,9 +32,7 @@ def test_a_worker_that_failed_on_its_own_is_reported_with_its_error(monkeypatch)
     demo, "run_processes", lambda commands, env: [(0, ""), (-signal.SIGABRT, "F1127 x.cc:1] Check failed: bad\n")]
   )
   with pytest.raises(demo.DemoError, match=r"process 1 of 2 failed: F1127 x.cc:1\] Check failed"):
-    demo._run_processes(  # pylint: disable=protected-access
-      demo.DemoSettings(num_processes=2), ["8dev-f32"], []
-    )
+    demo._run_processes(demo.DemoSettings(num_processes=2), ["8dev-f32"], [])
 
 
 @pytest.mark.slow

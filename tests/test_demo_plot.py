@@ -57,7 +57,7 @@ def _synthetic():
 
 @pytest.fixture(scope="module")
 def figure():
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
 
   rows, curves = _synthetic()
   s = demo_configs.DemoSettings(steps=STEPS, batch=16)
@@ -106,7 +106,7 @@ def test_rows_at_their_baseline_draw_flat_at_zero(figure):
 
 
 def test_final_validation_gaps_are_written_and_do_not_overlap(figure):
-  from matplotlib import text  # pylint: disable=g-import-not-at-top
+  from matplotlib import text
 
   compression = _gap_axes(figure)[2]
   labels = {t.get_text(): t for t in compression.texts if t.get_text().endswith("%")}

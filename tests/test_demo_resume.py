@@ -33,14 +33,14 @@ _TIMINGS = ("steps_per_s", "compile_s")
 def _settings(*flags):
   parser = cli.build_parser()
   args = parser.parse_args(["--quick", "--task", "digits", "--no-plot", "--no-progress", *flags])
-  return DemoSettings(**cli._settings(args, parser.config_names))  # pylint: disable=protected-access
+  return DemoSettings(**cli._settings(args, parser.config_names))
 
 
 def test_checkpoint_flags():
   s = _settings("--checkpoint-dir", "ck")
   assert s.checkpoint_dir == "ck" and s.checkpoint_every == 50
   assert _settings().checkpoint_dir is None
-  with pytest.raises(cli._UsageError, match="--checkpoint-every needs --checkpoint-dir"):  # pylint: disable=protected-access
+  with pytest.raises(cli._UsageError, match="--checkpoint-every needs --checkpoint-dir"):
     _settings("--checkpoint-every", "5")
 
 

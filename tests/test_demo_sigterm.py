@@ -57,6 +57,4 @@ def test_workers_that_stopped_on_sigterm_make_the_launcher_stop_too(monkeypatch)
     demo, "run_processes", lambda commands, env: [(128 + signal.SIGTERM, "jmp-train: terminated (SIGTERM)\n"), (0, "")]
   )
   with pytest.raises(stopping.Terminated):
-    demo._run_processes(  # pylint: disable=protected-access
-      demo.DemoSettings(num_processes=2), ["8dev-f32"], []
-    )
+    demo._run_processes(demo.DemoSettings(num_processes=2), ["8dev-f32"], [])

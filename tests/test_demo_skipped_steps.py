@@ -82,9 +82,7 @@ def test_demo_loop_stops_after_max_skipped_steps():
   s = DemoSettings(steps=50, max_skipped_steps=20)
   reached = []
   with pytest.raises(DemoError, match=r"'nan-model' cannot learn: the last 20 steps") as e:
-    demo_training._train(  # pylint: disable=protected-access
-      step, compiled, state, _Task(), s, lambda i, _: reached.append(i), "nan-model"
-    )
+    demo_training._train(step, compiled, state, _Task(), s, lambda i, _: reached.append(i), "nan-model")
   assert "--max-skipped-steps 20" in str(e.value)
   assert reached == [10, 20]  # checked when the progress fetches the metrics
 
@@ -94,19 +92,15 @@ def test_demo_loop_runs_on_below_the_limit():
   state = step.init({"w": jnp.ones((3, 2))})
   compiled = step.lower(state, _batch()).compile()
   s = DemoSettings(steps=10, max_skipped_steps=11)
-  state, metrics, _, _ = demo_training._train(  # pylint: disable=protected-access
-    step, compiled, state, _Task(), s, lambda i, _: None, "nan-model"
-  )
+  state, metrics, _, _ = demo_training._train(step, compiled, state, _Task(), s, lambda i, _: None, "nan-model")
   assert int(metrics["consecutive_skipped_steps"]) == 10 and int(state.step) == 10
 
 
 def test_max_skipped_steps_flag_reaches_the_settings():
   parser = cli.build_parser()
-  settings = cli._settings(  # pylint: disable=protected-access
-    parser.parse_args(["--max-skipped-steps", "7"]), parser.config_names
-  )
+  settings = cli._settings(parser.parse_args(["--max-skipped-steps", "7"]), parser.config_names)
   assert settings["max_skipped_steps"] == 7
-  default = cli._settings(parser.parse_args([]), parser.config_names)  # pylint: disable=protected-access
+  default = cli._settings(parser.parse_args([]), parser.config_names)
   assert default["max_skipped_steps"] == DemoSettings().max_skipped_steps == 100
-  with pytest.raises(cli._UsageError, match="positive integer"):  # pylint: disable=protected-access
+  with pytest.raises(cli._UsageError, match="positive integer"):
     parser.parse_args(["--max-skipped-steps", "0"])

@@ -191,7 +191,7 @@ def test_pad_to_multiple(n, multiple, expected):
 
 
 def test_public_module_reexports_collective_bytes():
-  import jmp_train  # pylint: disable=g-import-not-at-top
+  import jmp_train
 
   assert diag.collective_bytes is jmp_train.diagnostics.collective_bytes
   assert diag.collective_ops is jmp_train.diagnostics.collective_ops

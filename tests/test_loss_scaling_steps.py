@@ -104,8 +104,8 @@ def test_benchmark_leaves_out_jmp_where_it_is_not_installed(monkeypatch):
   from benchmarks import bench_loss_scaling
 
   monkeypatch.setitem(sys.modules, "jmp", None)  # as if not installed
-  assert "jmp" not in bench_loss_scaling._variants()  # pylint: disable=protected-access
-  steps = bench_loss_scaling._steps()  # pylint: disable=protected-access
+  assert "jmp" not in bench_loss_scaling._variants()
+  steps = bench_loss_scaling._steps()
   assert "jmp" not in steps and {"adamw", "jmp_train", "flax", "optax"} <= set(steps)
   records = bench_loss_scaling.compiled_profiles(sizes=(8, 16, 10), batch=4, variants=("adamw",), steps=steps)
   assert {r["part"] for r in records} == {"hlo_step", "hlo_update"}

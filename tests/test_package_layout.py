@@ -73,3 +73,11 @@ def test_each_package_docstring_names_its_modules(package):
   for module in sorted((SRC / package).glob("*.py")):
     if module.name != "__init__.py" and not module.name.startswith("_"):
       assert f"``{module.stem}``" in doc, f"{package}/__init__.py does not name {module.stem}"
+
+
+def test_examples_benchmarks_and_notebooks_use_public_names_only():
+  # What users read as examples imports what users can import.
+  for folder in ("examples", "benchmarks", "notebooks"):
+    for path in sorted((ROOT / folder).rglob("*")):
+      if path.suffix in (".py", ".ipynb", ".md") and "egg-info" not in str(path):
+        assert "_src" not in path.read_text(), f"{path.relative_to(ROOT)} reaches into jmp_train._src"

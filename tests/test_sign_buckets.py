@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jmp_train import one_bit_adam, one_bit_momentum, sign_compression
-from jmp_train.diagnostics import collective_ops
+from jmp_train import one_bit_adam, one_bit_momentum, sign_compression, sign_compression_wire_bytes
+from jmp_train.diagnostics import collective_bytes, collective_ops
 
 from _sign_reference import AXIS, WIDE_SHAPES, make_grads, replicated_zeros  # noqa: E402
 
@@ -67,6 +67,39 @@ def test_each_bucket_has_its_own_packed_collectives():
   bits = sorted(-(-n // (8 * K)) * K for n in sizes)  # n_pad / 8
   for got, want in zip(packed, bits):
     assert want < got <= want + 8 * K * 16
+  # The bytes predicted without compiling are those of the compiled program.
+  predicted = sign_compression_wire_bytes(WIDE_SHAPES_TREE, K, scale="l1", bucket_bytes=2000)
+  assert predicted == collective_bytes(compiled, wire=True)["total"]
+
+
+WIDE_SHAPES_TREE = {n: np.zeros(s, np.float32) for n, s in WIDE_SHAPES.items()}
+
+
+def test_wire_bytes_without_buckets_are_the_compiled_programs():
+  # Column scales: the most reconstruction pairs per chunk.
+  init, update = _pmapped(scale="column")
+  params = replicated_zeros(K, WIDE_SHAPES)
+  compiled = update.lower(params, init(params)).compile()
+  assert sign_compression_wire_bytes(WIDE_SHAPES_TREE, K) == collective_bytes(compiled, wire=True)["total"]
+  # One replica sends nothing; many send a 32nd of a ring all-reduce's bytes, or less.
+  assert sign_compression_wire_bytes(WIDE_SHAPES_TREE, 1) == 0
+  big = {"w": jax.ShapeDtypeStruct((4096, 4096), np.float32)}
+  ring = 2 * 1023 / 1024 * 4 * 4096 * 4096
+  assert 30 < ring / sign_compression_wire_bytes(big, 1024) <= 32
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"num_replicas": 0}, "num_replicas must be a positive int, got 0"),
+    ({"num_replicas": True}, "num_replicas must be a positive int, got True"),
+    ({"num_replicas": 4, "scale": "rows"}, "Unknown scale 'rows'"),
+    ({"num_replicas": 4, "bucket_bytes": -1}, "bucket_bytes must be a positive int or None, got -1"),
+  ],
+)
+def test_wire_bytes_bad_arguments_are_value_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sign_compression_wire_bytes(WIDE_SHAPES_TREE, **kwargs)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4MB"])

@@ -127,7 +127,7 @@ def test_single_step_metrics_dtypes_and_learning(policy):
     np.asarray(state.model_state["batch_stats"]["BatchNorm_0"]["mean"]),
   )
   # A scale that changes value does not retrace the step.
-  assert step._step._cache_size() == 1  # pylint: disable=protected-access
+  assert step._step._cache_size() == 1
   evaluation = step.evaluate(state, step.shard_batch(_batch(100)))
   assert set(evaluation) == {"loss", "accuracy"} and np.isfinite(evaluation["loss"])
 
@@ -321,7 +321,7 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_flax_nnx_model_through_the_documented_adapter():
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
 
   model = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)

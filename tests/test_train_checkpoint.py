@@ -84,7 +84,7 @@ def test_no_traceback_noise_at_interpreter_exit(tmp_path):
 
 
 def test_a_failed_save_leaves_nothing_a_restore_accepts(tmp_path, monkeypatch):
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp
 
   step = _step()
   state = step.init({"w": jnp.ones((3, 2))})
@@ -109,7 +109,7 @@ def test_a_failed_save_leaves_nothing_a_restore_accepts(tmp_path, monkeypatch):
 
 
 def test_nnx_state_round_trips(tmp_path):
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
 
   model = nnx.Sequential(
     nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))

@@ -193,8 +193,8 @@ def test_a_flax_tutorial_loss_fn_names_the_expected_signature():
 
 
 def test_dropout_without_rngs_says_what_make_train_step_expects():
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn
+  from flax import nnx
 
   class Model(nn.Module):
     @nn.compact
@@ -273,7 +273,7 @@ def test_a_state_used_again_after_a_donated_step_says_so():
 
 
 def test_an_apply_policy_model_has_flax_dtype_attributes():
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn
 
   dense = nn.Dense(4)
   model = jmp_train.flax.apply_policy(dense, "mixed_bfloat16")
@@ -293,7 +293,7 @@ def test_an_apply_policy_model_has_flax_dtype_attributes():
 
 
 def test_half_weights_with_a_plain_optimizer_warn_at_construction():
-  import warnings  # pylint: disable=g-import-not-at-top
+  import warnings
 
   make = lambda optimizer, policy="bfloat16", **kwargs: jmp_train.make_train_step(
     _linear_apply, _mse, optimizer, policy=policy, **kwargs
@@ -325,7 +325,7 @@ def test_half_weights_with_a_plain_optimizer_warn_at_construction():
 
 
 def test_a_mismatched_restore_of_a_checkpoint_manager_step_names_the_leaf_quietly(tmp_path, capfd, caplog, monkeypatch):
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn
 
   ocp = pytest.importorskip("orbax.checkpoint")
 

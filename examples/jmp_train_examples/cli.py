@@ -237,7 +237,7 @@ def _settings(args: argparse.Namespace, config_names) -> dict:
 
 def _check_output_dir(path: str) -> None:
   """Creates ``--out`` if needed and checks a file can be written there."""
-  import tempfile  # pylint: disable=g-import-not-at-top
+  import tempfile
 
   if os.path.exists(path) and not os.path.isdir(path):
     raise _UsageError(f"--out {path}: exists and is not a folder")
@@ -254,19 +254,19 @@ def _check_optional_dependencies(settings: dict) -> str | None:
   """Raises for a missing dependency the run needs; returns a note for the plot."""
   if settings["task"] == "digits":
     try:
-      import sklearn  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+      import sklearn  # noqa: F401
     except ImportError:
       raise _DependencyError(
         "--task digits needs scikit-learn: pip install 'jmp_train_examples[full]' (or use --task text)"
       ) from None
   if settings["checkpoint_dir"] is not None:
     try:
-      import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+      import orbax.checkpoint  # noqa: F401
     except ImportError:
       raise _DependencyError("--checkpoint-dir needs orbax-checkpoint: pip install 'jmp_train[checkpoint]'") from None
   if settings["plot"]:
     try:
-      import matplotlib  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+      import matplotlib  # noqa: F401
     except ImportError:
       settings["plot"] = False
       return "results.png not drawn: matplotlib is not installed; pip install 'jmp_train[plot]' to get the figure"
@@ -279,7 +279,7 @@ class _DependencyError(Exception):
 
 def _setup_jax(process: str | None) -> None:
   """8 CPU devices (or 8/N per process), before JAX starts its backend."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   if process is None:
     try:
@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
   except _UsageError as e:
     print(f"{_PROG}: error: {e} (see {_PROG} --help)", file=sys.stderr)
     return 2
-  if args._process is not None:  # pylint: disable=protected-access
+  if args._process is not None:
     # A worker of a --num-processes run: it ends with its launcher.
-    watcher = _LauncherWatch(args._process, settings["out"])  # pylint: disable=protected-access
+    watcher = _LauncherWatch(args._process, settings["out"])
     if watcher.orphaned():
       watcher.remove_folder()
       return 1
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
       if watcher.orphaned():
         watcher.remove_folder()
-  from jmp_train_examples import checkpoint_lock  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples import checkpoint_lock
 
   with contextlib.ExitStack() as stack:
     if settings["checkpoint_dir"] is not None:
@@ -362,18 +362,18 @@ def _run(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 1
   try:
-    from jmp_train_examples import stopping  # pylint: disable=g-import-not-at-top
+    from jmp_train_examples import stopping
 
     # A worker process leaves SIGTERM to jax.distributed's preemption
     # service: the workers agree on a step, save it and stop together.
-    with stopping.sigterm_unwinds(args._process is None):  # pylint: disable=protected-access
-      _setup_jax(args._process)  # pylint: disable=protected-access
-      from jmp_train_examples import demo  # pylint: disable=g-import-not-at-top
+    with stopping.sigterm_unwinds(args._process is None):
+      _setup_jax(args._process)
+      from jmp_train_examples import demo
 
       s = demo.DemoSettings(**settings)
       # The flags worker processes inherit (the launcher sets the others).
-      rows = demo.run_demo(s, argv_base=_strip(argv), worker=args._process is not None)  # pylint: disable=protected-access
-    if args._process is None:  # pylint: disable=protected-access
+      rows = demo.run_demo(s, argv_base=_strip(argv), worker=args._process is not None)
+    if args._process is None:
       print(demo.format_table(rows))
       print(
         f"\nwritten: {os.path.join(s.out, 'results.json')}"
@@ -407,7 +407,7 @@ def _run(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
       file=sys.stderr,
     )
     return 128 + signal.SIGTERM
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     # One line, never a traceback; JMP_TRAIN_DEBUG=1 shows it.
     if os.environ.get("JMP_TRAIN_DEBUG"):
       raise
@@ -442,7 +442,7 @@ class _LauncherWatch:
     pdeathsig = False
     if sys.platform.startswith("linux"):
       try:
-        import ctypes  # pylint: disable=g-import-not-at-top
+        import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         pdeathsig = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
@@ -457,7 +457,7 @@ class _LauncherWatch:
     return self._gone or os.getppid() != self._parent
 
   def remove_folder(self) -> None:
-    from jmp_train_examples.processes import WORKER_FOLDER_PREFIX  # pylint: disable=g-import-not-at-top
+    from jmp_train_examples.processes import WORKER_FOLDER_PREFIX
 
     if os.path.basename(os.path.normpath(self._out)).startswith(WORKER_FOLDER_PREFIX):
       shutil.rmtree(self._out, ignore_errors=True)
@@ -469,7 +469,7 @@ class _LauncherWatch:
       os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(_ORPHAN_EXIT_S)
     self.remove_folder()
-    os._exit(1)  # pylint: disable=protected-access
+    os._exit(1)
 
 
 # linux/prctl.h
@@ -489,13 +489,13 @@ def _alive(pid: int) -> bool:
 
 
 def _terminated():
-  from jmp_train_examples.stopping import Terminated  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.stopping import Terminated
 
   return Terminated
 
 
 def _known():
-  from jmp_train_examples.demo import DemoError  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.demo import DemoError
 
   return (DemoError, ImportError, ValueError)
 

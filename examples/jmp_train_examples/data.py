@@ -174,7 +174,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     ImportError: with an install hint, if scikit-learn is missing.
   """
   try:
-    from sklearn import datasets  # pylint: disable=g-import-not-at-top
+    from sklearn import datasets
   except ImportError as e:
     raise ImportError("load_digits needs scikit-learn: pip install 'jmp_train_examples[full]'") from e
   if not 0.0 < test_fraction < 1.0:

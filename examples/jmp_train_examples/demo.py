@@ -291,7 +291,7 @@ def _run_all(s: DemoSettings, argv_base: Sequence[str]) -> tuple[list[dict], dic
   task = TASKS[s.task](s)
   bar = None
   if s.progress:
-    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm.auto import tqdm
 
     bar = tqdm(total=s.steps * len(local), desc="jmp-train", unit="step", dynamic_ncols=True, file=sys.stderr)
   try:
@@ -362,7 +362,7 @@ def run_demo(s: DemoSettings, *, argv_base: Sequence[str] = (), worker: bool = F
   }
   write_atomic(out / "results.json", json.dumps(payload, indent=2, default=_jsonable) + "\n")
   if s.plot:
-    from jmp_train_examples import demo_plot  # pylint: disable=g-import-not-at-top
+    from jmp_train_examples import demo_plot
 
     demo_plot.plot(out / "results.png", rows, curves, s, learning_rate_schedule(s))
   return rows

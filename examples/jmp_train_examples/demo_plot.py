@@ -311,10 +311,10 @@ def build_figure(rows: Sequence[dict], curves: dict, s: Any, schedule: Any = Non
     then the loss-scale panel and two gradient histograms.
   """
   # A Figure without pyplot: no backend is chosen or changed (notebooks keep theirs).
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  import matplotlib
+  from matplotlib.figure import Figure
 
-  from jmp_train_examples.demo import COMPARISONS  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.demo import COMPARISONS
 
   by_name = {r["config"]: r for r in rows}
   window = max(1, s.steps // 20)

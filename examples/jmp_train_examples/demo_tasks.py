@@ -38,7 +38,7 @@ def loss_fn(logits, targets):
 
 
 def _text_task(s: DemoSettings) -> Task:
-  from jmp_train_examples.models import TransformerBlock  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.models import TransformerBlock
 
   corpus = data_lib.load_text_corpus(1_000_000)
   split = int(len(corpus) * 0.9)
@@ -76,7 +76,7 @@ def _text_task(s: DemoSettings) -> Task:
 
 
 def _digits_task(s: DemoSettings) -> Task:
-  from jmp_train_examples.models import MLP  # pylint: disable=g-import-not-at-top
+  from jmp_train_examples.models import MLP
 
   try:
     ds = data_lib.load_digits(seed=s.seed)

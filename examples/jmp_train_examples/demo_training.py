@@ -194,7 +194,7 @@ class _Checkpoints:
   """
 
   def __init__(self, name: str, s: DemoSettings, processes: int = 1, backend: str | None = None):
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    import orbax.checkpoint as ocp
 
     self._ocp, self._s, self.name = ocp, s, name
     self.directory = os.path.abspath(os.path.join(s.checkpoint_dir, name))

@@ -31,7 +31,7 @@ class Terminated(Exception):
   """SIGTERM arrived: the run unwinds and can be resumed from its checkpoints."""
 
 
-def _handler(signum, frame):  # pylint: disable=unused-argument
+def _handler(signum, frame):
   if _state["depth"]:
     _state["pending"] = True
     return
@@ -71,8 +71,8 @@ def preempted(step: int) -> bool:
   Every process must call it after every step. ``False`` in a process
   outside a multi-process job.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.experimental import multihost_utils
 
   if jax.process_count() == 1:
     return False

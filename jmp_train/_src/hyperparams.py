@@ -13,16 +13,21 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 __all__ = [
+  "check_axis_name",
   "check_bool",
   "check_learning_rate",
   "check_non_negative",
   "check_unit",
+  "check_warmup_steps",
   "is_number",
   "is_static_zero",
   "static_hint",
+  "value_at",
 ]
 
 
@@ -77,3 +82,24 @@ def check_bool(value: Any, name: str) -> None:
   """Raises ``ValueError`` unless ``value`` is ``True`` or ``False``."""
   if not isinstance(value, (bool, np.bool_)):
     raise ValueError(f"{name} must be True or False, got {value!r}.")
+
+
+def check_axis_name(axis_name: Any) -> None:
+  """Raises ``ValueError`` unless ``axis_name`` is a string (a mapped axis)."""
+  if not isinstance(axis_name, str):
+    raise ValueError(f"axis_name must be a string (the replicas' mapped axis), got {axis_name!r}.")
+
+
+def check_warmup_steps(warmup_steps: Any, minimum: int) -> None:
+  """Raises ``ValueError`` unless ``warmup_steps`` is an int of at least ``minimum``."""
+  if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < minimum:
+    raise ValueError(
+      f"warmup_steps must be an int >= {minimum}, got {warmup_steps!r}"
+      + static_hint(warmup_steps)
+      + (": the frozen second moment comes from the warm-up." if minimum else ".")
+    )
+
+
+def value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  """A hyperparameter (a number or a schedule of the step count) at ``count``, as float32."""
+  return jnp.asarray(value(count) if callable(value) else value, jnp.float32)

@@ -8,7 +8,8 @@ feedback):
 * ``sign_codec``: the worker's and the owner's encode and decode.
 * ``sign_bits``: packing sign bits into words.
 * ``sign_layout``: the flattened, padded and bucketed layout of a tree.
-* ``wire_messages``: scales and flags carried beside the packed bits.
+* ``wire_messages``: the float32 values that decode a chunk, appended to
+  its codes in one byte message.
 * ``compressed_mean``: :func:`~jmp_train.compressed_mean`, the bfloat16 and
   FP8 two-phase exchange.
 
@@ -16,7 +17,9 @@ Optimizers on local gradients (Tang et al., 2021):
 
 * ``one_bit_adam``: :func:`~jmp_train.one_bit_adam`.
 * ``one_bit_momentum``: :func:`~jmp_train.one_bit_momentum`.
-* ``one_bit_common``: what the two share.
+
+Their argument checks and schedules are the library's
+(``jmp_train._src.hyperparams``).
 
 Local steps with periodic outer updates (Douillard et al., 2023):
 

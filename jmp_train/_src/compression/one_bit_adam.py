@@ -65,10 +65,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
-from jmp_train._src.hyperparams import check_unit, is_number, is_static_zero, static_hint
+from jmp_train._src.hyperparams import check_axis_name, check_bool, check_learning_rate, check_non_negative
+from jmp_train._src.hyperparams import check_unit, check_warmup_steps, is_number, is_static_zero, static_hint, value_at
 from jmp_train._src.leaf_checks import check_leaves
-from jmp_train._src.compression.one_bit_common import check_common, f32, lr_at
 from jmp_train._src.compression.replica_averaging import ReplicaOptimizer
 from jmp_train._src.compression.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -278,7 +277,7 @@ def one_bit_adam(
 
   def warmup(grads, state, factor):
     del factor  # v is updated here, not scaled
-    g = lax.pmean(f32(grads), axis_name)
+    g = lax.pmean(optax.tree.cast(grads, jnp.float32), axis_name)
     mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
     if not k:
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
@@ -291,7 +290,7 @@ def one_bit_adam(
     # derived from v instead of given).
     live = jax.tree.map(lambda v: v > 0, state.nu)
     mask = lambda tree: jax.tree.map(lambda x, ok: jnp.where(ok, x, 0.0), tree, live)
-    local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, f32(grads))
+    local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, optax.tree.cast(grads, jnp.float32))
     if exchange == "momentum":
       mu, cstate = compression.update(mask(local), state.compression)
       return mask(mu), state.nu, cstate
@@ -316,7 +315,7 @@ def one_bit_adam(
     mu, nu, cstate = cond(exact_step(state.count), warmup, compressed, updates, state, factor)
     c1 = 1 - b1 ** t.astype(jnp.float32)
     c2_t = c2(t)
-    lr = lr_at(learning_rate, state.count)
+    lr = value_at(learning_rate, state.count)
     step = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v) + eps), mu, scaled(nu, c2_t, factor))
     if clip_step:  # warm-up steps are Adam's own: no clip (an infinite bound)
       bound = jnp.where(state.count < warmup_steps, jnp.inf, step_bound)
@@ -342,7 +341,8 @@ def _check_arguments(
   clip_step,
   rescale_variance,
 ) -> None:
-  check_common(axis_name, warmup_steps, 1)
+  check_axis_name(axis_name)
+  check_warmup_steps(warmup_steps, 1)
   check_learning_rate(learning_rate)
   check_unit(b1, "b1")
   check_unit(b2, "b2")

@@ -26,10 +26,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jmp_train._src.hyperparams import check_bool, check_learning_rate, check_non_negative
-from jmp_train._src.hyperparams import check_unit, is_static_zero
+from jmp_train._src.hyperparams import check_axis_name, check_bool, check_learning_rate, check_non_negative
+from jmp_train._src.hyperparams import check_unit, check_warmup_steps, is_static_zero, value_at
 from jmp_train._src.leaf_checks import check_leaves
-from jmp_train._src.compression.one_bit_common import check_common, f32, lr_at
 from jmp_train._src.compression.replica_averaging import ReplicaOptimizer
 from jmp_train._src.compression.sign_compression import SignCompressionState, sign_compression
 from jmp_train._src.varying_axes import cond
@@ -129,7 +128,8 @@ def one_bit_momentum(
     Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
     Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
   """
-  check_common(axis_name, warmup_steps, 0)
+  check_axis_name(axis_name)
+  check_warmup_steps(warmup_steps, 0)
   check_learning_rate(learning_rate)
   check_unit(momentum, "momentum")
   check_non_negative(weight_decay, "weight_decay")
@@ -144,7 +144,7 @@ def one_bit_momentum(
     return OneBitMomentumState(count=jnp.zeros((), jnp.int32), trace=zeros, compression=compression.init(zeros))
 
   def local_trace(grads, state, params):
-    g = f32(grads)
+    g = optax.tree.cast(grads, jnp.float32)
     if decay:
       g = jax.tree.map(lambda x, p: x + weight_decay * p.astype(jnp.float32), g, params)
     return g
@@ -166,7 +166,7 @@ def one_bit_momentum(
       trace, cstate = cond(state.count < warmup_steps, warmup, compressed, g, state)
     else:
       trace, cstate = compressed(g, state)
-    lr = lr_at(learning_rate, state.count)
+    lr = value_at(learning_rate, state.count)
     if nesterov:
       step = jax.tree.map(lambda new, old: (1 + momentum) * new - momentum * old, trace, state.trace)
     else:

@@ -85,6 +85,7 @@ __all__ = [
   "SignCompressionState",
   "sign_compression",
   "sign_compression_specs",
+  "sign_compression_wire_bytes",
   "SCALES",
 ]
 
@@ -148,13 +149,16 @@ _Bucket = tuple[tuple[int, ...], Layout]
 
 def _buckets(cfg: _Config, leaves, where: str) -> tuple[_Bucket, ...]:
   """The leaves' buckets, last leaves first: each is exchanged on its own."""
-  k = axis_size(cfg.axis_name, cfg.num_replicas, where, leaves=leaves)
-  if cfg.bucket_bytes is None:
+  return _layouts(leaves, cfg.scale, cfg.bucket_bytes, axis_size(cfg.axis_name, cfg.num_replicas, where, leaves=leaves))
+
+
+def _layouts(leaves, scale: str, bucket_bytes: int | None, k: int) -> tuple[_Bucket, ...]:
+  if bucket_bytes is None:
     groups = [range(len(leaves))]
   else:
     like = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32) for x in leaves]
-    groups = [sorted(b) for b in bucket_sizes(like, cfg.bucket_bytes)]
-  return tuple((tuple(g), make_layout([tuple(np.shape(leaves[i])) for i in g], cfg.scale, k)) for g in groups)
+    groups = [sorted(b) for b in bucket_sizes(like, bucket_bytes)]
+  return tuple((tuple(g), make_layout([tuple(np.shape(leaves[i])) for i in g], scale, k)) for g in groups)
 
 
 def _residual_shapes(leaves, buckets: tuple[_Bucket, ...], cfg: _Config):
@@ -441,3 +445,55 @@ def sign_compression_specs(opt_state: Any, axis_name: str) -> Any:
     return P()
 
   return jax.tree.map(spec, opt_state, is_leaf=is_state)
+
+
+def sign_compression_wire_bytes(
+  params: Any,
+  num_replicas: int,
+  *,
+  scale: str = "column",
+  bucket_bytes: int | None = None,
+) -> int:
+  r"""Bytes one replica sends in one :func:`sign_compression` exchange, without compiling it.
+
+  Each bucket's flattened gradients are cut into :math:`K` chunks of
+  :math:`s` elements (padded so that chunks fall on whole words), and each
+  chunk carries :math:`m` reconstruction pairs (two float32 values per
+  scale segment it holds). A replica sends :math:`K-1` chunks to their
+  owners (the all-to-all), then its owned chunk to the :math:`K-1` others
+  (the all-gather, as a ring sends it):
+
+  .. math::
+    B = \sum_{\text{buckets}} 2 (K - 1) \left(\frac{s}{8} + 8 m\right)
+
+  the figure :func:`jmp_train.diagnostics.collective_bytes` reads from a
+  compiled step with ``wire=True``, here for any replica count (no devices
+  needed): to size a cluster's exchange, or to compare it with a ring
+  all-reduce's :math:`2 (K-1)/K \cdot 4n` bytes.
+
+  Args:
+    params: the gradients' pytree, or anything with the same shapes
+      (parameters, ``jax.ShapeDtypeStruct`` s).
+    num_replicas: :math:`K`, the replicas the gradients are averaged over.
+    scale: as in :func:`sign_compression`.
+    bucket_bytes: as in :func:`sign_compression`.
+
+  Returns:
+    The bytes, an ``int``.
+
+  Raises:
+    ValueError: for a bad ``num_replicas``, ``scale`` or ``bucket_bytes``.
+
+  Examples:
+    >>> grads = {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros((1024,))}
+    >>> one_bit = sign_compression_wire_bytes(grads, 8)
+    >>> ring = 2 * 7 / 8 * 4 * (1024 * 1024 + 1024)
+    >>> round(ring / one_bit)  # a 32nd of float32's bytes, and the pairs
+    30
+  """
+  if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
+    raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+  _validate(None, scale, 0, num_replicas, bucket_bytes)
+  k = int(num_replicas)
+  buckets = _layouts(jax.tree.leaves(params), scale, bucket_bytes, k)
+  return sum(2 * (k - 1) * (layout.chunk // 8 + 8 * layout.max_local) for _, layout in buckets)

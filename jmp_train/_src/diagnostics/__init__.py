@@ -14,5 +14,9 @@
 * ``hlo``: the collectives of a compiled step and the bytes they move.
 * ``plotting``: the histogram as a chart (matplotlib).
 
+Their shared pieces: ``arguments`` (checks of their arguments, the float
+formats) and ``jaxprs`` (a function's forward and backward jaxprs, walked
+equation by equation).
+
 The public module ``jmp_train.diagnostics`` re-exports their names.
 """

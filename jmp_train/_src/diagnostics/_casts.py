@@ -16,7 +16,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train._src.diagnostics import _common
+from jmp_train._src.diagnostics import arguments
 
 
 def magnitude_bits(x: jax.Array) -> jax.Array:
@@ -109,7 +109,7 @@ def _sum_leaf_counts(leaves, dtype: np.dtype, scale: jax.Array, axis_name=None) 
 
 
 def sum_counts(tree: Any, dtype: np.dtype, scale: Any, fn_name: str, axis_name=None) -> CastCounts:
-  leaves = [x for _, x in _common.floating_leaves(tree, fn_name)]
+  leaves = [x for _, x in arguments.floating_leaves(tree, fn_name)]
   return _sum_leaf_counts(leaves, dtype, jnp.asarray(scale, jnp.float32), axis_name)
 
 

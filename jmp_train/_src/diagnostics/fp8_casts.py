@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_train._src.diagnostics import _casts
-from jmp_train._src.diagnostics import _common
+from jmp_train._src.diagnostics import arguments
 from jmp_train._src.fp8.scaling import fp8_dtype
 
 __all__ = ["Fp8CastFractions", "fp8_cast_fractions"]
@@ -82,8 +82,8 @@ def fp8_cast_fractions(tree: Any, dtype: Any = "e4m3", scale: Any = 1.0, *, axis
     [0.25, 0.25, 0.25]
   """
   fp8 = fp8_dtype(dtype)
-  _common.check_positive("scale", scale)
-  leaves = [x for _, x in _common.floating_leaves(tree, "fp8_cast_fractions")]
+  arguments.check_positive("scale", scale)
+  leaves = [x for _, x in arguments.floating_leaves(tree, "fp8_cast_fractions")]
   counts = sum(_leaf_counts(jnp.asarray(x), fp8, scale) for x in leaves)
   if axis_name is not None:
     counts = _casts.psum(counts, axis_name)

@@ -19,7 +19,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jmp_train._src.diagnostics import _casts
-from jmp_train._src.diagnostics import _common
+from jmp_train._src.diagnostics import arguments
 
 __all__ = [
   "LossScaleSuggestion",
@@ -31,8 +31,8 @@ __all__ = [
 
 def _cast_counts(tree: Any, dtype: Any, scale: Any, caller: str, axis_name: Any):
   """The cast counts of ``tree`` (summed over ``axis_name``), arguments checked."""
-  dtype = _common.target_dtype(dtype)
-  _common.check_positive("scale", scale)
+  dtype = arguments.target_dtype(dtype)
+  arguments.check_positive("scale", scale)
   return _casts.sum_counts(tree, dtype, scale, caller, axis_name)
 
 
@@ -175,13 +175,13 @@ def suggest_loss_scale(
     "choose a scaling factor such that its product with the maximum absolute
     gradient value is below 65,504". https://arxiv.org/abs/1710.03740
   """
-  dtype = _common.target_dtype(dtype)
-  _common.check_positive("headroom", headroom, minimum=1.0, inclusive=True)
-  _common.check_positive("min_scale", min_scale)
-  _common.check_positive("max_scale", max_scale)
+  dtype = arguments.target_dtype(dtype)
+  arguments.check_positive("headroom", headroom, minimum=1.0, inclusive=True)
+  arguments.check_positive("min_scale", min_scale)
+  arguments.check_positive("max_scale", max_scale)
   if float(min_scale) > float(max_scale):
     raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
-  leaves = [x for _, x in _common.floating_leaves(tree, "suggest_loss_scale")]
+  leaves = [x for _, x in arguments.floating_leaves(tree, "suggest_loss_scale")]
   f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
   return _suggest(leaves, dtype, f32(headroom), f32(min_scale), f32(max_scale), axis_name)
 

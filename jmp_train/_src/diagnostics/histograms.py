@@ -23,7 +23,7 @@ import numpy as np
 
 from jmp_train._src import tables
 from jmp_train._src.diagnostics import _casts
-from jmp_train._src.diagnostics import _common
+from jmp_train._src.diagnostics import arguments
 
 __all__ = ["GradientHistogram", "Histogram", "gradient_histogram"]
 
@@ -92,7 +92,7 @@ class Histogram:
   overflow: jax.Array
   size: jax.Array
   scale: jax.Array
-  dtype: np.dtype = _common.F16
+  dtype: np.dtype = arguments.F16
   min_exponent: int = -40
   max_exponent: int = 20
 
@@ -204,7 +204,7 @@ class GradientHistogram:
 
   def items(self) -> Iterator[tuple[str, Histogram]]:
     """``(path, Histogram)`` for every floating leaf."""
-    stacked = self.per_leaf if _common.is_traced(self.per_leaf) else jax.tree.map(np.asarray, self.per_leaf)
+    stacked = self.per_leaf if arguments.is_traced(self.per_leaf) else jax.tree.map(np.asarray, self.per_leaf)
     for i, path in enumerate(self.paths):
       yield path, jax.tree.map(lambda a: a[i], stacked)
 
@@ -215,7 +215,7 @@ class GradientHistogram:
     return rows
 
   def __str__(self) -> str:
-    if _common.is_traced(self):
+    if arguments.is_traced(self):
       return repr(self)
     t = self.total
     title = f"Gradient magnitudes against {t.dtype.name} (scale {float(t.scale):g}); fractions of non-zero values:"
@@ -289,18 +289,18 @@ def gradient_histogram(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018, section 3.2
     and figure 3. https://arxiv.org/abs/1710.03740
   """
-  dtype = _common.target_dtype(target_dtype)
-  _common.check_positive("scale", scale)
+  dtype = arguments.target_dtype(target_dtype)
+  arguments.check_positive("scale", scale)
   for name, value in (("min_exponent", min_exponent), ("max_exponent", max_exponent)):
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
       raise ValueError(f"{name} must be an int, got {value!r}.")
-  if not _common.MIN_EXPONENT <= min_exponent < max_exponent <= _common.MAX_EXPONENT:
+  if not arguments.MIN_EXPONENT <= min_exponent < max_exponent <= arguments.MAX_EXPONENT:
     raise ValueError(
-      f"Need {_common.MIN_EXPONENT} <= min_exponent < max_exponent <= {_common.MAX_EXPONENT} "
+      f"Need {arguments.MIN_EXPONENT} <= min_exponent < max_exponent <= {arguments.MAX_EXPONENT} "
       f"(the float32 range), got min_exponent={min_exponent}, "
       f"max_exponent={max_exponent}."
     )
-  leaves = _common.floating_leaves(tree, "gradient_histogram")
+  leaves = arguments.floating_leaves(tree, "gradient_histogram")
   total, per_leaf = _histograms(
     [x for _, x in leaves],
     jnp.asarray(scale, jnp.float32),

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train._src.diagnostics import _common
+from jmp_train._src.diagnostics import arguments
 from jmp_train._src.diagnostics import fractions
 from jmp_train._src.diagnostics import histograms
 
@@ -23,7 +23,7 @@ _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown")
 
 def _import_pyplot():
   try:
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    import matplotlib.pyplot as plt
   except ImportError as e:
     raise ImportError(
       "plot_gradient_histogram needs matplotlib, which is an optional "
@@ -53,7 +53,7 @@ def _as_histograms(hist_or_tree: Any, scales, target_dtype, min_exponent, max_ex
         "values; a histogram was already computed at its own scale "
         f"({', '.join(f'{float(h.scale):g}' for h in given)})."
       )
-    if any(_common.is_traced(h) for h in given):
+    if any(arguments.is_traced(h) for h in given):
       raise ValueError("plot_gradient_histogram needs concrete histograms, not traced ones.")
     return given
   if scales is None:

@@ -13,6 +13,7 @@ References:
 
 from __future__ import annotations
 
+import math
 import dataclasses
 import numbers
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
@@ -20,7 +21,8 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from jmp_train._src import tables
-from jmp_train._src.diagnostics import _common
+from jmp_train._src.diagnostics import arguments
+from jmp_train._src.diagnostics import jaxprs
 from jmp_train._src.dtypes import is_floating_dtype
 
 __all__ = [
@@ -230,7 +232,7 @@ def precision_audit(
     >>> [i.kind for i in report.of_kind("half_output")]
     ['half_output']
   """
-  _common.check_callable(fn, "precision_audit")
+  arguments.check_callable(fn, "precision_audit")
   if (
     not isinstance(reduction_threshold, numbers.Integral)
     or isinstance(reduction_threshold, bool)
@@ -238,9 +240,9 @@ def precision_audit(
   ):
     raise ValueError(f"reduction_threshold must be a positive int, got {reduction_threshold!r}.")
   audit = _Audit(int(reduction_threshold))
-  phases = _common.trace(fn, args, bool(backward))
+  phases = jaxprs.trace(fn, args, bool(backward))
   for phase, jaxpr in phases:
-    for eqn, repeats, where in _common.walk(jaxpr):
+    for eqn, repeats, where in jaxprs.walk(jaxpr):
       audit.visit(eqn, phase, repeats, where)
   audit.check_outputs(phases[0][1].outvars)
   return PrecisionReport(
@@ -272,7 +274,7 @@ class _Audit:
       np.dtype(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype") and is_floating_dtype(v.aval.dtype)
     ]
     name = eqn.primitive.name
-    if not floats or (_common.has_subjaxpr(eqn) and name not in _SCATTER_SUMS):
+    if not floats or (jaxprs.has_subjaxpr(eqn) and name not in _SCATTER_SUMS):
       return  # Calls (jit, scan, ...) are counted through their bodies.
     if name in _FUSED_ATTENTION:
       # Softmax statistics in float32 inside the kernel, whatever the
@@ -280,7 +282,7 @@ class _Audit:
       self.fused_attention += repeats
       self.float32_ops += 1
       return
-    in_half = all(d in _common.HALF_DTYPES for d in floats)
+    in_half = all(d in arguments.HALF_DTYPES for d in floats)
     self.half_ops += int(in_half)
     self.float32_ops += int(not in_half)
     shape = tuple(int(s) for s in getattr(eqn.invars[0].aval, "shape", ()))
@@ -290,7 +292,7 @@ class _Audit:
       axes = eqn.params.get("axes")
       if axes is None:
         axes = (eqn.params.get("axis", 0),)
-      size = _common.prod(shape[a] for a in axes)
+      size = math.prod(shape[a] for a in axes)
       if size > self.reduction_threshold:
         self.add(
           "half_reduction",
@@ -304,7 +306,7 @@ class _Audit:
         )
     elif in_half and name in _SCATTER_SUMS:
       indices = tuple(int(x) for x in eqn.invars[1].aval.shape)
-      size = _common.prod(indices[:-1])  # the rows scattered (index vectors last)
+      size = math.prod(indices[:-1])  # the rows scattered (index vectors last)
       if size > self.reduction_threshold:
         self.add(
           "half_reduction",
@@ -335,7 +337,7 @@ class _Audit:
     for i, var in enumerate(outvars):
       aval = var.aval
       dtype = np.dtype(aval.dtype) if hasattr(aval, "dtype") else None
-      if dtype is not None and dtype in _common.HALF_DTYPES:
+      if dtype is not None and dtype in arguments.HALF_DTYPES:
         shape = tuple(int(s) for s in aval.shape)
         what = "the loss" if shape == () else "a model output"
         self.add(

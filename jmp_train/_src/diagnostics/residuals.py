@@ -18,7 +18,7 @@ import jax
 from jax.extend import core as jex_core
 import numpy as np
 
-from jmp_train._src.diagnostics import _common
+from jmp_train._src.diagnostics import arguments
 
 __all__ = ["SavedResidual", "saved_residuals"]
 
@@ -80,7 +80,7 @@ def saved_residuals(fun: Callable[..., Any], *args: Any) -> list[SavedResidual]:
     >>> sorted((r.kind, r.shape_dtype.shape) for r in res)
     [('activation', (2, 4)), ('argument', (2, 3)), ('cast_copy', (3, 4))]
   """
-  _common.check_callable(fun, "saved_residuals")
+  arguments.check_callable(fun, "saved_residuals")
   leaves, treedef = jax.tree.flatten(args)
 
   def vjp_residuals(*flat):

@@ -16,6 +16,7 @@ References:
 
 from __future__ import annotations
 
+import math
 import dataclasses
 import numbers
 from typing import Any, Callable, NamedTuple
@@ -24,14 +25,15 @@ import numpy as np
 
 from jmp_train._src import tables
 from jmp_train._src.fp8.products import FP8_SCOPE
-from jmp_train._src.diagnostics import _common
+from jmp_train._src.diagnostics import arguments
+from jmp_train._src.diagnostics import jaxprs
 
 __all__ = ["MatmulEntry", "TensorCoreReport", "pad_to_multiple", "tensor_core_report"]
 
 
 def _required_multiple(lhs: np.dtype, rhs: np.dtype) -> int | None:
   """8 for 16-bit float operands, 16 for 8-bit ones, None otherwise."""
-  if lhs in _common.HALF_DTYPES and rhs in _common.HALF_DTYPES:
+  if lhs in arguments.HALF_DTYPES and rhs in arguments.HALF_DTYPES:
     return 8
   if lhs.itemsize == 1 and rhs.itemsize == 1:
     return 16  # int8, uint8, float8_*
@@ -113,10 +115,10 @@ def _matmul_entry(eqn, phase: str, repeats: int, where: str) -> MatmulEntry | No
     multiple = 16
   if name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    batch = _common.prod(lhs.shape[d] for d in lb)
-    k = _common.prod(lhs.shape[d] for d in lc)
-    m = _common.prod(s for d, s in enumerate(lhs.shape) if d not in (*lc, *lb))
-    n = _common.prod(s for d, s in enumerate(rhs.shape) if d not in (*rc, *rb))
+    batch = math.prod(lhs.shape[d] for d in lb)
+    k = math.prod(lhs.shape[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(lhs.shape) if d not in (*lc, *lb))
+    n = math.prod(s for d, s in enumerate(rhs.shape) if d not in (*rc, *rb))
     flops = 2 * batch * m * n * k * repeats
     checked = {"M": m, "N": n, "K": k}
     op = "dot_general"
@@ -126,11 +128,11 @@ def _matmul_entry(eqn, phase: str, repeats: int, where: str) -> MatmulEntry | No
     batch = int(eqn.params.get("feature_group_count", 1)) * int(eqn.params.get("batch_group_count", 1))
     cin = int(rhs.shape[rhs_spec[1]])  # input channels per group
     cout = int(rhs.shape[rhs_spec[0]])
-    kernel = _common.prod(rhs.shape[d] for d in rhs_spec[2:])
-    m = _common.prod(out.shape[d] for d in out_spec[2:]) * int(out.shape[out_spec[0]])
+    kernel = math.prod(rhs.shape[d] for d in rhs_spec[2:])
+    m = math.prod(out.shape[d] for d in out_spec[2:]) * int(out.shape[out_spec[0]])
     n, k = cout // batch, cin * kernel
     # Every output element is a dot product of length cin * kernel.
-    flops = 2 * _common.prod(out.shape) * cin * kernel * repeats
+    flops = 2 * math.prod(out.shape) * cin * kernel * repeats
     checked = {"C_in": cin, "C_out": n}
     op = "conv"
   misaligned = tuple(d for d, s in checked.items() if multiple and s % multiple)
@@ -322,11 +324,11 @@ def tensor_core_report(
     Precision Training" user guides.
     https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/
   """
-  _common.check_callable(fn, "tensor_core_report")
-  _common.check_positive("tensor_core_speedup", tensor_core_speedup)
+  arguments.check_callable(fn, "tensor_core_report")
+  arguments.check_positive("tensor_core_speedup", tensor_core_speedup)
   entries = []
-  for phase, jaxpr in _common.trace(fn, args, bool(backward)):
-    for eqn, repeats, where in _common.walk(jaxpr):
+  for phase, jaxpr in jaxprs.trace(fn, args, bool(backward)):
+    for eqn, repeats, where in jaxprs.walk(jaxpr):
       entry = _matmul_entry(eqn, phase, repeats, where)
       if entry is not None:
         entries.append(entry)

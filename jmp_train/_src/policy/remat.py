@@ -105,7 +105,7 @@ def half_precision_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     return False
   try:
     out = prim.abstract_eval(*avals, **params)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     # No shape rule we can call here (e.g. a higher-order primitive):
     # recomputing is always correct.
     return False

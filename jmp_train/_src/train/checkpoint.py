@@ -56,7 +56,7 @@ __all__ = [
 
 def _orbax():
   try:
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    import orbax.checkpoint as ocp
   except ImportError as e:
     raise ImportError("Checkpoints need orbax-checkpoint: pip install 'jmp_train[checkpoint]'") from e
   return ocp
@@ -148,7 +148,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
   if x.is_fully_replicated:
     return np.asarray(x.addressable_data(0))
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils
 
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
@@ -282,7 +282,7 @@ def _ocdbt_values(path: pathlib.Path) -> dict[str, tuple[pathlib.Path, int, int]
   checksum: TensorStore refuses a damaged node). Read from TensorStore's
   dump of the manifest and the B-tree nodes.
   """
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts
 
   def location(text: str) -> tuple[pathlib.Path, int, int]:
     match = _LOCATION.fullmatch(text)
@@ -323,11 +323,11 @@ def _check_ocdbt(path: pathlib.Path) -> None:
   or the data files), without orbax's asyncio reads, which leave complaints
   behind when they fail.
   """
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts
 
   try:
     values = _ocdbt_values(path)
-  except Exception as e:  # pylint: disable=broad-exception-caught
+  except Exception as e:
     raise _incomplete(path, f"its array store cannot be read ({error_summary(e)})") from None
   for key, where in values.items():
     if where is None:
@@ -373,7 +373,7 @@ def _check_ocdbt(path: pathlib.Path) -> None:
     for key, head in heads.items():
       if read_value(key, head) != _ZSTD_MAGIC:
         raise ValueError(f"the chunk {key.decode()!r}{_data_file(path, values, key.decode())} is not zstd data")
-  except Exception as e:  # pylint: disable=broad-exception-caught
+  except Exception as e:
     raise _incomplete(path, f"its array store cannot be read ({error_summary(e)})") from None
   if not metadata:
     raise _incomplete(path, "its array store holds no arrays")
@@ -468,17 +468,17 @@ def _unreadable_array(path: pathlib.Path) -> str | None:
   Reads every array whole, synchronously: run only after orbax failed, to
   tell a damaged checkpoint from another failure.
   """
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts
 
   try:
     keys = list(ts.KvStore.open(_ocdbt_store(path)).result().list().result())
-  except Exception as e:  # pylint: disable=broad-exception-caught
+  except Exception as e:
     return f"its array store cannot be read ({error_summary(e)})"
   for name, driver in _array_names(keys):
     spec = {"driver": driver, "kvstore": {**_ocdbt_store(path), "path": f"{name}/"}}
     try:
       ts.open(spec, open=True).result().read().result()
-    except Exception as e:  # pylint: disable=broad-exception-caught
+    except Exception as e:
       return f"its array {name} cannot be read ({error_summary(e)})"
   return None
 
@@ -619,9 +619,9 @@ def _release_orbax_threads(before: set[threading.Thread]) -> None:
   save started is cancelled and its signals are set, so that it returns.
   """
   try:
-    from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
+    from orbax.checkpoint._src.futures import future
 
-    signaling = future._SignalingThread  # pylint: disable=protected-access
+    signaling = future._SignalingThread
   except (ImportError, AttributeError):
     return
   stuck = [t for t in threading.enumerate() if t not in before and isinstance(t, signaling) and t.is_alive()]
@@ -629,16 +629,16 @@ def _release_orbax_threads(before: set[threading.Thread]) -> None:
     try:
       thread.cancel()
       future.set_signals(
-        thread._receive_signals,  # pylint: disable=protected-access
+        thread._receive_signals,
         operation_id=thread._operation_id,
-      )  # pylint: disable=protected-access
-    except Exception:  # pylint: disable=broad-exception-caught
+      )
+    except Exception:
       pass
   deadline = time.monotonic() + 10.0
   for thread in stuck:
     try:
       thread.join(max(0.0, deadline - time.monotonic()))
-    except Exception:  # pylint: disable=broad-exception-caught
+    except Exception:
       pass  # its join raises CancelledError, as asked
 
 
@@ -699,7 +699,7 @@ def save_checkpoint(directory: str | pathlib.Path, state: TrainState, *, force: 
     _release_orbax_threads(before)
     try:
       checkpointer.close()
-    except Exception:  # pylint: disable=broad-exception-caught
+    except Exception:
       pass  # the cancelled threads' errors: the save's own error is raised
     _remove_partial(path)
     raise
@@ -862,7 +862,7 @@ def _leaf_files(path: pathlib.Path, name: str) -> str:
   """`` (in <data files>)`` that hold the chunks of the leaf ``name``, or ``""``."""
   try:
     values = _ocdbt_values(path)
-  except Exception:  # pylint: disable=broad-exception-caught
+  except Exception:
     return ""
   prefix = name.replace("/", ".") + "/"  # orbax's array names join the keys with dots
   files = sorted(
@@ -959,7 +959,7 @@ def _restore(directory: str | pathlib.Path, like: TrainState, step: bool = False
         stored = checkpointer.metadata(path).item_metadata
         if stored is None:  # Orbax logged the reason and went on.
           raise ValueError("no item metadata")
-    except Exception as e:  # pylint: disable=broad-exception-caught
+    except Exception as e:
       raise _incomplete(path, f"orbax cannot read its metadata ({error_summary(e)})") from None
     if checksums is not None:
       disagreement = _metadata_disagrees(stored.tree, checksums)
@@ -975,7 +975,7 @@ def _restore(directory: str | pathlib.Path, like: TrainState, step: bool = False
     try:
       with _QuietOrbax():
         restored = checkpointer.restore(path, abstract)
-    except Exception:  # pylint: disable=broad-exception-caught
+    except Exception:
       # A damaged array, or a failure that is not the checkpoint's.
       reason = _unreadable_array(path)
       if reason is None:

@@ -296,11 +296,9 @@ def compose(optimizer, compression, loss_scale, axis):
   if loss_scale is None:
     return tx, None
   # Imported here: a step without loss scaling does not need the modules.
-  # pylint: disable=g-import-not-at-top
   from jmp_train._src.loss_scaling import lookup as loss_scale_lookup
   from jmp_train._src.loss_scaling import wrapper as loss_scaling
   from jmp_train._src.loss_scaling import scaled_grad
-  # pylint: enable=g-import-not-at-top
 
   fns = LossScalingFns(
     get_loss_scale=loss_scale_lookup.get_loss_scale,
