@@ -18,30 +18,14 @@ run would mistake for a difference between methods.
 ``worst_seed_loss_gap`` is the largest gap of one seed against the
 reference run with the same seed.
 
-Results (CPU, 2,000 steps, 3 seeds; ``benchmarks/results/
-half_weights_training-cpu.json``): Kahan and stochastic rounding are within
-1% of float32 master weights on both test loss and accuracy, after SGD,
-momentum SGD and Adam, in bfloat16 and float16; plain half weights are not.
-The modified momentum SGD with its default error feedback is within 1% in
-float16, the dtype Micikevicius et al. used it with (+0.19% test loss), where
-the modified rule alone and the plain H form are +3.9% and +4.0%. In bfloat16
-error feedback takes the gap from +105% to +1.5%, short of 1%; the modified
-rule followed by stochastic rounding (+0.35%) or Kahan (+0.26%) meets it.
-
 The comparison of Micikevicius et al. (``half == "float16"`` rows of the group
 ``momentum sgd lr=0.0001 m=0.99``): momentum SGD in the plain H form
 (``H <- m*H - lr*g``, ``lr*g`` rounded to float16, the plain-momentum baseline;
 ``experiment.plain_momentum_sgd``) against the modified form, at a
 small learning rate with a long momentum (effective step ``lr/(1-m) =
-0.01``). There every ``lr*g`` is a float16 subnormal and 10-17% of them
-flush to zero, while the modified buffer ``G`` holds the unscaled gradients.
-Alone, both forms miss by ~22-25% (their steps, equal in size, mostly
-vanish against the weights); followed by Kahan, the modified form is within
-0.01% of float32 and the H form misses by 2.3% (test loss). Error feedback
-alone reaches +3.4% there: at ``m = 0.99`` the part it re-applies through
-the momentum lags by up to ``m/(1-m) = 99`` half-ulps. At lr 0.01 and m 0.9
-the two forms give the same result (H's entries are mostly normal float16
-numbers there, and float16 is scale-invariant in its normal range).
+0.01``), where every ``lr*g`` is a float16 subnormal and many flush to zero
+while the modified buffer ``G`` holds the unscaled gradients; each form alone
+and followed by Kahan compensation.
 
 Each setup's ``loss_gap`` and ``accuracy_gap`` are relative to the float32
 master row of the same optimizer (``sgd``, ``momentum sgd``, ``adam``);
@@ -54,12 +38,8 @@ The ``8-bit moments`` and ``sgd_8bit`` rows keep no float32 state at all:
 :func:`jmp_train.adam_8bit` / :func:`jmp_train.sgd_8bit` (blockwise 8-bit
 moments, 256 per float32 scale; ``all leaves``: every leaf 8-bit, otherwise
 leaves under 4,096 elements keep float32 moments) followed by stochastic
-rounding or Kahan on the half weights. Measured (3 seeds): every such row
-is within 1% of float32 master weights; test-loss gaps in bfloat16 0.50%
-(stochastic rounding), 0.60% (all leaves), 0.28% (Kahan, all leaves) for
-Adam and 0.56% for ``sgd_8bit``; in float16 0.12-0.16% and 0.53%. One row
-rounds the 8-bit codes to nearest instead of stochastically: Adam's second
-moment then stops following its EMA and the gap is 30%.
+rounding or Kahan on the half weights. One row rounds the 8-bit codes to
+nearest instead of stochastically.
 
 The ``task == "text"`` rows train the demo's character-level Transformer
 (:data:`jmp_train_examples.demo_tasks.TASKS` ``["text"]`` with the demo's
@@ -76,11 +56,11 @@ compensation or by nothing, and with every leaf 8-bit in blocks of 2,048
 batches of the held-out last 10% of the corpus, means over seeds 0, 1, 2;
 ``paired_loss_gap`` is the mean over seeds of each seed's loss over the
 reference's with the same seed, minus 1 (signed), ``worst_seed_loss_gap``
-the largest such gap in absolute value. Measured (CPU, 3 seeds): every
-8-bit row with stochastic rounding or Kahan is within 0.05% of float32
-master weights (paired gaps -0.02% to -0.04%, worst seed 0.08%); without
-them, rounding the updates to nearest, +1.8%. Not in ``--quick`` (each text
+the largest such gap in absolute value. Not in ``--quick`` (each text
 setup compiles a Transformer).
+
+The results are in ``benchmarks/results/half_weights_training-<device>.json``
+and the generated report.
 """
 
 from __future__ import annotations
@@ -122,8 +102,8 @@ def _mean(runs, field: str) -> float:
 
 
 def run(quick: bool) -> list[dict]:
-  # The text rows compile a Transformer per setup (~10 s of CPU each):
-  # left out of the quick smoke test.
+  # The text rows compile a Transformer per setup: left out of the quick
+  # smoke test.
   return run_digits(quick) + ([] if quick else run_text())
 
 

@@ -1,4 +1,4 @@
-"""The demo's step time over training, and which kernels it moves (a GPU study).
+"""The demo's step time over training windows, and which kernels take longer as it trains.
 
 ``python -m benchmarks.demo_step_time CONFIG [STEPS] [WINDOW]`` trains one
 configuration of ``jmp-train`` on its text task at the size of the README's
@@ -6,8 +6,8 @@ larger GPU run (``--d-model 512 --layers 6 --seq-len 256 --batch 64``,
 ``--lr 0.05``), building each batch as the demo does, and prints the mean
 milliseconds per step over each window (one wait at each window's end) and
 the final train loss. Run it once per configuration and per ``XLA_FLAGS``
-(for example ``--xla_gpu_ftz=true``): the step time of the half-precision
-rows on a GPU moved with the values over training.
+(for example ``--xla_gpu_ftz=true``), to see whether a step's time moves
+with the values it computes (subnormals, say) as training goes on.
 
 ``--isolated`` times the compiled step alone, on one batch, from the
 initial state and from the state after ``STEPS`` steps (the median of

@@ -15,7 +15,7 @@ import jmp_train.diagnostics as diag
 import jmp_train.flax as jflax
 from jmp_train._src.autocast.transform import autocast
 
-from _autocast_util import (
+from helpers.autocast import (
   BF16,
   F16,
   F32,

@@ -15,7 +15,7 @@ from jmp_train._src.autocast.transform import autocast
 from jmp_train._src.autocast.lists import DEFAULT_LOOKUP_OPS
 from jmp_train_examples import models
 
-from _flax_policy_util import fill
+from helpers.flax_policy import fill
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 POLICIES = {F16: "mixed_float16", BF16: "mixed_bfloat16"}

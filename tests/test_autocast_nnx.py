@@ -13,7 +13,7 @@ from flax import nnx
 
 from jmp_train._src.autocast.transform import autocast
 
-from _autocast_util import BF16, F32, _eqns, _rel_err, _xent
+from helpers.autocast import BF16, F32, _eqns, _rel_err, _xent
 
 
 class _CNN(nnx.Module):

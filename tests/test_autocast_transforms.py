@@ -20,7 +20,7 @@ from jmp_train._src.autocast.lists import DEFAULT_FLOAT32_OPS
 from jmp_train._src.autocast.lists import DEFAULT_HALF_OPS
 from jmp_train_examples import models
 
-from _autocast_util import (
+from helpers.autocast import (
   BF16,
   F16,
   F32,

@@ -31,6 +31,7 @@ if str(_ROOT) not in sys.path:  # `pytest` run without `python -m`.
   sys.path.insert(0, str(_ROOT))
 
 from benchmarks import __main__ as bench_main  # noqa: E402
+from benchmarks import _report as bench_report  # noqa: E402
 from benchmarks import _harness  # noqa: E402
 from jmp_train import get_policy  # noqa: E402
 
@@ -228,14 +229,14 @@ def test_summary_renders_stored_results_and_skips_quick_ones(tmp_path, capsys):
   assert "jax " + jax.__version__ in out
   empty = tmp_path / "empty"
   empty.mkdir()
-  assert "no results" in bench_main.summary(empty)
+  assert "no results" in bench_report.summary(empty)
   # Records labelled by the run that made them show the label.
   _harness.save_results(
     "weight_memory",
     [{"setup": "a", "total_per_param": 14.0}, {"setup": "a", "total_per_param": 15.0, "run": "old"}],
     empty,
   )
-  table = bench_main.summary(empty)
+  table = bench_report.summary(empty)
   assert "| run" in table.splitlines()[4] and "| old" in table
 
 

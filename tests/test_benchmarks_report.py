@@ -18,6 +18,7 @@ if str(_ROOT) not in sys.path:  # `pytest` run without `python -m`.
   sys.path.insert(0, str(_ROOT))
 
 from benchmarks import __main__ as bench_main  # noqa: E402
+from benchmarks import _report as bench_report  # noqa: E402
 
 RESULTS = _ROOT / "benchmarks" / "results"
 REPORT = _ROOT / "docs" / "benchmarks_report.md"
@@ -26,21 +27,21 @@ RESULT_FILES = sorted(p for p in RESULTS.rglob("*.json") if "-quick-" not in p.n
 
 @pytest.fixture(scope="module")
 def report() -> str:
-  return bench_main.report(RESULTS)
+  return bench_report.report(RESULTS)
 
 
 def test_committed_report_is_current(report):
-  assert REPORT.is_file(), f"run `{bench_main.REPORT_COMMAND}` to write {REPORT}"
-  assert REPORT.read_text() == report, f"{REPORT.relative_to(_ROOT)} is stale: run `{bench_main.REPORT_COMMAND}`"
+  assert REPORT.is_file(), f"run `{bench_report.REPORT_COMMAND}` to write {REPORT}"
+  assert REPORT.read_text() == report, f"{REPORT.relative_to(_ROOT)} is stale: run `{bench_report.REPORT_COMMAND}`"
 
 
 def test_report_is_deterministic(report):
-  assert bench_main.report(RESULTS) == report
+  assert bench_report.report(RESULTS) == report
 
 
 def test_report_says_it_is_generated(report):
   head = "\n".join(report.splitlines()[:6])
-  assert bench_main.REPORT_COMMAND in head and "do not edit by hand" in head.lower()
+  assert bench_report.REPORT_COMMAND in head and "do not edit by hand" in head.lower()
 
 
 @pytest.mark.parametrize("path", RESULT_FILES, ids=lambda p: p.relative_to(RESULTS).as_posix())
@@ -69,7 +70,7 @@ def test_report_has_one_section_per_benchmark(report):
   benchmarks = {json.loads(p.read_text())["benchmark"] for p in RESULTS.glob("*.json")}
   for name in benchmarks - {n for n in benchmarks if n.endswith("-quick")}:
     assert f"\n## `{name}`\n" in report
-    doc = bench_main.module_facts(_ROOT / "benchmarks" / f"bench_{name}.py")[0]
+    doc = bench_report.module_facts(_ROOT / "benchmarks" / f"bench_{name}.py")[0]
     assert doc and doc in report
 
 
@@ -103,7 +104,7 @@ def test_report_of_a_folder_of_its_own(tmp_path):
   (tmp_path / "gpu-cpu.json").write_text(
     json.dumps({"benchmark": "gpu", "machine": machine, "records": [{"skipped": True, "reason": "needs a GPU"}]})
   )
-  text = bench_main.report(tmp_path)
+  text = bench_report.report(tmp_path)
   assert text.endswith("\n") and "weight_memory-quick" not in text
   assert "Run: first." in text and "Date: 2030-01-02T00:00:00+00:00." in text
   assert "cpu x8" in text and "jax 0.0.1; 2030-01-01T00:00:00+00:00" in text
@@ -111,14 +112,37 @@ def test_report_of_a_folder_of_its_own(tmp_path):
   assert "| b     | 4.5 " in text
   empty = tmp_path / "empty"
   empty.mkdir()
-  assert "no results" in bench_main.report(empty)
+  assert "no results" in bench_report.report(empty)
+
+
+def test_headlines_come_from_every_file_and_gpu_speed_from_gpus_only(tmp_path):
+  def machine(backend, kind):
+    return {"backend": backend, "device_kind": kind, "device_count": 1, "versions": {"jax": "0.0.1"}}
+
+  step = {"part": "step", "variant": "jmp_train", "params": 10, "batch": 4}
+  for tag, backend, ratio in (("cpu", "cpu", 1.5), ("gpu-a", "gpu", 1.01), ("gpu-b", "gpu", 1.02)):
+    (tmp_path / f"loss_scaling-{tag}.json").write_text(
+      json.dumps(
+        {"benchmark": "loss_scaling", "machine": machine(backend, tag), "records": [{**step, "ratio_to_adamw": ratio}]}
+      )
+    )
+  q8 = {"optimizer": "adam_8bit", "opt_state_per_param": 2.0}
+  f32 = {"optimizer": "adam", "weights": "float32", "opt_state_per_param": 8.0}
+  (tmp_path / "weight_memory-cpu.json").write_text(
+    json.dumps({"benchmark": "weight_memory", "machine": machine("cpu", "cpu"), "records": [q8, f32]})
+  )
+  head = bench_report.report(tmp_path).split("\n## ", 2)[1]
+  # One row per GPU file, none from the CPU run of a GPU speed benchmark.
+  assert "| 1.010 " in head and "| 1.020 " in head and "| 1.500 " not in head
+  assert "| 2.00 against 8.00 " in head
+  assert head.count("loss_scaling-gpu-") == 2
 
 
 def test_main_writes_the_report(tmp_path, monkeypatch, capsys):
   target = tmp_path / "docs" / "report.md"
-  monkeypatch.setattr(bench_main, "REPORT_PATH", target)
+  monkeypatch.setattr(bench_report, "REPORT_PATH", target)
   assert bench_main.main(["--report", "--out", str(RESULTS)]) == 0
-  assert target.read_text() == bench_main.report(RESULTS)
+  assert target.read_text() == bench_report.report(RESULTS)
   assert str(target) in capsys.readouterr().out
   target.unlink()
   assert bench_main.main(["--summary", "--write", "--out", str(RESULTS)]) == 0

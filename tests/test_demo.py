@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-import _processes
+from helpers import processes
 from jmp_train_examples import cli
 from jmp_train_examples import demo
 from jmp_train_examples import demo_configs
@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _env():
   # A fresh process: the CLI must set up its 8 devices itself.
-  env = _processes.worker_env()
+  env = processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   return env
 

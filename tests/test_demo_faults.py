@@ -27,7 +27,7 @@ import time
 import pytest
 
 
-import _processes
+from helpers import processes
 from jmp_train_examples import checkpoint_lock
 from jmp_train_examples import cli
 from jmp_train_examples import demo
@@ -194,7 +194,7 @@ def test_results_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 def _jmp_train(tmp: pathlib.Path, *flags: str) -> subprocess.Popen:
-  env = _processes.worker_env()
+  env = processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   env["TMPDIR"] = str(tmp / "tmp")  # the launcher's folder for its workers goes there
   (tmp / "tmp").mkdir(exist_ok=True)
@@ -240,7 +240,7 @@ def _wait_for_training(launcher: subprocess.Popen, ckpt: pathlib.Path) -> dict[i
     assert launcher.poll() is None, launcher.communicate()
     assert time.monotonic() < deadline, "no checkpoint written"
     time.sleep(0.2)
-  workers = _processes.worker_pids(str(ckpt))
+  workers = processes.worker_pids(str(ckpt))
   assert len(workers) == 2, workers
   return workers
 
@@ -307,7 +307,7 @@ def faults(tmp_path_factory):
     yield runs, seen
   finally:
     for tmp, launcher in runs.values():
-      for pid in [launcher.pid, *_processes.worker_pids(str(tmp / "ckpt")).values()]:
+      for pid in [launcher.pid, *processes.worker_pids(str(tmp / "ckpt")).values()]:
         try:
           os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-import _processes
+from helpers import processes
 from jmp_train_examples import demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_a_worker_that_failed_on_its_own_is_reported_with_its_error(monkeypatch)
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers in /proc")
 def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
   ckpt = tmp_path / "ckpt"
-  env = _processes.worker_env()
+  env = processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   launcher = subprocess.Popen(
     [
@@ -78,7 +78,7 @@ def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
       assert launcher.poll() is None, launcher.communicate()
       assert time.monotonic() < deadline, "no checkpoint written"
       time.sleep(0.5)
-    workers = _processes.worker_pids(str(ckpt))
+    workers = processes.worker_pids(str(ckpt))
     assert len(workers) == 2, workers
     victim = workers[1]
     os.kill(victim, signal.SIGKILL)

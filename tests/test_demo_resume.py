@@ -20,7 +20,7 @@ from jmp_train_examples.demo_configs import DemoError
 from jmp_train_examples.demo_configs import DemoSettings
 from jmp_train_examples.demo_tasks import TASKS
 
-import _processes
+from helpers import processes
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -67,7 +67,7 @@ def _interrupt(command, directory, after, sig):
 
 
 def _env():
-  env = _processes.worker_env()
+  env = processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   return env
 

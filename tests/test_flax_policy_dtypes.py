@@ -19,20 +19,20 @@ import jmp_train
 import jmp_train.flax as jflax
 from jmp_train_examples import models
 
-from _flax_policy_util import F16
-from _flax_policy_util import BF16
-from _flax_policy_util import F32
-from _flax_policy_util import MATMULS
-from _flax_policy_util import X_IMG
-from _flax_policy_util import TOKENS
-from _flax_policy_util import _resnet
-from _flax_policy_util import _nnx_resnet
-from _flax_policy_util import _transformer
-from _flax_policy_util import fill
-from _flax_policy_util import make_linen_variables
-from _flax_policy_util import nnx_twin
-from _flax_policy_util import _operand_dtypes
-from _flax_policy_util import _forward_and_grad_jaxprs
+from helpers.flax_policy import F16
+from helpers.flax_policy import BF16
+from helpers.flax_policy import F32
+from helpers.flax_policy import MATMULS
+from helpers.flax_policy import X_IMG
+from helpers.flax_policy import TOKENS
+from helpers.flax_policy import _resnet
+from helpers.flax_policy import _nnx_resnet
+from helpers.flax_policy import _transformer
+from helpers.flax_policy import fill
+from helpers.flax_policy import make_linen_variables
+from helpers.flax_policy import nnx_twin
+from helpers.flax_policy import _operand_dtypes
+from helpers.flax_policy import _forward_and_grad_jaxprs
 
 
 @pytest.fixture(scope="module")

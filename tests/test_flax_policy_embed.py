@@ -17,10 +17,10 @@ from flax import nnx
 
 import jmp_train.flax as jflax
 
-from _flax_policy_util import F16
-from _flax_policy_util import BF16
-from _flax_policy_util import F32
-from _flax_policy_util import _operand_dtypes
+from helpers.flax_policy import F16
+from helpers.flax_policy import BF16
+from helpers.flax_policy import F32
+from helpers.flax_policy import _operand_dtypes
 
 VOCAB, FEATURES, TOKENS = 16, 8, 8192
 IDS = (jnp.arange(TOKENS, dtype=jnp.int32) * 7 % VOCAB).reshape(4, -1)

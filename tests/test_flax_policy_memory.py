@@ -16,13 +16,13 @@ import jmp_train
 import jmp_train.flax as jflax
 from jmp_train_examples import models
 
-from _flax_policy_util import BF16
-from _flax_policy_util import F32
-from _flax_policy_util import _resnet
-from _flax_policy_util import _nnx_resnet
-from _flax_policy_util import _transformer
-from _flax_policy_util import _nnx_transformer
-from _flax_policy_util import fill
+from helpers.flax_policy import BF16
+from helpers.flax_policy import F32
+from helpers.flax_policy import _resnet
+from helpers.flax_policy import _nnx_resnet
+from helpers.flax_policy import _transformer
+from helpers.flax_policy import _nnx_transformer
+from helpers.flax_policy import fill
 
 
 # --------------------------------------------------------------------------

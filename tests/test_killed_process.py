@@ -2,7 +2,7 @@
 
 Two processes (gloo on 127.0.0.1, one CPU device each) train with
 ``one_bit_adam`` under ``mixed_float16`` and dynamic loss scaling
-(``tests/_fault_worker.py``), checkpointing every 10 of 40 steps. One
+(``tests/helpers/fault_worker.py``), checkpointing every 10 of 40 steps. One
 process is killed with SIGKILL; the survivor must exit non-zero within a
 minute, naming the lost process; the restarted job resumes from the latest
 complete checkpoint and ends with the state of an uninterrupted run, every
@@ -25,8 +25,8 @@ import jax
 import numpy as np
 import pytest
 
-import _fault_worker
-import _processes
+from helpers import fault_worker
+from helpers import processes
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -36,12 +36,12 @@ _LOST = "The following tasks are unhealthy (stopped sending heartbeats):\n1\n"
 
 def _start(tmp, *flags_per_process):
   """Starts the two workers; ``flags_per_process[pid]`` are process ``pid``'s extra flags."""
-  env = _processes.worker_env()
+  env = processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
-  port = str(_processes.free_port())
+  port = str(processes.free_port())
   return [
     subprocess.Popen(
-      [sys.executable, str(HERE / "_fault_worker.py"), str(pid), "2", port, str(tmp), *flags],
+      [sys.executable, str(HERE / "helpers" / "fault_worker.py"), str(pid), "2", port, str(tmp), *flags],
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
@@ -75,13 +75,13 @@ def _states(tmp):
 def _uninterrupted():
   """The same 40 steps in this process, on 2 devices: every replica's state."""
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("batch",))
-  step = _fault_worker.make_step(mesh)
-  state = step.init(_fault_worker.params())
-  for i in range(_fault_worker.STEPS):
-    shares = [_fault_worker.batch(i, pid, 2) for pid in range(2)]
+  step = fault_worker.make_step(mesh)
+  state = step.init(fault_worker.params())
+  for i in range(fault_worker.STEPS):
+    shares = [fault_worker.batch(i, pid, 2) for pid in range(2)]
     batch = tuple(np.concatenate(parts) for parts in zip(*shares))
     state, _ = step(state, step.shard_batch(batch))
-  return _fault_worker.local_replicas(state)
+  return fault_worker.local_replicas(state)
 
 
 def _assert_bit_for_bit(got, want):

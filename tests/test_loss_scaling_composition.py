@@ -17,11 +17,11 @@ from jmp_train import get_loss_scale
 from jmp_train import loss_scale_metrics
 from jmp_train import loss_scaled
 from jmp_train import scaled_value_and_grad
-from _loss_scaling_util import _assert_bitwise_equal
-from _loss_scaling_util import _bits
-from _loss_scaling_util import _grads
-from _loss_scaling_util import _np_grads
-from _loss_scaling_util import _params
+from helpers.loss_scaling import _assert_bitwise_equal
+from helpers.loss_scaling import _bits
+from helpers.loss_scaling import _grads
+from helpers.loss_scaling import _np_grads
+from helpers.loss_scaling import _params
 
 
 # --- composition -------------------------------------------------------------

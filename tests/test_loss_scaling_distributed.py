@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jmp_train import DynamicLossScale
 from jmp_train import StaticLossScale
 from jmp_train import loss_scaled
-from _loss_scaling_util import NDEV
-from _loss_scaling_util import _np_grads
+from helpers.loss_scaling import NDEV
+from helpers.loss_scaling import _np_grads
 
 
 # --- distributed -------------------------------------------------------------

@@ -16,9 +16,9 @@ import pytest
 
 from jmp_train import DynamicLossScale
 from jmp_train import loss_scaled
-from _loss_scaling_util import DTYPES
-from _loss_scaling_util import _np_grads
-from _loss_scaling_util import _params
+from helpers.loss_scaling import DTYPES
+from helpers.loss_scaling import _np_grads
+from helpers.loss_scaling import _params
 
 
 # --- every state leaf keeps its dtype -----------------------------------------

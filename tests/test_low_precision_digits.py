@@ -7,8 +7,8 @@ import pytest
 
 from jmp_train_examples import data as data_lib
 from jmp_train_examples import half_weights as experiment
-from _low_precision_util import BF16
-from _low_precision_util import F16
+from helpers.low_precision import BF16
+from helpers.low_precision import F16
 
 
 # ---------------------------------------------------------------------------
@@ -58,9 +58,7 @@ def test_digits_modified_momentum_within_one_percent_in_float16():
   # The criterion for the modified momentum SGD of Micikevicius et al. in
   # float16 (within 1% of float32 master weights),
   # at the benchmark's size (2,000 steps; the benchmark averages 3 seeds,
-  # here 2): momentum SGD at lr 0.01, m 0.9, float16 weights. Measured
-  # (benchmark, 3 seeds): H form +4.0%, modified momentum rule +3.9%, with error
-  # feedback +0.19% test loss.
+  # here 2): momentum SGD at lr 0.01, m 0.9, float16 weights.
   g = "momentum sgd"
   names = [
     f"{g} / float32 master",

@@ -13,9 +13,9 @@ import optax
 import pytest
 
 import jmp_train
-from _low_precision_util import F32
-from _low_precision_util import BF16
-from _low_precision_util import F16
+from helpers.low_precision import F32
+from helpers.low_precision import BF16
+from helpers.low_precision import F16
 
 
 # ---------------------------------------------------------------------------

@@ -13,11 +13,11 @@ import optax
 import pytest
 
 import jmp_train
-from _low_precision_util import F32
-from _low_precision_util import BF16
-from _low_precision_util import F16
-from _low_precision_util import ALL_DTYPES
-from _low_precision_util import _run
+from helpers.low_precision import F32
+from helpers.low_precision import BF16
+from helpers.low_precision import F16
+from helpers.low_precision import ALL_DTYPES
+from helpers.low_precision import _run
 
 
 # ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-import _processes
+from helpers import processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -32,7 +32,7 @@ def test_notebook_is_committed_without_outputs(path):
 def test_notebook_runs(path, tmp_path):
   nb = nbformat.read(path, as_version=4)
   # A fresh kernel, with the devices the notebooks expect (8 simulated CPUs).
-  env = _processes.worker_env()
+  env = processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
   env["MPLBACKEND"] = "Agg"

@@ -18,8 +18,8 @@ from jmp_train import one_bit_adam, one_bit_momentum, sign_compression_specs
 from jmp_train.diagnostics import collective_ops
 from jmp_train._src.diagnostics.hlo import conditional_branches
 
-import _processes
-from _one_bit_util import AXIS, SHAPES, adam, adam_rescaled, make_tree, momentum, pmapped
+from helpers import processes
+from helpers.one_bit import AXIS, SHAPES, adam, adam_rescaled, make_tree, momentum, pmapped
 
 
 # ---------------------------------------------------------------------------
@@ -406,17 +406,17 @@ def test_make_train_step_with_one_bit_optimizer_as_the_whole_optimizer(make, sta
 # 8 replicas as 4 processes of 2 devices, equal bit for bit to the same
 # replicas as the 8 devices of this one process.
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, processes, per_process", [("momentum", 4, 2)])
-def test_processes_equal_one_process(tmp_path, optimizer, processes, per_process):
-  import _one_bit_multiprocess_worker as worker
+@pytest.mark.parametrize("optimizer, num_processes, per_process", [("momentum", 4, 2)])
+def test_processes_equal_one_process(tmp_path, optimizer, num_processes, per_process):
+  from helpers import one_bit_multiprocess_worker as worker
 
-  outs = [tmp_path / f"out_{i}.npz" for i in range(processes)]
-  _processes.run_workers(
-    "_one_bit_multiprocess_worker.py",
-    [[str(i), str(processes), "{port}", str(out), optimizer, str(per_process)] for i, out in enumerate(outs)],
+  outs = [tmp_path / f"out_{i}.npz" for i in range(num_processes)]
+  processes.run_workers(
+    "one_bit_multiprocess_worker.py",
+    [[str(i), str(num_processes), "{port}", str(out), optimizer, str(per_process)] for i, out in enumerate(outs)],
     timeout=300,
   )
-  k = processes * per_process
+  k = num_processes * per_process
   devices = jax.devices()[:k]
   assert len(devices) == k
   expected = worker.train(devices, optimizer)

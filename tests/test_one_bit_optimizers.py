@@ -11,13 +11,13 @@ import pytest
 
 from jmp_train import one_bit_adam, one_bit_momentum
 
-from _sign_reference import buffer_residual, ref_from_chunks, ref_step
-from _one_bit_util import AXIS, B1, B2, EPS, SHAPES, adam, leaves_of, make_tree, momentum, pmapped
+from helpers.sign_reference import buffer_residual, ref_from_chunks, ref_step
+from helpers.one_bit import AXIS, B1, B2, EPS, SHAPES, adam, leaves_of, make_tree, momentum, pmapped
 
 
 # ---------------------------------------------------------------------------
 # NumPy reference: the 1-bit exchange (worker + server error feedback, K
-# owners, tests/_sign_reference.py) and 1-bit Adam on top of it, from the
+# owners, tests/helpers/sign_reference.py) and 1-bit Adam on top of it, from the
 # papers' description.
 # ---------------------------------------------------------------------------
 

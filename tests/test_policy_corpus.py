@@ -7,7 +7,7 @@ default settings must still run every matmul and convolution on
 half-precision operands, for linen modules (``functools.partial(model.apply,
 train=True)``) and NNX modules (the module itself), with synchronized
 BatchNorm, ``nn.scan``/``nnx.scan`` over remat blocks, tied embeddings and
-dropout (the corpus: ``_corpus_models.py``). Each model also trains under
+dropout (the corpus: ``helpers/corpus_models.py``). Each model also trains under
 a narrow policy (float16 for two, bfloat16 for the other two) about as well
 as under float32, from the same start on the same batches. ``model_policy="inputs"`` keeps the old behaviour.
 """
@@ -27,7 +27,7 @@ from flax import nnx
 import jmp_train
 import jmp_train.diagnostics as diag
 
-import _corpus_models as corpus
+from helpers import corpus_models as corpus
 
 NARROW = {"mixed_bfloat16": np.dtype(jnp.bfloat16), "mixed_float16": np.dtype(jnp.float16)}
 MLIR_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16", np.dtype(jnp.float32): "f32"}

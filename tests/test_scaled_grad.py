@@ -19,7 +19,7 @@ from jmp_train import get_loss_scale
 from jmp_train import loss_scale_metrics
 from jmp_train import loss_scaled
 from jmp_train import scaled_value_and_grad
-from _loss_scaling_util import DTYPES
+from helpers.loss_scaling import DTYPES
 
 
 # --- get_loss_scale / metrics / scaled_value_and_grad ------------------------

@@ -9,7 +9,7 @@ import pytest
 from jmp_train import one_bit_adam, one_bit_momentum, sign_compression, sign_compression_wire_bytes
 from jmp_train.diagnostics import collective_bytes, collective_ops
 
-from _sign_reference import AXIS, WIDE_SHAPES, make_grads, replicated_zeros  # noqa: E402
+from helpers.sign_reference import AXIS, WIDE_SHAPES, make_grads, replicated_zeros  # noqa: E402
 
 K = 4
 # 2,000 bytes: buckets {i}, {h, g} and {f, ..., a} (last leaves first).

@@ -17,7 +17,7 @@ from jmp_train._src.compression import sign_bits
 from jmp_train._src.compression import sign_codec
 from jmp_train._src.compression import sign_layout
 
-from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
+from helpers.sign_reference import (  # noqa: E402  (tests/ is on sys.path)
   AXIS,
   SHAPES,
   buffer_residual,

@@ -1,4 +1,4 @@
-"""1-bit exchange under pmap against the NumPy reference (tests/_sign_reference.py).
+"""1-bit exchange under pmap against the NumPy reference (tests/helpers/sign_reference.py).
 
 Also: conservation of both residuals, the options (no error feedback,
 warm-up) and non-finite gradients.
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _sign_reference import (  # noqa: E402  (tests/ is on sys.path)
+from helpers.sign_reference import (  # noqa: E402  (tests/ is on sys.path)
   SHAPES,
   WIDE_SHAPES,
   assert_residual_zero,

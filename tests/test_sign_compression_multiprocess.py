@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-import _multiprocess_worker as worker
-import _processes
+from helpers import multiprocess_worker as worker
+from helpers import processes
 
 HERE = pathlib.Path(__file__).parent
 NUM_PROCESSES = 2
@@ -24,8 +24,8 @@ NUM_PROCESSES = 2
 
 def test_two_processes_equal_one_process(tmp_path):
   outs = [tmp_path / f"params_{i}.npz" for i in range(NUM_PROCESSES)]
-  _processes.run_workers(
-    "_multiprocess_worker.py",
+  processes.run_workers(
+    "multiprocess_worker.py",
     [[str(i), str(NUM_PROCESSES), "{port}", str(out)] for i, out in enumerate(outs)],
     timeout=240,
   )

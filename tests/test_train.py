@@ -19,8 +19,8 @@ import jmp_train
 from jmp_train._src.compression.sign_compression import sign_compression
 from jmp_train_examples.processes import run_processes
 
-import _processes
-from _flax_policy_util import fill
+from helpers import processes
+from helpers.flax_policy import fill
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -297,10 +297,10 @@ def test_two_processes_match_one(tmp_path):
   checkpointed by both processes and resumed."""
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
-  env = _processes.worker_env()
+  env = processes.worker_env()
   env["JAX_PLATFORMS"] = "cpu"
   tests_dir = str(ROOT / "tests")
-  port = _processes.free_port()
+  port = processes.free_port()
   done = run_processes(
     [[sys.executable, str(script), str(i), "2", str(port), str(tmp_path), tests_dir] for i in range(2)],
     env,

@@ -1,6 +1,6 @@
 """One process of the multi-process sign_compression test (and its training).
 
-Run as ``python tests/_multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT
+Run as ``python tests/helpers/multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT
 OUT.npz``: the process joins a ``jax.distributed`` job on ``127.0.0.1:PORT``
 with 2 CPU devices and gloo collectives, trains a small model with
 ``sign_compression`` over all processes' devices, and writes the final

@@ -1,6 +1,6 @@
 """One process of the multi-process 1-bit Adam test (and its training).
 
-Run as ``python tests/_one_bit_multiprocess_worker.py PROCESS_ID
+Run as ``python tests/helpers/one_bit_multiprocess_worker.py PROCESS_ID
 NUM_PROCESSES PORT OUT.npz OPTIMIZER DEVICES``: the process joins a
 ``jax.distributed`` job on ``127.0.0.1:PORT`` with ``DEVICES`` CPU devices
 and gloo collectives, trains a small model with ``OPTIMIZER`` (``adam``:

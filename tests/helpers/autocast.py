@@ -12,7 +12,7 @@ import optax
 
 from jmp_train_examples import models
 
-from _flax_policy_util import fill
+from helpers.flax_policy import fill
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 HALF = [F16, BF16]

@@ -1,4 +1,4 @@
-"""Inputs and runners shared by the loss-scaling tests (test_loss_scaling*.py)."""
+"""Inputs and runners shared by the loss-scaling tests (test_loss_scaled.py, test_loss_scaling_*.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One process of the killed-process tests: 1-bit Adam with loss scaling, checkpointed.
 
-Run as ``python tests/_fault_worker.py PROCESS_ID NUM_PROCESSES PORT DIR
+Run as ``python tests/helpers/fault_worker.py PROCESS_ID NUM_PROCESSES PORT DIR
 [flags]``. The process joins a ``jax.distributed`` job on
 ``127.0.0.1:PORT`` (one CPU device, gloo collectives, a heartbeat timeout
 so that a dead peer ends the job) and trains a small MLP with

@@ -9,7 +9,7 @@ import sys
 
 from jmp_train_examples.processes import free_port, run_processes
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parent  # tests/helpers: the worker scripts
 
 
 def worker_env() -> dict[str, str]:
@@ -23,7 +23,7 @@ def worker_env() -> dict[str, str]:
   env = dict(os.environ)
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
   env["XLA_FLAGS"] = " ".join(flags.split())
-  env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+  env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
   return env
 
 
