@@ -28,9 +28,11 @@ update under ``pmap`` over one device (one replica), its state donated
 (each call's new state the next call's): residual add, scales, bits and
 packing, the owner's decode, average, server residual and re-encode, and
 the final decode, with a one-replica exchange. With K replicas a replica
-does the same element work (it encodes its gradient, decodes and
-re-encodes K chunks of ``n/K``, decodes ``n``), on chunks K times
-shorter; ``bfloat16`` / ``float8_e4m3`` quantize +
+encodes its gradient (``n`` elements), decodes the K chunks it receives
+(``n``), re-encodes their average (``n/K``) and decodes the gathered
+chunks (``n``); at one replica the re-encode is of all ``n``, so these
+rows bound a replica's codec time at K replicas from above, by at most
+one encode of the gradient; ``bfloat16`` / ``float8_e4m3`` quantize +
 dequantize is ``compressed_mean()`` without an axis. Each against an
 elementwise pass over the same float32 buffer (``x + 1``, a read and a
 write: the memory-bound floor), for a 2048 x 2048 float32 gradient, and

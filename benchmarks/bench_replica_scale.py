@@ -28,9 +28,11 @@ at 10, 100 and 400 Gbit/s per replica, K up to 1,024:
   layout (:func:`jmp_train.sign_compression_wire_bytes` of the model's
   leaves: padding and pairs included), plus the codec's compute, ``c·N``,
   where ``c`` is the codec's time per element (a replica's whole
-  ``sign_compression`` update, the 1.1M MLP row; per phase in older
-  results: worker with donated residual + owner + final decode) measured
-  by the ``compression`` benchmark and
+  ``sign_compression`` update at one replica, the 1.1M MLP row: an upper
+  bound, as one replica re-encodes the whole gradient where each of K
+  re-encodes ``1/K`` of it; per phase in older results: worker with
+  donated residual + owner + final decode at K = 8) measured by the
+  ``compression`` benchmark and
   stored in ``results/compression-<device>.json`` (``codec``: which device's
   file; ``c_ns`` its value);
 * ``alpha = 10 µs`` per message, ``B`` the link's bytes per second; the
