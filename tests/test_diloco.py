@@ -13,7 +13,7 @@ import pytest
 import jmp_train
 from jmp_train import DiLoCoState, diloco
 from jmp_train.diagnostics import collective_ops
-from jmp_train._src.diagnostics.hlo import conditional_branches
+from jmp_train.diagnostics import conditional_branches
 
 AXIS = "i"
 K = 8

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmp_train import sign_compression, sign_compression_specs
 from jmp_train.diagnostics import collective_bytes, collective_ops
-from jmp_train._src.diagnostics.hlo import conditional_branches
+from jmp_train.diagnostics import conditional_branches
 
 AXIS = "i"
 

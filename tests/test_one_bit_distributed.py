@@ -16,7 +16,7 @@ import jmp_train
 from jmp_train import OneBitAdamState, OneBitMomentumState, SignCompressionState
 from jmp_train import one_bit_adam, one_bit_momentum, sign_compression_specs
 from jmp_train.diagnostics import collective_ops
-from jmp_train._src.diagnostics.hlo import conditional_branches
+from jmp_train.diagnostics import conditional_branches
 
 from helpers import processes
 from helpers.one_bit import AXIS, SHAPES, adam, adam_rescaled, make_tree, momentum, pmapped
