@@ -1,6 +1,6 @@
 """GPT train step: ``make_train_step(policy="mixed_bfloat16")`` against a hand-written bfloat16 step.
 
-The model is :class:`jmp_train_examples.models_gpt.GPT` (pre-norm decoder,
+The model is :class:`jmp_train_examples.models.gpt.GPT` (pre-norm decoder,
 causal attention through ``jmp_train.flax.dot_product_attention``: cuDNN's
 fused kernel on GPUs; chunked float32 cross-entropy). Two steps of the same
 model, the same batch and ``optax.adam``:
@@ -44,7 +44,7 @@ import optax
 
 import jmp_train
 from benchmarks import _harness
-from jmp_train_examples.models_gpt import GPT, GPTConfig, gpt_train_fns
+from jmp_train_examples.models.gpt import GPT, GPTConfig, gpt_train_fns
 
 NAME = "gpt"
 COLUMNS = (

@@ -27,8 +27,8 @@ import jmp_train  # noqa: E402
 from benchmarks import __main__ as bench_main  # noqa: E402
 from benchmarks import bench_gpt  # noqa: E402
 from jmp_train_examples import models  # noqa: E402
-from jmp_train_examples.models_gpt import GPT, GPTConfig, chunked_cross_entropy  # noqa: E402
-from jmp_train_examples.models_gpt import gpt_train_fns  # noqa: E402
+from jmp_train_examples.models.gpt import GPT, GPTConfig, chunked_cross_entropy  # noqa: E402
+from jmp_train_examples.models.gpt import gpt_train_fns  # noqa: E402
 
 
 def _pattern_batch(vocab: int, batch: int = 8, seq: int = 32):

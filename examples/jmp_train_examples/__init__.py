@@ -15,9 +15,9 @@ jmp_train's wheel does not contain it.
   Python standard library's source as a character corpus; scikit-learn's
   8x8 digits).
 * :mod:`jmp_train_examples.models`: example Flax models (MLP, ResNet,
-  Transformer: ``models_mlp``, ``models_resnet``, ``models_transformer``),
+  Transformer: ``models.mlp``, ``models.resnet``, ``models.transformer``),
   each in linen and NNX with the same variables, and a GPT-style decoder
-  from about 125M to 1.5B parameters (``models_gpt``, linen).
+  from about 125M to 1.5B parameters (``models.gpt``, linen).
 * :mod:`jmp_train_examples.half_weights`: the half-precision weight-update
   experiment behind the benchmarks and notebook 03 (its setups in
   :mod:`~jmp_train_examples.half_weights_setups`).
