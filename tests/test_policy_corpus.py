@@ -171,47 +171,34 @@ def _train(step, state, name: str):
   return state, np.array(losses)
 
 
-# The narrow policy each model trains under (the products test above lowers
-# every model under both): float16, with its dynamic loss scale, on one
-# linen and one NNX model, synchronized BatchNorm included; bfloat16 on the
-# other two.
-TRAINED = {
-  "linen_resnet": "mixed_float16",
-  "nnx_convnet": "mixed_bfloat16",
-  "linen_transformer": "mixed_bfloat16",
-  "nnx_transformer": "mixed_float16",
-}
-
-
-# One test per model runs float32 and its narrow policy: the float32 run
-# (a compilation) is then shared for certain, also when pytest-xdist spreads
-# the tests over processes.
+# One test per model runs float32 and both narrow policies (float16 with its
+# dynamic loss scale): the float32 run (a compilation) is then shared for
+# certain, also when pytest-xdist spreads the tests over processes.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_default_step_trains_like_float32(name):
-  assert set(TRAINED) == set(MODELS) and set(TRAINED.values()) == set(NARROW)
   step, state = _build(name, "float32")
   _, reference = _train(step, state, name)
   # The model itself trains: what the narrow runs are held to.
   assert np.all(np.isfinite(reference)) and reference[-1] < reference[0], reference
-  policy = TRAINED[name]
-  step, state = _build(name, policy)
-  state, losses = _train(step, state, name)
-  # Same initialisation, same batches, same dropout keys: the runs differ
-  # only by the rounding of products and activations, small next to what
-  # STEPS steps of training move the loss. A policy that broke a layer (a
-  # wrong normalization, gradients lost to float16 underflow, skipped or
-  # unscaled updates) leaves the loss near its initial value, as far from
-  # float32's final loss as the whole of the training progress. 5% sits
-  # far from both.
-  assert (
-    np.all(np.isfinite(losses))
-    and losses[-1] < losses[0]
-    and np.isclose(losses[-1], reference[-1], rtol=0.05, atol=0.0)
-  ), f"{policy}: {np.round(losses, 4)}\nfloat32: {np.round(reference, 4)}"
-  # evaluate's apply is wrapped as the step's.
-  evaluated = float(step.evaluate(state, step.shard_batch(_batches(name)[-1]))["loss"])
-  assert np.isfinite(evaluated), f"{policy}: evaluate returned a loss of {evaluated}"
+  for policy in NARROW:
+    step, state = _build(name, policy)
+    state, losses = _train(step, state, name)
+    # Same initialisation, same batches, same dropout keys: the runs differ
+    # only by the rounding of products and activations, small next to what
+    # STEPS steps of training move the loss. A policy that broke a layer (a
+    # wrong normalization, gradients lost to float16 underflow, skipped or
+    # unscaled updates) leaves the loss near its initial value, as far from
+    # float32's final loss as the whole of the training progress. 5% sits
+    # far from both.
+    assert (
+      np.all(np.isfinite(losses))
+      and losses[-1] < losses[0]
+      and np.isclose(losses[-1], reference[-1], rtol=0.05, atol=0.0)
+    ), f"{policy}: {np.round(losses, 4)}\nfloat32: {np.round(reference, 4)}"
+    # evaluate's apply is wrapped as the step's.
+    evaluated = float(step.evaluate(state, step.shard_batch(_batches(name)[-1]))["loss"])
+    assert np.isfinite(evaluated), f"{policy}: evaluate returned a loss of {evaluated}"
 
 
 # ---------------------------------------------------------------------------
