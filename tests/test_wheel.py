@@ -33,13 +33,6 @@ def test_ci_builds_and_installs_the_wheel_after_the_suite():
   assert {"lint", "docs"} <= set(steps)
 
 
-def test_readme_says_the_package_is_not_on_pypi():
-  install = (ROOT / "README.md").read_text().split("## Installation", 1)[1].split("\n## ", 1)[0]
-  assert "not on PyPI" in install
-  assert "pip install jmp_train" not in install
-  assert "python -m build" in install and "dist/jmp_train-*.whl" in install
-
-
 def test_wheel_contents_check_names_what_is_not_the_library(tmp_path):
   import zipfile
 
