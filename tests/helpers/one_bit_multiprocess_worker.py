@@ -1,9 +1,11 @@
-"""One process of the multi-process 1-bit Adam test (and its training).
+"""One process of the multi-process 1-bit tests (and their training).
 
 Run as ``python tests/helpers/one_bit_multiprocess_worker.py PROCESS_ID
 NUM_PROCESSES PORT OUT.npz OPTIMIZER DEVICES``: the process joins a
 ``jax.distributed`` job on ``127.0.0.1:PORT`` with ``DEVICES`` CPU devices
-and gloo collectives, trains a small model with ``OPTIMIZER`` (``adam``:
+and gloo collectives, trains a small model with ``OPTIMIZER``
+(``sign_compression``: :func:`jmp_train.sign_compression` before momentum
+SGD, column scales; ``adam``:
 :func:`jmp_train.one_bit_adam` with ``rescale_variance`` and ``clip_step``,
 2 warm-up steps then compressed;
 ``momentum``: :func:`jmp_train.one_bit_momentum`, no warm-up) over all
@@ -53,15 +55,18 @@ def initial_params(rng: np.random.Generator | None = None) -> dict[str, np.ndarr
   }
 
 
-def train(devices, optimizer: str, steps: int = STEPS) -> dict[str, np.ndarray]:
-  """Trains a small MLP with ``optimizer`` (``"adam"``/``"momentum"``) over ``devices``.
+def train(devices, optimizer: str, steps: int = STEPS, collectives: dict | None = None) -> dict[str, np.ndarray]:
+  """Trains a small MLP with ``optimizer`` over ``devices``.
 
-  Returns the parameters after ``steps`` steps and, under
-  ``"<field>/<d>"``, the worker and server residuals of each of this
-  process's devices ``d`` (by global device id).
+  ``optimizer``: ``"sign_compression"``, ``"adam"`` or ``"momentum"`` (see
+  the module's docstring). Returns the parameters after ``steps`` steps
+  and, under ``"<field>/<d>"``, the worker and server residuals of each of
+  this process's devices ``d`` (by global device id). When ``collectives``
+  is a dict, it receives :func:`jmp_train.diagnostics.collective_bytes` of
+  the compiled step.
   """
-  from jmp_train import sign_compression_specs
-  from jmp_train import one_bit_adam, one_bit_momentum
+  from jmp_train import one_bit_adam, one_bit_momentum, sign_compression, sign_compression_specs
+  from jmp_train.diagnostics import collective_bytes
 
   mesh = Mesh(np.asarray(devices), (AXIS,))
   k = len(devices)
@@ -74,8 +79,10 @@ def train(devices, optimizer: str, steps: int = STEPS) -> dict[str, np.ndarray]:
     tx = one_bit_adam(
       1e-2, weight_decay=0.01, axis_name=AXIS, warmup_steps=WARMUP, rescale_variance=True, clip_step=True
     )
-  else:
+  elif optimizer == "momentum":
     tx = one_bit_momentum(0.1, 0.9, axis_name=AXIS, nesterov=True)
+  else:
+    tx = optax.chain(sign_compression(AXIS, scale="column"), optax.sgd(0.1, momentum=0.9))
 
   params = jax.device_put(params, NamedSharding(mesh, P()))
   state_shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
@@ -99,9 +106,11 @@ def train(devices, optimizer: str, steps: int = STEPS) -> dict[str, np.ndarray]:
     batch = tuple(
       jax.make_array_from_callback(a.shape, batch_sharding, lambda i, a=a: a[i]) for a in (x_all[t], y_all[t])
     )
+    if collectives is not None and t == 0:
+      collectives.update(collective_bytes(step.lower(params, opt_state, batch).compile()))
     params, opt_state = jax.block_until_ready(step(params, opt_state, batch))
   out = {name: np.asarray(v.addressable_data(0)) for name, v in params.items()}
-  c = opt_state.compression
+  c = opt_state[0] if optimizer == "sign_compression" else opt_state.compression
   for name in ("worker_residual", "server_residual"):
     # Per device: the residual leaves' shards, concatenated.
     leaves = jax.tree.leaves(getattr(c, name))
