@@ -24,8 +24,6 @@ import sys
 import time
 import traceback
 
-from benchmarks._report import summary, write_report
-
 
 def discover() -> list[str]:
   """The benchmark module names (``bench_*``), sorted."""
@@ -103,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
   if args.list:
     print("\n".join(names))
     return 0
+  # The report imports JAX (through jmp_train.diagnostics): only after the
+  # simulated devices are set.
+  from benchmarks._report import summary, write_report
+
   if args.report or (args.summary and args.write):
     print(f"(written to {write_report(results_dir=args.out)})")
     return 0

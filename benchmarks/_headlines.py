@@ -86,6 +86,18 @@ def _diloco(records: Records) -> Iterator[Figure]:
       )
 
 
+def _time_to_loss(records: Records) -> Iterator[Figure]:
+  link = "lo<=1gbit"
+  one_bit, diloco = find(records, link=link, mode="one_bit_adam"), find(records, link=link, mode="diloco_h16_1bit")
+  if one_bit and diloco and one_bit.get("vs_adam") and diloco.get("vs_adam"):
+    yield (
+      f"`diloco` (1-bit outer updates every 16 steps) across {diloco['processes']} processes at 1 Gbit/s, "
+      f"text Transformer of width {diloco['d_model']}: wall-clock time to the loss every row reaches, "
+      "over float32 Adam's (`one_bit_adam`'s beside it)",
+      f"{diloco['vs_adam']:.2f} ({one_bit['vs_adam']:.2f})",
+    )
+
+
 def _gpt(records: Records) -> Iterator[Figure]:
   lib, floor = find(records, variant="library"), find(records, variant="floor")
   if lib and floor:
@@ -179,6 +191,7 @@ FIGURES: dict[str, Callable[[Records], Iterator[Figure]]] = {
   "weight_memory": _weight_memory,
   "one_bit_text": _one_bit_text,
   "diloco": _diloco,
+  "time_to_loss": _time_to_loss,
   "gpt": _gpt,
   "user_models": _user_models,
   "fp8": _fp8,

@@ -3,19 +3,25 @@
 The text task of ``bench_one_bit_text`` (the demo's character-level
 Transformer, 8 replicas, 4 sequences of 64 bytes per replica and step, the
 demo's warm-up + cosine schedule, 3 seeds), every row trained for the same
-``steps`` (equal tokens), each replica with its own copy of the parameters:
+``steps`` (equal tokens), each replica with its own copy of the parameters,
+every Adam at the same peak learning rate ``LR`` (synchronous Adam's best:
+the ``adam_float32_lr*`` rows are the rest of its sweep):
 
 * ``adam_float32``: ``optax.adam`` on the exact ``pmean`` of the gradients
-  (synchronous data parallelism, every step);
+  (synchronous data parallelism, every step), the reference;
+  ``adam_float32_lr{lr}``: the same at other peak learning rates;
 * ``one_bit_adam``: :func:`jmp_train.one_bit_adam` with its defaults
   (``clip_step``, ``rescale_variance``), exact for the first 20% of the
   steps;
 * ``diloco_h{H}``: :func:`jmp_train.diloco` with ``optax.adamw`` inner steps
-  (weight decay 0) on each replica's own gradients and DiLoCo's outer
-  Nesterov SGD (0.7, momentum 0.9) every ``H`` steps on the exact mean of
-  the pseudo-gradients;
-* ``diloco_h{H}_1bit``: the same with the pseudo-gradients averaged by
-  :func:`jmp_train.sign_compression` (1 bit per element, column scales,
+  (weight decay 0) on each replica's own gradients and, every ``H`` steps,
+  an outer ``optax.sgd(1.0)`` on the exact mean of the pseudo-gradients (the
+  replicas' weights averaged: the best outer step on this task; ``H = 1``
+  is local Adam averaged after every step, the part of the gap that local
+  steps on 4 sequences cost before any step is skipped);
+  ``diloco_h16_nesterov``: DiLoCo's outer Nesterov SGD (0.7, momentum 0.9);
+* ``diloco_h{H}_1bit``: ``diloco_h{H}`` with the pseudo-gradients averaged
+  by :func:`jmp_train.sign_compression` (1 bit per element, column scales,
   error feedback).
 
 Columns: validation loss (16 fixed held-out batches) of replica 0's
@@ -31,8 +37,9 @@ DiLoCo rows it is the exchange's bytes once every ``H`` steps: ``1 / H``
 exact, and ``sign_compression``'s compiled ratio over ``H`` with 1 bit.
 
 Environment: ``BENCH_DILOCO_STEPS`` (default 192), ``BENCH_DILOCO_MODES``
-(comma-separated rows). ``--quick``: a tiny model, 8 steps, one seed, the
-exact DiLoCo row at ``H = 4`` only (a smoke test).
+(comma-separated rows; ``adam_float32`` is always kept). ``--quick``: a tiny
+model, 8 steps, one seed, the exact DiLoCo row at ``H = 4`` only (a smoke
+test).
 """
 
 from __future__ import annotations
@@ -44,11 +51,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import _harness
-from benchmarks.bench_one_bit_text import AXIS, LR_ADAM, REPLICAS, _task, schedule
+from benchmarks.bench_one_bit_text import AXIS, REPLICAS, _task, schedule
 
 NAME = "diloco"
 COLUMNS = (
   "mode",
+  "learning_rate",
+  "outer",
   "sync_every",
   "steps",
   "seeds",
@@ -59,8 +68,11 @@ COLUMNS = (
   "rel_to_adam_max",
   "wire_ratio",
 )
-SYNC_EVERY = (16, 32, 64)
-OUTER = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
+LR = 2e-2
+LR_SWEEP = (1e-2, 3e-3)
+SYNC_EVERY_EXACT = (1, 4, 16, 32, 64)
+SYNC_EVERY_1BIT = (16, 32, 64)
+NESTEROV = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
 
 
 def train_local(
@@ -117,30 +129,41 @@ def train_local(
 
 
 def _rows(steps: int, quick: bool):
+  """``(mode, peak learning rate, outer step's name, H, make)`` per row."""
   from jmp_train import diloco, one_bit_adam, sign_compression
 
   from benchmarks.bench_one_bit_convergence import _exact_mean
 
-  lr = schedule(LR_ADAM, steps)
-  rows = [
-    ("adam_float32", 1, lambda: optax.chain(_exact_mean(AXIS), optax.adam(lr))),
-    ("one_bit_adam", 1, lambda: one_bit_adam(lr, axis_name=AXIS, warmup_steps=max(1, steps // 5))),
-  ]
-  for h in (4,) if quick else SYNC_EVERY:
-    outer = optax.sgd(**OUTER)
-    rows.append(
-      (f"diloco_h{h}", h, lambda h=h, outer=outer: diloco(optax.adamw(lr, weight_decay=0.0), outer, h, axis_name=AXIS))
+  def adam(peak):
+    return lambda: optax.chain(_exact_mean(AXIS), optax.adam(schedule(peak, steps)))
+
+  def local(h, outer, compression=False):
+    inner = optax.adamw(schedule(LR, steps), weight_decay=0.0)
+    return lambda: diloco(
+      inner, outer(), h, axis_name=AXIS, compression=sign_compression(AXIS) if compression else None
     )
-    rows.append(
-      (
-        f"diloco_h{h}_1bit",
-        h,
-        lambda h=h, outer=outer: diloco(
-          optax.adamw(lr, weight_decay=0.0), outer, h, axis_name=AXIS, compression=sign_compression(AXIS)
-        ),
-      )
+
+  average = lambda: optax.sgd(1.0)
+  if quick:
+    return [("diloco_h4", LR, "sgd(1.0)", 4, local(4, average))]
+  rows = [("adam_float32", LR, None, 1, adam(LR))]
+  rows += [(f"adam_float32_lr{lr:g}", lr, None, 1, adam(lr)) for lr in LR_SWEEP]
+  rows.append(
+    (
+      "one_bit_adam",
+      LR,
+      None,
+      1,
+      lambda: one_bit_adam(schedule(LR, steps), axis_name=AXIS, warmup_steps=max(1, steps // 5)),
     )
-  return rows[-2:-1] if quick else rows
+  )
+  for h in SYNC_EVERY_EXACT:
+    rows.append((f"diloco_h{h}", LR, "sgd(1.0)", h, local(h, average)))
+    if h == 16:
+      rows.append(("diloco_h16_nesterov", LR, "nesterov(0.7, 0.9)", h, local(h, lambda: optax.sgd(**NESTEROV))))
+  for h in SYNC_EVERY_1BIT:
+    rows.append((f"diloco_h{h}_1bit", LR, "sgd(1.0)", h, local(h, average, compression=True)))
+  return rows
 
 
 def _wire_ratio(mode: str, h: int, make, params) -> float | None:
@@ -148,7 +171,7 @@ def _wire_ratio(mode: str, h: int, make, params) -> float | None:
 
   from benchmarks.bench_one_bit_optimizers import wire_ratio
 
-  if mode == "adam_float32":
+  if mode.startswith("adam_float32"):
     return 1.0
   if mode == "one_bit_adam":
     return wire_ratio(make(), params, REPLICAS)
@@ -163,18 +186,21 @@ def run(quick: bool) -> list[dict]:
   size = dict(d_model=16, seq_len=16, eval_batches=2) if quick else {}
   rows = _rows(steps, quick)
   if not quick:
-    rows = [row[1:] for row in _harness.selected_rows([("adam", *row) for row in rows], "BENCH_DILOCO_MODES")]
-  for mode, h, _ in rows:
+    grouped = _harness.selected_rows([("adam", *row) for row in rows], "BENCH_DILOCO_MODES")
+    rows = [row[1:] for row in grouped]
+  for mode, _, _, h, _ in rows:
     if steps % h:
       raise ValueError(f"BENCH_DILOCO_STEPS={steps} is not a multiple of {mode}'s sync_every {h}.")
   params = None if quick else _task(0, 1, 64, 64, 32, 1)[1]
   records = []
-  for mode, h, make in rows:
+  for mode, lr, outer, h, make in rows:
     runs = [train_local(make(), steps=steps, seed=s, **size) for s in seeds]
     val = np.asarray([r["val_loss"] for r in runs])
     records.append(
       {
         "mode": mode,
+        "learning_rate": lr,
+        "outer": outer,
         "sync_every": h,
         "steps": steps,
         "seeds": len(seeds),

@@ -205,37 +205,50 @@ def launch(
     raise ValueError("pin=True needs os.sched_setaffinity (Linux); this platform has none.")
   if keep_freed and not _GLIBC:
     raise ValueError(f"keep_freed=True needs glibc's malloc; this platform has {platform.libc_ver()}.")
+  args = ["--size", size, "--rounds", str(rounds), "--schemes", ",".join(schemes)]
+  args += {"both": ["--donate", "--also-undonated"], True: ["--donate"]}.get(donate, [])
+  return launch_workers(
+    "benchmarks.bench_multiprocess",
+    args,
+    processes,
+    pin=pin,
+    env=KEEP_FREED_ENV if keep_freed else {},
+    timeout=timeout,
+    xla_flags="--xla_cpu_collective_call_terminate_timeout_seconds=900",
+  )
+
+
+def launch_workers(
+  module: str,
+  args: list[str],
+  processes: int,
+  *,
+  pin: bool,
+  env: dict[str, str],
+  timeout: float,
+  xla_flags: str = "",
+) -> list[dict]:
+  """Runs ``python -m module ... args`` as ``processes`` workers of one job; returns process 0's records.
+
+  Each worker gets ``--port`` (a free coordinator port), ``--processes``,
+  ``--process-id``, ``--out`` (where process 0 writes its records as JSON)
+  and, with ``pin``, ``--core`` (core ``i mod cores``): the arguments of
+  :func:`worker_parser`. One CPU device per process (``xla_flags`` added
+  to the flag that says so), ``env`` added to this process's environment.
+  """
   cores = sorted(os.sched_getaffinity(0)) if pin else []
-  port = free_port()
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=900"
-  env["JAX_PLATFORMS"] = "cpu"
-  if keep_freed:
-    env.update(KEEP_FREED_ENV)
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+  full_env = dict(os.environ)
+  full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {xla_flags}".strip()
+  full_env["JAX_PLATFORMS"] = "cpu"
+  full_env.update(env)
+  full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "records.json"
-    cmd = [
-      sys.executable,
-      "-m",
-      "benchmarks.bench_multiprocess",
-      "--port",
-      str(port),
-      "--processes",
-      str(processes),
-      "--size",
-      size,
-      "--rounds",
-      str(rounds),
-      "--schemes",
-      ",".join(schemes),
-      "--out",
-      str(out),
-    ]
-    cmd += {"both": ["--donate", "--also-undonated"], True: ["--donate"]}.get(donate, [])
+    cmd = [sys.executable, "-m", module, "--port", str(free_port()), "--processes", str(processes)]
+    cmd += args + ["--out", str(out)]
     pins = [["--core", str(cores[i % len(cores)])] if pin else [] for i in range(processes)]
     done = run_processes(
-      [cmd + ["--process-id", str(i)] + pins[i] for i in range(processes)], env, timeout=timeout, cwd=ROOT
+      [cmd + ["--process-id", str(i)] + pins[i] for i in range(processes)], full_env, timeout=timeout, cwd=ROOT
     )
     # Process 0 writes the records before leaving the job; a later failure
     # of the distributed shutdown (a slow peer under load) loses nothing.
@@ -244,6 +257,24 @@ def launch(
       code, log = bad[0] if bad else done[0]
       raise RuntimeError(f"worker exited with {code} and no records:\n{log[-3000:]}")
     return json.loads(out.read_text())
+
+
+def worker_parser(description: str) -> argparse.ArgumentParser:
+  """A worker's command line: the arguments :func:`launch_workers` passes."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--process-id", type=int, required=True)
+  parser.add_argument("--processes", type=int, required=True)
+  parser.add_argument("--port", type=int, required=True)
+  parser.add_argument("--core", type=int, help="run on this core alone (before jax starts)")
+  parser.add_argument("--out", required=True)
+  return parser
+
+
+def start_worker(args: argparse.Namespace, worker) -> int:
+  """Pins the process to ``args.core`` (if given), then runs ``worker(args)``."""
+  if args.core is not None:
+    os.sched_setaffinity(0, {args.core})
+  return worker(args)
 
 
 def _env_names(variable: str, default, valid) -> tuple[str, ...]:
@@ -518,21 +549,13 @@ def _worker(args) -> int:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description="one process of the multiprocess benchmark")
-  parser.add_argument("--process-id", type=int, required=True)
-  parser.add_argument("--processes", type=int, required=True)
-  parser.add_argument("--port", type=int, required=True)
+  parser = worker_parser("one process of the multiprocess benchmark")
   parser.add_argument("--size", choices=tuple(SIZES), required=True)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--schemes", default=",".join(SCHEMES))
   parser.add_argument("--donate", action="store_true")
   parser.add_argument("--also-undonated", action="store_true")
-  parser.add_argument("--core", type=int, help="run on this core alone (before jax starts)")
-  parser.add_argument("--out", required=True)
-  args = parser.parse_args(argv)
-  if args.core is not None:
-    os.sched_setaffinity(0, {args.core})
-  return _worker(args)
+  return start_worker(parser.parse_args(argv), _worker)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import os
 import pathlib
 import platform
 import re
+import subprocess
 import sys
 import types
 
@@ -74,6 +75,12 @@ def test_discover_finds_every_bench_file():
   files = sorted(p.stem for p in (_ROOT / "benchmarks").glob("bench_*.py"))
   assert bench_main.discover() == files
   assert "activation_memory" in BENCHMARKS and "gpu" in BENCHMARKS
+
+
+def test_every_benchmark_has_a_row_in_the_benchmarks_readme():
+  readme = (_ROOT / "benchmarks" / "README.md").read_text()
+  missing = [name for name in BENCHMARKS if f"\n| `{name}` |" not in readme]
+  assert not missing, f"benchmarks/README.md's table lacks {missing}"
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -217,6 +224,19 @@ def test_main_lists_benchmarks(capsys):
   assert capsys.readouterr().out.split() == BENCHMARKS
 
 
+def test_main_sets_the_simulated_devices_before_jax_starts():
+  # `python -m benchmarks` must not import JAX before --cpu-devices takes
+  # effect: the multi-device benchmarks would find one device.
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  code = (
+    "import sys; import benchmarks.__main__ as m; assert 'jax' not in sys.modules, 'jax imported early'; "
+    "m._simulate_cpu_devices(3); import jax; print(jax.device_count())"
+  )
+  out = subprocess.run([sys.executable, "-c", code], env=env, cwd=_ROOT, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split()[-1] == "3"
+
+
 def test_summary_renders_stored_results_and_skips_quick_ones(tmp_path, capsys):
   from benchmarks import _harness
 
@@ -335,6 +355,24 @@ def test_env_int_reads_a_positive_integer(monkeypatch):
     monkeypatch.setenv("BENCH_STEPS", bad)
     with pytest.raises(ValueError, match=rf"BENCH_STEPS must be a positive integer, got '{bad}'"):
       _harness.env_int("BENCH_STEPS", 200)
+
+
+def test_time_to_loss_interpolates_between_evaluations():
+  from benchmarks.bench_time_to_loss import _records, time_to_target
+
+  trajectory = [(0.0, 5.0), (1.0, 4.0), (3.0, 2.0), (4.0, 2.5)]
+  assert time_to_target(trajectory, 3.0) == pytest.approx(2.0)
+  assert time_to_target(trajectory, 4.0) == pytest.approx(1.0)
+  assert time_to_target(trajectory, 6.0) == 0.0
+  assert time_to_target(trajectory, 1.5) is None
+  rows = [
+    {"mode": "adam_float32", "val_loss": 2.0, "trajectory": [(0.0, 5.0), (2.0, 3.0), (4.0, 2.0)]},
+    {"mode": "diloco_h16_1bit", "val_loss": 3.0, "trajectory": [(0.0, 5.0), (0.5, 4.0), (1.0, 3.0)]},
+  ]
+  adam, local = _records({"link": "loopback"}, rows)
+  assert adam["target"] == local["target"] == 3.0  # the loss every row reaches
+  assert adam["time_to_target_s"] == pytest.approx(2.0) and local["time_to_target_s"] == pytest.approx(1.0)
+  assert local["vs_adam"] == pytest.approx(0.5) and adam["link"] == "loopback"
 
 
 def test_selected_rows_follow_the_environment(monkeypatch):

@@ -139,7 +139,7 @@ def test_quick_demo_figures_make_sense(quick_run):
   assert rows["8dev-1bit"]["state_bytes"] > rows["8dev-f32"]["state_bytes"]
   # DiLoCo exchanges once every DILOCO_SYNC_EVERY steps (24 steps: three
   # synchronisations, the last at the end), 1-bit DiLoCo a 32nd of that;
-  # both keep the synchronised weights and the outer momentum besides.
+  # both keep the synchronised weights besides.
   f32, diloco, diloco_1bit = (rows[n] for n in ("8dev-f32", "8dev-diloco", "8dev-diloco-1bit"))
   every = demo_configs.DILOCO_SYNC_EVERY
   assert 0.9 / every < diloco["wire_bytes_per_step"] / f32["wire_bytes_per_step"] < 1.2 / every

@@ -57,6 +57,24 @@ def test_sync_every_step_with_unit_outer_sgd_is_synchronous_sgd():
   assert int(state.count[0]) == 3
 
 
+def test_default_outer_step_averages_the_replicas_weights():
+  # Three local steps of SGD on each replica's own gradients, then the
+  # default outer step: every replica takes the average of the replicas'
+  # weights (DiLoCo's Nesterov outer step would overshoot it).
+  rng = np.random.default_rng(1)
+  params = _replicated(_tree(rng))
+  init, step = _pmapped(diloco(optax.sgd(0.1), sync_every=3, axis_name=AXIS))
+  p, state = params, init(params)
+  total = jax.tree.map(np.zeros_like, params)
+  for _ in range(3):
+    g = _tree(rng)
+    p, state = step(p, state, g)
+    total = jax.tree.map(np.add, total, g)
+  for name in p:
+    average = params[name][0] - 0.1 * total[name].mean(0)
+    np.testing.assert_allclose(np.asarray(p[name]), np.broadcast_to(average, p[name].shape), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("compression", [None, "sign"])
 def test_replicas_move_apart_between_synchronisations_and_meet_at_them(compression):
   rng = np.random.default_rng(1)

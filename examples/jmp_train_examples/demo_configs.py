@@ -232,8 +232,9 @@ def data_parallel_optimizer(
 
   * ``8dev-diloco``: :func:`jmp_train.diloco`: each replica takes
     :data:`DILOCO_SYNC_EVERY` local steps of the same momentum SGD, then
-    the replicas average their weights' change (float32) and DiLoCo's
-    outer Nesterov step moves the shared weights;
+    the replicas average their weights' change (float32) and the outer
+    step (``diloco``'s default, ``optax.sgd(1.0)``) moves the shared
+    weights by it: every replica continues from the replicas' average;
   * ``8dev-diloco-1bit``: the same, the change averaged by
     :func:`jmp_train.sign_compression` (1 bit per element, error feedback).
 

@@ -112,8 +112,12 @@ def diloco(
 
   Args:
     inner: the optimizer of the local steps (the paper: AdamW).
-    outer: the optimizer of the pseudo-gradients; ``None`` is DiLoCo's
-      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+    outer: the optimizer of the pseudo-gradients; ``None`` is
+      ``optax.sgd(1.0)``, which sets the shared weights to the replicas'
+      average (local SGD): the best outer step of this project's DiLoCo
+      benchmark (tens of local steps, a short run; see the benchmarks
+      report). The paper's ``optax.sgd(0.7, momentum=0.9, nesterov=True)``
+      is tuned for hundreds of local steps on long runs.
     sync_every: local steps per synchronisation (``H``); the paper uses
       hundreds, 16 and more save most of the communication.
     axis_name: the replicas' mapped axis (``pmap``'s ``axis_name`` or a
@@ -169,7 +173,7 @@ def diloco(
     Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
   """
   if outer is None:
-    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    outer = optax.sgd(1.0)
   _check(inner, outer, sync_every, axis_name, compression, reset_inner)
 
   def init(params):
