@@ -23,12 +23,16 @@ the ``adam_float32_lr*`` rows are the rest of its sweep):
 * ``diloco_h{H}_1bit``: ``diloco_h{H}`` with the pseudo-gradients averaged
   by :func:`jmp_train.sign_compression` (1 bit per element, column scales,
   error feedback).
+* ``d256_*``: ``adam_float32``, ``diloco_h16`` and ``diloco_h16_1bit`` with
+  the Transformer four times as wide (``d_model`` 256, 0.94M parameters
+  against 87k), every Adam at peak ``LR_WIDE`` (the better of the two
+  ``d256_adam_float32*`` rows): how the gap moves with the model's width.
 
 Columns: validation loss (16 fixed held-out batches) of replica 0's
 parameters after the last step (a synchronisation for the DiLoCo rows:
 ``steps`` is a multiple of every ``H``), mean, min and max over seeds;
 ``rel_to_adam``: the mean over seeds of each seed's loss over
-``adam_float32``'s of the same seed, minus 1; ``rel_to_adam_max`` the worst
+``adam_float32``'s of the same seed and width, minus 1; ``rel_to_adam_max`` the worst
 seed's; ``wire_ratio``: bytes each device sends per step, averaged over the
 steps, over a float32 ring all-reduce of the gradients every step. For
 ``one_bit_adam`` it is read from its compiled step after warm-up
@@ -37,7 +41,7 @@ DiLoCo rows it is the exchange's bytes once every ``H`` steps: ``1 / H``
 exact, and ``sign_compression``'s compiled ratio over ``H`` with 1 bit.
 
 Environment: ``BENCH_DILOCO_STEPS`` (default 192), ``BENCH_DILOCO_MODES``
-(comma-separated rows; ``adam_float32`` is always kept). ``--quick``: a tiny
+(comma-separated rows; keep each width's ``adam_float32`` row). ``--quick``: a tiny
 model, 8 steps, one seed, the exact DiLoCo row at ``H = 4`` only (a smoke
 test).
 """
@@ -56,6 +60,7 @@ from benchmarks.bench_one_bit_text import AXIS, REPLICAS, _task, schedule
 NAME = "diloco"
 COLUMNS = (
   "mode",
+  "d_model",
   "learning_rate",
   "outer",
   "sync_every",
@@ -69,6 +74,7 @@ COLUMNS = (
   "wire_ratio",
 )
 LR = 2e-2
+LR_WIDE = 1e-2
 LR_SWEEP = (1e-2, 3e-3)
 SYNC_EVERY_EXACT = (1, 4, 16, 32, 64)
 SYNC_EVERY_1BIT = (16, 32, 64)
@@ -129,7 +135,7 @@ def train_local(
 
 
 def _rows(steps: int, quick: bool):
-  """``(mode, peak learning rate, outer step's name, H, make)`` per row."""
+  """``(group, mode, d_model, peak learning rate, outer step's name, H, make)`` per row."""
   from jmp_train import diloco, one_bit_adam, sign_compression
 
   from benchmarks.bench_one_bit_convergence import _exact_mean
@@ -137,32 +143,33 @@ def _rows(steps: int, quick: bool):
   def adam(peak):
     return lambda: optax.chain(_exact_mean(AXIS), optax.adam(schedule(peak, steps)))
 
-  def local(h, outer, compression=False):
-    inner = optax.adamw(schedule(LR, steps), weight_decay=0.0)
+  def local(h, outer, peak=LR, compression=False):
+    inner = optax.adamw(schedule(peak, steps), weight_decay=0.0)
     return lambda: diloco(
       inner, outer(), h, axis_name=AXIS, compression=sign_compression(AXIS) if compression else None
     )
 
   average = lambda: optax.sgd(1.0)
   if quick:
-    return [("diloco_h4", LR, "sgd(1.0)", 4, local(4, average))]
-  rows = [("adam_float32", LR, None, 1, adam(LR))]
-  rows += [(f"adam_float32_lr{lr:g}", lr, None, 1, adam(lr)) for lr in LR_SWEEP]
+    return [("d16", "diloco_h4", 16, LR, "sgd(1.0)", 4, local(4, average))]
+  row = lambda mode, lr, outer, h, make: ("d64", mode, 64, lr, outer, h, make)
+  rows = [row("adam_float32", LR, None, 1, adam(LR))]
+  rows += [row(f"adam_float32_lr{lr:g}", lr, None, 1, adam(lr)) for lr in LR_SWEEP]
+  warmup = max(1, steps // 5)
   rows.append(
-    (
-      "one_bit_adam",
-      LR,
-      None,
-      1,
-      lambda: one_bit_adam(schedule(LR, steps), axis_name=AXIS, warmup_steps=max(1, steps // 5)),
-    )
+    row("one_bit_adam", LR, None, 1, lambda: one_bit_adam(schedule(LR, steps), axis_name=AXIS, warmup_steps=warmup))
   )
   for h in SYNC_EVERY_EXACT:
-    rows.append((f"diloco_h{h}", LR, "sgd(1.0)", h, local(h, average)))
+    rows.append(row(f"diloco_h{h}", LR, "sgd(1.0)", h, local(h, average)))
     if h == 16:
-      rows.append(("diloco_h16_nesterov", LR, "nesterov(0.7, 0.9)", h, local(h, lambda: optax.sgd(**NESTEROV))))
+      rows.append(row("diloco_h16_nesterov", LR, "nesterov(0.7, 0.9)", h, local(h, lambda: optax.sgd(**NESTEROV))))
   for h in SYNC_EVERY_1BIT:
-    rows.append((f"diloco_h{h}_1bit", LR, "sgd(1.0)", h, local(h, average, compression=True)))
+    rows.append(row(f"diloco_h{h}_1bit", LR, "sgd(1.0)", h, local(h, average, compression=True)))
+  wide = lambda mode, lr, outer, h, make: ("d256", f"d256_{mode}", 256, lr, outer, h, make)
+  rows.append(wide("adam_float32", LR_WIDE, None, 1, adam(LR_WIDE)))
+  rows.append(wide(f"adam_float32_lr{LR:g}", LR, None, 1, adam(LR)))
+  rows.append(wide("diloco_h16", LR_WIDE, "sgd(1.0)", 16, local(16, average, LR_WIDE)))
+  rows.append(wide("diloco_h16_1bit", LR_WIDE, "sgd(1.0)", 16, local(16, average, LR_WIDE, compression=True)))
   return rows
 
 
@@ -171,7 +178,7 @@ def _wire_ratio(mode: str, h: int, make, params) -> float | None:
 
   from benchmarks.bench_one_bit_optimizers import wire_ratio
 
-  if mode.startswith("adam_float32"):
+  if "adam_float32" in mode:
     return 1.0
   if mode == "one_bit_adam":
     return wire_ratio(make(), params, REPLICAS)
@@ -183,22 +190,22 @@ def _wire_ratio(mode: str, h: int, make, params) -> float | None:
 def run(quick: bool) -> list[dict]:
   steps = 8 if quick else _harness.env_int("BENCH_DILOCO_STEPS", 192)
   seeds = (0,) if quick else (0, 1, 2)
-  size = dict(d_model=16, seq_len=16, eval_batches=2) if quick else {}
+  size = dict(seq_len=16, eval_batches=2) if quick else {}
   rows = _rows(steps, quick)
   if not quick:
-    grouped = _harness.selected_rows([("adam", *row) for row in rows], "BENCH_DILOCO_MODES")
-    rows = [row[1:] for row in grouped]
-  for mode, _, _, h, _ in rows:
+    rows = _harness.selected_rows(rows, "BENCH_DILOCO_MODES")
+  for _, mode, _, _, _, h, _ in rows:
     if steps % h:
       raise ValueError(f"BENCH_DILOCO_STEPS={steps} is not a multiple of {mode}'s sync_every {h}.")
-  params = None if quick else _task(0, 1, 64, 64, 32, 1)[1]
+  params = {} if quick else {d: _task(0, 1, d, 64, 32, 1)[1] for d in {row[2] for row in rows}}
   records = []
-  for mode, lr, outer, h, make in rows:
-    runs = [train_local(make(), steps=steps, seed=s, **size) for s in seeds]
+  for group, mode, d_model, lr, outer, h, make in rows:
+    runs = [train_local(make(), steps=steps, seed=s, d_model=d_model, **size) for s in seeds]
     val = np.asarray([r["val_loss"] for r in runs])
     records.append(
       {
         "mode": mode,
+        "d_model": d_model,
         "learning_rate": lr,
         "outer": outer,
         "sync_every": h,
@@ -209,12 +216,15 @@ def run(quick: bool) -> list[dict]:
         "val_loss_max": float(val.max()),
         "val_losses": [float(v) for v in val],
         "train_loss": float(np.mean([r["train_loss"] for r in runs])),
-        "wire_ratio": None if quick else _wire_ratio(mode, h, make, params),
+        "wire_ratio": None if quick else _wire_ratio(mode, h, make, params[d_model]),
+        "group": group,
       }
     )
     print(f"{mode}: val {val.round(4).tolist()}", flush=True)
-  base = next((r for r in records if r["mode"] == "adam_float32"), None)
+  # Each row against the synchronous Adam of its group (its width), seed by seed.
+  bases = {r["group"]: r for r in records if r["mode"].endswith("adam_float32")}
   for r in records:
+    base = bases.get(r.pop("group"))
     r["rel_to_adam"] = r["rel_to_adam_max"] = None  # no adam_float32 row (--quick)
     if base is not None:
       rel = np.asarray(r["val_losses"]) / np.asarray(base["val_losses"]) - 1.0
