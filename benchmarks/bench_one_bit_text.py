@@ -105,7 +105,8 @@ def _task(seed: int, steps: int, d_model: int, seq_len: int, batch: int, eval_ba
     num_layers=1,
     max_len=seq_len,
   )
-  params = model.init(jax.random.key(seed), np.zeros((1, seq_len), np.int32))["params"]
+  # One compiled init, not one compilation per operation (the same values).
+  params = jax.jit(model.init)(jax.random.key(seed), np.zeros((1, seq_len), np.int32))["params"]
   return model, params, batches, evals
 
 
