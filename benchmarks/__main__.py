@@ -44,10 +44,8 @@ def _simulate_cpu_devices(count: int) -> None:
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Runs the selected benchmarks; returns the process exit status."""
-  modules = discover()
-  names = [m.removeprefix("bench_") for m in modules]
+def _parser(names: list[str]) -> argparse.ArgumentParser:
+  """The command line of ``python -m benchmarks``."""
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
@@ -87,6 +85,40 @@ def main(argv: list[str] | None = None) -> int:
     "write their results and print one summary table; refuses "
     "without a GPU",
   )
+  return parser
+
+
+def _run_one(module_name: str, name: str, args: argparse.Namespace) -> bool:
+  """Runs one benchmark, prints its table and writes its results; ``False`` if it raised."""
+  from benchmarks import _harness
+
+  print(f"\n## {name}", flush=True)
+  start = time.perf_counter()
+  try:
+    module = importlib.import_module(f"benchmarks.{module_name}")
+    records = module.run(quick=args.quick)
+    if not records:
+      raise RuntimeError(f"benchmark {name!r} returned no records")
+  except Exception:  # Report, run the rest.
+    traceback.print_exc()
+    print(f"(benchmark {name!r} FAILED)", flush=True)
+    return False
+  path = _harness.save_results(module.NAME + ("-quick" if args.quick else ""), records, args.out)
+  if _harness.is_skipped(records):
+    print(f"skipped: {records[0]['reason']}")
+  else:
+    print(_harness.format_table(records, getattr(module, "COLUMNS", None)))
+  if args.json:
+    print(json.dumps(records, indent=2, default=str))
+  print(f"(written to {path} in {time.perf_counter() - start:.1f} s)", flush=True)
+  return True
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the selected benchmarks; returns the process exit status."""
+  modules = discover()
+  names = [m.removeprefix("bench_") for m in modules]
+  parser = _parser(names)
   args = parser.parse_args(argv)
   if args.write and not args.summary:
     parser.error("--write goes with --summary (or use --report)")
@@ -120,30 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     f"jax {info['versions']['jax']}, {info['date']}",
     flush=True,
   )
-  failed = []
-  for module_name, name in zip(modules, names):
-    if args.only and name not in args.only:
-      continue
-    print(f"\n## {name}", flush=True)
-    start = time.perf_counter()
-    try:
-      module = importlib.import_module(f"benchmarks.{module_name}")
-      records = module.run(quick=args.quick)
-      if not records:
-        raise RuntimeError(f"benchmark {name!r} returned no records")
-    except Exception:  # Report, run the rest.
-      traceback.print_exc()
-      print(f"(benchmark {name!r} FAILED)", flush=True)
-      failed.append(name)
-      continue
-    path = _harness.save_results(module.NAME + ("-quick" if args.quick else ""), records, args.out)
-    if _harness.is_skipped(records):
-      print(f"skipped: {records[0]['reason']}")
-    else:
-      print(_harness.format_table(records, getattr(module, "COLUMNS", None)))
-    if args.json:
-      print(json.dumps(records, indent=2, default=str))
-    print(f"(written to {path} in {time.perf_counter() - start:.1f} s)", flush=True)
+  selected = [(m, n) for m, n in zip(modules, names) if not args.only or n in args.only]
+  failed = [name for module_name, name in selected if not _run_one(module_name, name, args)]
   if failed:
     print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr, flush=True)
     return 1
