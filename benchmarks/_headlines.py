@@ -75,14 +75,22 @@ def _one_bit_text(records: Records) -> Iterator[Figure]:
 
 
 def _diloco(records: Records) -> Iterator[Figure]:
-  for mode in ("diloco_h16", "diloco_h16_1bit", "d256_diloco_h16_1bit"):
+  modes = (
+    "diloco_h16",
+    "diloco_h16_1bit",
+    "d256_diloco_h16_1bit",
+    "d256_r4_diloco_h16_1bit",
+    "d256_r2_diloco_h16_1bit",
+  )
+  for mode in modes:
     r = find(records, mode=mode)
     if r and r.get("rel_to_adam") is not None:
       width = f" of width {r['d_model']}" if "d_model" in r else ""
       yield (
         f"`diloco` ({'1-bit' if mode.endswith('1bit') else 'exact'} outer "
-        f"updates every {r['sync_every']} steps) on the demo's text Transformer{width}, 8 "
-        f"replicas, {r['steps']} steps: validation loss against synchronous Adam",
+        f"updates every {r['sync_every']} steps) on the demo's text Transformer{width}, "
+        f"{r.get('replicas', 8)} replicas sharing {r.get('batch', 32)} sequences per step, {r['steps']} steps: "
+        "validation loss against synchronous Adam",
         f"{percent(1)(r['rel_to_adam'])}, at {r['wire_ratio']:.4f} of the bytes",
       )
 

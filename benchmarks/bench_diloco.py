@@ -26,7 +26,13 @@ the ``adam_float32_lr*`` rows are the rest of its sweep):
 * ``d256_*``: ``adam_float32``, ``diloco_h16`` and ``diloco_h16_1bit`` with
   the Transformer four times as wide (``d_model`` 256, 0.94M parameters
   against 87k), every Adam at peak ``LR_WIDE`` (the better of the two
-  ``d256_adam_float32*`` rows): how the gap moves with the model's width.
+  ``d256_adam_float32*`` rows): how the gap moves with the model's width;
+  ``d256_r{R}_*``: the same DiLoCo rows with the step's 32 sequences shared
+  by ``R`` = 4 and 2 replicas instead of 8 (``32 / R`` each, against the
+  same synchronous Adam, whose mean gradient does not depend on how the
+  batch is split): how the gap moves with the number of replicas, as in
+  DiLoCo's scaling study (each replica there may itself be a synchronous
+  data-parallel group).
 
 Columns: validation loss (16 fixed held-out batches) of replica 0's
 parameters after the last step (a synchronisation for the DiLoCo rows:
@@ -64,6 +70,7 @@ COLUMNS = (
   "learning_rate",
   "outer",
   "sync_every",
+  "replicas",
   "steps",
   "seeds",
   "val_loss",
@@ -78,6 +85,8 @@ LR_WIDE = 1e-2
 LR_SWEEP = (1e-2, 3e-3)
 SYNC_EVERY_EXACT = (1, 4, 16, 32, 64)
 SYNC_EVERY_1BIT = (16, 32, 64)
+FEWER_REPLICAS = (4, 2)
+BATCH = 32  # sequences per step, all replicas together
 NESTEROV = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
 
 
@@ -88,22 +97,28 @@ def train_local(
   seed: int,
   d_model: int = 64,
   seq_len: int = 64,
-  batch: int = 32,
+  batch: int = BATCH,
   eval_batches: int = 16,
+  replicas: int = REPLICAS,
 ) -> dict:
-  """Trains the text Transformer with ``tx`` on local gradients, one parameter copy per replica."""
-  if jax.device_count() < REPLICAS:
+  """Trains the text Transformer with ``tx`` on local gradients, one parameter copy per replica.
+
+  ``batch`` sequences per step in all, ``batch / replicas`` on each replica.
+  """
+  if jax.device_count() < replicas:
     raise ValueError(
-      f"needs {REPLICAS} devices, found {jax.device_count()}: set "
-      f"XLA_FLAGS=--xla_force_host_platform_device_count={REPLICAS} before JAX starts."
+      f"needs {replicas} devices, found {jax.device_count()}: set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before JAX starts."
     )
+  if batch % replicas:
+    raise ValueError(f"batch {batch} is not a multiple of replicas {replicas}.")
   model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, batch, eval_batches)
-  mesh = jax.make_mesh((REPLICAS,), (AXIS,), devices=jax.devices()[:REPLICAS])
+  mesh = jax.make_mesh((replicas,), (AXIS,), devices=jax.devices()[:replicas])
   spec, data = P(AXIS), P(None, AXIS)
   xs = jax.device_put(xs, NamedSharding(mesh, data))
   ys = jax.device_put(ys, NamedSharding(mesh, data))
   stacked = jax.device_put(
-    jax.tree.map(lambda p: np.broadcast_to(p, (REPLICAS,) + p.shape).copy(), params), NamedSharding(mesh, spec)
+    jax.tree.map(lambda p: np.broadcast_to(p, (replicas,) + p.shape).copy(), params), NamedSharding(mesh, spec)
   )
   first = lambda t: jax.tree.map(lambda x: x[0], t)
   expand = lambda t: jax.tree.map(lambda x: x[None], t)
@@ -135,7 +150,7 @@ def train_local(
 
 
 def _rows(steps: int, quick: bool):
-  """``(group, mode, d_model, peak learning rate, outer step's name, H, make)`` per row."""
+  """``(group, mode, d_model, peak learning rate, outer step's name, H, replicas, make)`` per row."""
   from jmp_train import diloco, one_bit_adam, sign_compression
 
   from benchmarks.bench_one_bit_convergence import _exact_mean
@@ -151,8 +166,8 @@ def _rows(steps: int, quick: bool):
 
   average = lambda: optax.sgd(1.0)
   if quick:
-    return [("d16", "diloco_h4", 16, LR, "sgd(1.0)", 4, local(4, average))]
-  row = lambda mode, lr, outer, h, make: ("d64", mode, 64, lr, outer, h, make)
+    return [("d16", "diloco_h4", 16, LR, "sgd(1.0)", 4, REPLICAS, local(4, average))]
+  row = lambda mode, lr, outer, h, make: ("d64", mode, 64, lr, outer, h, REPLICAS, make)
   rows = [row("adam_float32", LR, None, 1, adam(LR))]
   rows += [row(f"adam_float32_lr{lr:g}", lr, None, 1, adam(lr)) for lr in LR_SWEEP]
   warmup = max(1, steps // 5)
@@ -165,15 +180,22 @@ def _rows(steps: int, quick: bool):
       rows.append(row("diloco_h16_nesterov", LR, "nesterov(0.7, 0.9)", h, local(h, lambda: optax.sgd(**NESTEROV))))
   for h in SYNC_EVERY_1BIT:
     rows.append(row(f"diloco_h{h}_1bit", LR, "sgd(1.0)", h, local(h, average, compression=True)))
-  wide = lambda mode, lr, outer, h, make: ("d256", f"d256_{mode}", 256, lr, outer, h, make)
+
+  def wide(mode, lr, outer, h, make, replicas=REPLICAS):
+    prefix = "d256" if replicas == REPLICAS else f"d256_r{replicas}"
+    return ("d256", f"{prefix}_{mode}", 256, lr, outer, h, replicas, make)
+
   rows.append(wide("adam_float32", LR_WIDE, None, 1, adam(LR_WIDE)))
   rows.append(wide(f"adam_float32_lr{LR:g}", LR, None, 1, adam(LR)))
-  rows.append(wide("diloco_h16", LR_WIDE, "sgd(1.0)", 16, local(16, average, LR_WIDE)))
-  rows.append(wide("diloco_h16_1bit", LR_WIDE, "sgd(1.0)", 16, local(16, average, LR_WIDE, compression=True)))
+  for replicas in (REPLICAS, *FEWER_REPLICAS):
+    rows.append(wide("diloco_h16", LR_WIDE, "sgd(1.0)", 16, local(16, average, LR_WIDE), replicas))
+    rows.append(
+      wide("diloco_h16_1bit", LR_WIDE, "sgd(1.0)", 16, local(16, average, LR_WIDE, compression=True), replicas)
+    )
   return rows
 
 
-def _wire_ratio(mode: str, h: int, make, params) -> float | None:
+def _wire_ratio(mode: str, h: int, replicas: int, make, params) -> float | None:
   from jmp_train import sign_compression
 
   from benchmarks.bench_one_bit_optimizers import wire_ratio
@@ -181,9 +203,9 @@ def _wire_ratio(mode: str, h: int, make, params) -> float | None:
   if "adam_float32" in mode:
     return 1.0
   if mode == "one_bit_adam":
-    return wire_ratio(make(), params, REPLICAS)
+    return wire_ratio(make(), params, replicas)
   if mode.endswith("_1bit"):
-    return wire_ratio(optax.chain(sign_compression(AXIS), optax.sgd(0.1)), params, REPLICAS) / h
+    return wire_ratio(optax.chain(sign_compression(AXIS), optax.sgd(0.1)), params, replicas) / h
   return 1.0 / h
 
 
@@ -194,13 +216,13 @@ def run(quick: bool) -> list[dict]:
   rows = _rows(steps, quick)
   if not quick:
     rows = _harness.selected_rows(rows, "BENCH_DILOCO_MODES")
-  for _, mode, _, _, _, h, _ in rows:
+  for _, mode, _, _, _, h, _, _ in rows:
     if steps % h:
       raise ValueError(f"BENCH_DILOCO_STEPS={steps} is not a multiple of {mode}'s sync_every {h}.")
   params = {} if quick else {d: _task(0, 1, d, 64, 32, 1)[1] for d in {row[2] for row in rows}}
   records = []
-  for group, mode, d_model, lr, outer, h, make in rows:
-    runs = [train_local(make(), steps=steps, seed=s, d_model=d_model, **size) for s in seeds]
+  for group, mode, d_model, lr, outer, h, replicas, make in rows:
+    runs = [train_local(make(), steps=steps, seed=s, d_model=d_model, replicas=replicas, **size) for s in seeds]
     val = np.asarray([r["val_loss"] for r in runs])
     records.append(
       {
@@ -209,6 +231,8 @@ def run(quick: bool) -> list[dict]:
         "learning_rate": lr,
         "outer": outer,
         "sync_every": h,
+        "replicas": replicas,
+        "batch": BATCH,
         "steps": steps,
         "seeds": len(seeds),
         "val_loss": float(val.mean()),
@@ -216,7 +240,7 @@ def run(quick: bool) -> list[dict]:
         "val_loss_max": float(val.max()),
         "val_losses": [float(v) for v in val],
         "train_loss": float(np.mean([r["train_loss"] for r in runs])),
-        "wire_ratio": None if quick else _wire_ratio(mode, h, make, params[d_model]),
+        "wire_ratio": None if quick else _wire_ratio(mode, h, replicas, make, params[d_model]),
         "group": group,
       }
     )

@@ -236,3 +236,63 @@ def test_init_returns_fresh_buffers():
   state = diloco(optax.sgd(0.1), axis_name=AXIS).init(params)
   assert state.anchor["w"] is not params["w"]
   assert state.anchor["w"].unsafe_buffer_pointer() != params["w"].unsafe_buffer_pointer()
+
+
+def _mean_over(axis_name):
+  """The exact ``pmean`` of the updates over ``axis_name``: a synchronous group's step."""
+  return optax.GradientTransformation(
+    lambda _: optax.EmptyState(), lambda u, s, p=None: (jax.lax.pmean(u, axis_name), s)
+  )
+
+
+@pytest.mark.parametrize("compression", [None, "sign"])
+def test_islands_synchronous_inside_and_diloco_across_are_diloco_on_the_islands_means(compression):
+  # 2 islands of 4 devices (say two clusters on a slow link): each island
+  # averages its gradients every step (inner = pmean over "data", then
+  # Adam), DiLoCo runs across "island" only. That is 2-replica DiLoCo fed
+  # each island's mean gradient, computed here under pmap as the reference.
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  islands, size, h = 2, 4, 3
+  mesh = jax.make_mesh((islands, size), ("island", "data"), devices=jax.devices()[: islands * size])
+  comp = (lambda axis: jmp_train.sign_compression(axis)) if compression else (lambda axis: None)
+  tx = diloco(
+    optax.chain(_mean_over("data"), optax.adam(1e-2)), sync_every=h, axis_name="island", compression=comp("island")
+  )
+  spec = P("island", "data")
+  put = lambda t: jax.device_put(t, NamedSharding(mesh, spec))
+  one = lambda t: jax.tree.map(lambda x: x[0, 0], t)
+  two = lambda t: jax.tree.map(lambda x: x[None, None], t)
+
+  def step(p, s, g):
+    p, s, g = one(p), one(s), one(g)
+    u, s = tx.update(g, s, p)
+    return two(optax.apply_updates(p, u)), two(s)
+
+  init = jax.jit(jax.shard_map(lambda p: two(tx.init(one(p))), mesh=mesh, in_specs=spec, out_specs=spec))
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec)))
+  ref_init, ref_step = _pmapped(
+    diloco(
+      optax.adam(1e-2),
+      sync_every=h,
+      axis_name=AXIS,
+      compression=jmp_train.sign_compression(AXIS) if compression else None,
+    )
+  )
+
+  rng = np.random.default_rng(3)
+  start = jax.tree.map(lambda x: x[0], _tree(rng, 1))
+  p = put(jax.tree.map(lambda x: np.broadcast_to(x, (islands, size) + x.shape).copy(), start))
+  ref_p = jax.tree.map(lambda x: np.broadcast_to(x, (islands,) + x.shape).copy(), start)
+  state, ref_state = init(p), ref_init(ref_p)
+  for t in range(1, 2 * h + 1):
+    grads = jax.tree.map(lambda x: x.reshape((islands, size) + x.shape[1:]), _tree(rng, islands * size))
+    p, state = run(p, state, put(grads))
+    ref_p, ref_state = ref_step(ref_p, ref_state, jax.tree.map(lambda g: g.mean(1), grads))
+    for name in p:
+      got = np.asarray(p[name])
+      assert (got == got[:, :1]).all(), (t, name)  # an island's devices agree bit for bit, every step
+      np.testing.assert_allclose(got[:, 0], np.asarray(ref_p[name]), rtol=1e-5, atol=1e-6)
+      apart = float(np.abs(got[0] - got[1]).max())
+      assert (apart > 1e-4) if t % h else (apart < 1e-6), (t, name, apart)
