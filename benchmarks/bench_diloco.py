@@ -82,6 +82,9 @@ COLUMNS = (
 )
 LR = 2e-2
 LR_WIDE = 1e-2
+# Synchronous Adam's best peak learning rate of each width swept here (the
+# ``adam_float32_lr*`` rows), the rate every row of that width trains at.
+PEAK_LR = {64: LR, 256: LR_WIDE}
 LR_SWEEP = (1e-2, 3e-3)
 SYNC_EVERY_EXACT = (1, 4, 16, 32, 64)
 SYNC_EVERY_1BIT = (16, 32, 64)

@@ -5,9 +5,10 @@
 ``i mod cores``): the code path of several hosts, here sharing one
 machine's cores. Each process is one replica of ``bench_diloco``'s text
 Transformer (8 sequences of 64 bytes per step, so the global batch is
-``bench_diloco``'s 32; the same data, schedule and peak learning rate
-``bench_diloco.LR``), trained for ``steps`` steps with donated parameters
-and optimizer state:
+``bench_diloco``'s 32; the same data, schedule and, for every row, the peak
+learning rate ``bench_diloco.PEAK_LR`` gives the width: synchronous Adam's
+best there), trained for ``steps`` steps with donated parameters and
+optimizer state:
 
 * ``adam_float32``: ``optax.adam`` on the exact mean of the gradients,
   flattened into one bucket (:func:`jmp_train.bucketed_mean`, the exchange
@@ -60,6 +61,7 @@ COLUMNS = (
   "link",
   "processes",
   "d_model",
+  "learning_rate",
   "mode",
   "steps",
   "step_ms",
@@ -111,26 +113,35 @@ def _records(link: dict, rows: list[dict]) -> list[dict]:
   return [{**link, **r} for r in rows]
 
 
-def launch(processes: int, modes, steps: int, d_model: int, timeout: float = 1800) -> list[dict]:
+def launch(processes: int, modes, steps: int, d_model: int, learning_rate: float, timeout: float = 1800) -> list[dict]:
   """Trains every mode in ``processes`` processes; returns process 0's rows."""
   args = ["--modes", ",".join(modes), "--steps", str(steps), "--d-model", str(d_model)]
+  args += ["--learning-rate", repr(learning_rate)]
   return mp.launch_workers("benchmarks.bench_time_to_loss", args, processes, pin=mp._CAN_PIN, env={}, timeout=timeout)
 
 
 def run(quick: bool) -> list[dict]:
+  from benchmarks.bench_diloco import LR, PEAK_LR
+
   if quick:
-    processes, links, steps, d_model, modes = 1, (None,), 16, 16, ("adam_float32",)
+    processes, links, steps, d_model, modes, lr = 1, (None,), 16, 16, ("adam_float32",), LR
   else:
     processes, modes = PROCESSES, MODES
     steps = _harness.env_int("BENCH_TIME_TO_LOSS_STEPS", 192)
     d_model = _harness.env_int("BENCH_TIME_TO_LOSS_WIDTH", 256)
     links = tuple(None if n == "none" else n for n in mp._env_names("BENCH_TIME_TO_LOSS_LINKS", LINKS, LINKS))
+    if d_model not in PEAK_LR:
+      raise ValueError(
+        f"BENCH_TIME_TO_LOSS_WIDTH={d_model} has no tuned learning rate; use one of "
+        f"{sorted(PEAK_LR)} (bench_diloco.PEAK_LR, from its learning-rate sweeps)."
+      )
+    lr = PEAK_LR[d_model]
   if steps < EVAL_EVERY or steps % EVAL_EVERY:
     raise ValueError(f"BENCH_TIME_TO_LOSS_STEPS={steps} must be a positive multiple of {EVAL_EVERY}.")
   records = []
   for rate in links:
     with mp.loopback_cap(rate) as link:
-      rows = launch(processes, modes, steps, d_model)
+      rows = launch(processes, modes, steps, d_model, lr)
     records += _records(link, rows)
     for r in records[-len(rows) :]:
       print(json.dumps({k: r[k] for k in COLUMNS if k in r}), flush=True)
@@ -142,15 +153,14 @@ def run(quick: bool) -> list[dict]:
 # ---------------------------------------------------------------------------
 
 
-def _optimizer(mode: str, steps: int):
+def _optimizer(mode: str, steps: int, peak: float):
   import optax
 
   from jmp_train import bucketed_mean, diloco, one_bit_adam, sign_compression
 
-  from benchmarks.bench_diloco import LR
   from benchmarks.bench_one_bit_text import schedule
 
-  lr = schedule(LR, steps)
+  lr = schedule(peak, steps)
   if mode == "adam_float32":
     mean = optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (bucketed_mean(u, AXIS), s))
     return optax.chain(mean, optax.adam(lr))
@@ -170,7 +180,7 @@ def _train(mode, args, mesh, model, params, xs, ys, evals) -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  tx = _optimizer(mode, args.steps)
+  tx = _optimizer(mode, args.steps, args.learning_rate)
   spec = NamedSharding(mesh, P(AXIS))
   glob = lambda tree: jax.tree.map(lambda a: jax.make_array_from_process_local_data(spec, np.asarray(a)), tree)
   first = lambda t: jax.tree.map(lambda x: x[0], t)
@@ -219,6 +229,7 @@ def _train(mode, args, mesh, model, params, xs, ys, evals) -> dict:
     "mode": mode,
     "processes": args.processes,
     "d_model": args.d_model,
+    "learning_rate": args.learning_rate,
     "steps": args.steps,
     "train_s": elapsed,
     "step_ms": 1e3 * elapsed / args.steps,
@@ -256,6 +267,7 @@ def main(argv=None) -> int:
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--steps", type=int, required=True)
   parser.add_argument("--d-model", type=int, required=True)
+  parser.add_argument("--learning-rate", type=float, required=True)
   return mp.start_worker(parser.parse_args(argv), _worker)
 
 

@@ -375,6 +375,25 @@ def test_time_to_loss_interpolates_between_evaluations():
   assert local["vs_adam"] == pytest.approx(0.5) and adam["link"] == "loopback"
 
 
+def test_time_to_loss_trains_at_the_widths_tuned_learning_rate(monkeypatch):
+  from benchmarks import bench_time_to_loss as bench
+  from benchmarks.bench_diloco import PEAK_LR
+
+  launched, row = [], {"mode": "adam_float32", "val_loss": 2.0, "trajectory": [(0.0, 3.0), (1.0, 2.0)]}
+  monkeypatch.setattr(bench, "launch", lambda *args: launched.append(args) or [dict(row)])
+  monkeypatch.setenv("BENCH_TIME_TO_LOSS_LINKS", "none")
+  for width in (64, 256):
+    monkeypatch.setenv("BENCH_TIME_TO_LOSS_WIDTH", str(width))
+    bench.run(quick=False)
+    assert launched[-1][3:] == (width, PEAK_LR[width])
+  assert PEAK_LR[64] != PEAK_LR[256]  # each width its own sweep's best
+  monkeypatch.setenv("BENCH_TIME_TO_LOSS_WIDTH", "128")
+  with pytest.raises(
+    ValueError, match=r"BENCH_TIME_TO_LOSS_WIDTH=128 has no tuned learning rate; use one of \[64, 256\]"
+  ):
+    bench.run(quick=False)
+
+
 def test_selected_rows_follow_the_environment(monkeypatch):
   rows = [
     ("adam", "adam_float32", 1),
