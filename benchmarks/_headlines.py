@@ -97,13 +97,20 @@ def _diloco(records: Records) -> Iterator[Figure]:
 
 def _time_to_loss(records: Records) -> Iterator[Figure]:
   link = "lo<=1gbit"
-  one_bit, diloco = find(records, link=link, mode="one_bit_adam"), find(records, link=link, mode="diloco_h16_1bit")
-  if one_bit and diloco and one_bit.get("vs_adam") and diloco.get("vs_adam"):
+  ratios = {
+    mode: [r["vs_adam"] for r in records if r.get("link") == link and r["mode"] == mode and r.get("vs_adam")]
+    for mode in ("one_bit_adam", "diloco_h16_1bit")
+  }
+  diloco = find(records, link=link, mode="diloco_h16_1bit")
+  if diloco and all(ratios.values()):
+    spread = lambda v: f"{sum(v) / len(v):.2f}" + (f" [{min(v):.2f}, {max(v):.2f}]" if len(v) > 1 else "")
+    seeds = len(ratios["diloco_h16_1bit"])
     yield (
       f"`diloco` (1-bit outer updates every 16 steps) across {diloco['processes']} processes at 1 Gbit/s, "
       f"text Transformer of width {diloco['d_model']}: wall-clock time to the loss every row reaches, "
-      "over float32 Adam's (`one_bit_adam`'s beside it)",
-      f"{diloco['vs_adam']:.2f} ({one_bit['vs_adam']:.2f})",
+      "over float32 Adam's (`one_bit_adam`'s beside it), "
+      + (f"mean [min, max] of {seeds} seeds" if seeds > 1 else "1 seed"),
+      f"{spread(ratios['diloco_h16_1bit'])} ({spread(ratios['one_bit_adam'])})",
     )
 
 

@@ -22,12 +22,13 @@ optimizer state:
 
 Every ``EVAL_EVERY`` (16) steps each process copies replica 0's parameters
 to the host and the processes meet at a barrier; neither is timed. After
-the run, process 0 evaluates the copies (16 held-out batches). Per link and
-row: ``train_s`` (the timed steps, all of them), ``step_ms`` (``train_s``
+the run, process 0 evaluates the copies (16 held-out batches). Each seed
+(its own initialisation and data, as ``bench_diloco``'s) is one launch of
+every row. Per link, seed and row: ``train_s`` (the timed steps, all of them), ``step_ms`` (``train_s``
 over the steps), ``sync_step_ms`` and ``local_step_ms`` (the median of every
 16th step, where the DiLoCo rows synchronise, and of the others),
 ``val_loss`` (at the last step), ``target`` (the largest final validation
-loss of the link's rows: a loss every row reaches),
+loss of the link's and seed's rows: a loss every row reaches),
 ``time_to_target_s`` (the training time at which the row's validation loss
 first reaches ``target``, linear between the two evaluations around it)
 and ``vs_adam`` (that time over ``adam_float32``'s; below 1 is faster).
@@ -37,7 +38,8 @@ Links: the loopback as is and capped at 1 Gbit/s (``tc`` token bucket on
 afterwards; ``cap_note`` says why a cap was not set). The processes share
 the cores and, while capped, the loopback's bandwidth.
 
-Environment: ``BENCH_TIME_TO_LOSS_STEPS`` (default 192, a multiple of 16),
+Environment: ``BENCH_TIME_TO_LOSS_SEEDS`` (default 3: seeds 0, 1, 2),
+``BENCH_TIME_TO_LOSS_STEPS`` (default 192, a multiple of 16),
 ``BENCH_TIME_TO_LOSS_LINKS`` (of ``none,1gbit``), ``BENCH_TIME_TO_LOSS_WIDTH``
 (the Transformer's width, default 256, 0.94M parameters: wide enough that a
 float32 all-reduce shows at 1 Gbit/s; at ``bench_diloco``'s 64 the steps
@@ -59,6 +61,7 @@ from benchmarks import bench_multiprocess as mp
 NAME = "time_to_loss"
 COLUMNS = (
   "link",
+  "seed",
   "processes",
   "d_model",
   "learning_rate",
@@ -113,10 +116,12 @@ def _records(link: dict, rows: list[dict]) -> list[dict]:
   return [{**link, **r} for r in rows]
 
 
-def launch(processes: int, modes, steps: int, d_model: int, learning_rate: float, timeout: float = 1800) -> list[dict]:
+def launch(
+  processes: int, modes, steps: int, d_model: int, learning_rate: float, seed: int = 0, timeout: float = 1800
+) -> list[dict]:
   """Trains every mode in ``processes`` processes; returns process 0's rows."""
   args = ["--modes", ",".join(modes), "--steps", str(steps), "--d-model", str(d_model)]
-  args += ["--learning-rate", repr(learning_rate)]
+  args += ["--learning-rate", repr(learning_rate), "--seed", str(seed)]
   return mp.launch_workers("benchmarks.bench_time_to_loss", args, processes, pin=mp._CAN_PIN, env={}, timeout=timeout)
 
 
@@ -124,9 +129,10 @@ def run(quick: bool) -> list[dict]:
   from benchmarks.bench_diloco import LR, PEAK_LR
 
   if quick:
-    processes, links, steps, d_model, modes, lr = 1, (None,), 16, 16, ("adam_float32",), LR
+    processes, links, steps, d_model, modes, lr, seeds = 1, (None,), 16, 16, ("adam_float32",), LR, 1
   else:
     processes, modes = PROCESSES, MODES
+    seeds = _harness.env_int("BENCH_TIME_TO_LOSS_SEEDS", 3)
     steps = _harness.env_int("BENCH_TIME_TO_LOSS_STEPS", 192)
     d_model = _harness.env_int("BENCH_TIME_TO_LOSS_WIDTH", 256)
     links = tuple(None if n == "none" else n for n in mp._env_names("BENCH_TIME_TO_LOSS_LINKS", LINKS, LINKS))
@@ -141,10 +147,11 @@ def run(quick: bool) -> list[dict]:
   records = []
   for rate in links:
     with mp.loopback_cap(rate) as link:
-      rows = launch(processes, modes, steps, d_model, lr)
-    records += _records(link, rows)
-    for r in records[-len(rows) :]:
-      print(json.dumps({k: r[k] for k in COLUMNS if k in r}), flush=True)
+      for seed in range(seeds):
+        rows = launch(processes, modes, steps, d_model, lr, seed)
+        records += _records({**link, "seed": seed}, rows)
+        for r in records[-len(rows) :]:
+          print(json.dumps({k: r[k] for k in COLUMNS if k in r}), flush=True)
   return records
 
 
@@ -251,7 +258,7 @@ def _worker(args) -> int:
   per_process = GLOBAL_BATCH // args.processes
   # 16 held-out batches (2 for the tiny model of --quick).
   eval_batches = 16 if args.d_model >= 64 else 2
-  model, params, (xs, ys), evals = _task(0, args.steps, args.d_model, 64, GLOBAL_BATCH, eval_batches)
+  model, params, (xs, ys), evals = _task(args.seed, args.steps, args.d_model, 64, GLOBAL_BATCH, eval_batches)
   own = slice(args.process_id * per_process, (args.process_id + 1) * per_process)
   xs, ys = xs[:, own], ys[:, own]
   mesh = jax.make_mesh((jax.device_count(),), (AXIS,), devices=jax.devices())
@@ -268,6 +275,7 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, required=True)
   parser.add_argument("--d-model", type=int, required=True)
   parser.add_argument("--learning-rate", type=float, required=True)
+  parser.add_argument("--seed", type=int, default=0)
   return mp.start_worker(parser.parse_args(argv), _worker)
 
 

@@ -385,7 +385,7 @@ def test_time_to_loss_trains_at_the_widths_tuned_learning_rate(monkeypatch):
   for width in (64, 256):
     monkeypatch.setenv("BENCH_TIME_TO_LOSS_WIDTH", str(width))
     bench.run(quick=False)
-    assert launched[-1][3:] == (width, PEAK_LR[width])
+    assert [args[3:] for args in launched[-3:]] == [(width, PEAK_LR[width], seed) for seed in range(3)]
   assert PEAK_LR[64] != PEAK_LR[256]  # each width its own sweep's best
   monkeypatch.setenv("BENCH_TIME_TO_LOSS_WIDTH", "128")
   with pytest.raises(
