@@ -89,7 +89,7 @@ def _diloco(records: Records) -> Iterator[Figure]:
       yield (
         f"`diloco` ({'1-bit' if mode.endswith('1bit') else 'exact'} outer "
         f"updates every {r['sync_every']} steps) on the demo's text Transformer{width}, "
-        f"{r.get('replicas', 8)} replicas sharing {r.get('batch', 32)} sequences per step, {r['steps']} steps: "
+        f"{r['replicas']} replicas sharing {r['batch']} sequences per step, {r['steps']} steps: "
         "validation loss against synchronous Adam",
         f"{percent(1)(r['rel_to_adam'])}, at {r['wire_ratio']:.4f} of the bytes",
       )

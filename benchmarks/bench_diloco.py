@@ -222,7 +222,7 @@ def run(quick: bool) -> list[dict]:
   for _, mode, _, _, _, h, _, _ in rows:
     if steps % h:
       raise ValueError(f"BENCH_DILOCO_STEPS={steps} is not a multiple of {mode}'s sync_every {h}.")
-  params = {} if quick else {d: _task(0, 1, d, 64, 32, 1)[1] for d in {row[2] for row in rows}}
+  params = {} if quick else {d: _task(0, 1, d, 64, BATCH, 1)[1] for d in {row[2] for row in rows}}
   records = []
   for group, mode, d_model, lr, outer, h, replicas, make in rows:
     runs = [train_local(make(), steps=steps, seed=s, d_model=d_model, replicas=replicas, **size) for s in seeds]

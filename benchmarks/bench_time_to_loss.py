@@ -24,8 +24,9 @@ Every ``EVAL_EVERY`` (16) steps each process copies replica 0's parameters
 to the host and the processes meet at a barrier; neither is timed. After
 the run, process 0 evaluates the copies (16 held-out batches). Each seed
 (its own initialisation and data, as ``bench_diloco``'s) is one launch of
-every row. Per link, seed and row: ``train_s`` (the timed steps, all of them), ``step_ms`` (``train_s``
-over the steps), ``sync_step_ms`` and ``local_step_ms`` (the median of every
+every row. Per link, seed and row: ``train_s`` (the timed steps, all of
+them), ``step_ms`` (``train_s`` over the steps), ``sync_step_ms`` and
+``local_step_ms`` (the median of every
 16th step, where the DiLoCo rows synchronise, and of the others),
 ``val_loss`` (at the last step), ``target`` (the largest final validation
 loss of the link's and seed's rows: a loss every row reaches),
