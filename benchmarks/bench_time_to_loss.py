@@ -6,8 +6,8 @@
 machine's cores. Each process is one replica of ``bench_diloco``'s text
 Transformer (8 sequences of 64 bytes per step, so the global batch is
 ``bench_diloco``'s 32; the same data, schedule and, for every row, the peak
-learning rate ``bench_diloco.PEAK_LR`` gives the width: synchronous Adam's
-best there), trained for ``steps`` steps with donated parameters and
+learning rate ``bench_diloco.PEAK_LR`` gives the width, synchronous Adam's
+best there, and every Adam's beta_1 ``bench_diloco.B1``), trained for ``steps`` steps with donated parameters and
 optimizer state:
 
 * ``adam_float32``: ``optax.adam`` on the exact mean of the gradients,
@@ -166,17 +166,19 @@ def _optimizer(mode: str, steps: int, peak: float):
 
   from jmp_train import bucketed_mean, diloco, one_bit_adam, sign_compression
 
+  from benchmarks.bench_diloco import B1
   from benchmarks.bench_one_bit_text import schedule
 
   lr = schedule(peak, steps)
   if mode == "adam_float32":
     mean = optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (bucketed_mean(u, AXIS), s))
-    return optax.chain(mean, optax.adam(lr))
+    return optax.chain(mean, optax.adam(lr, b1=B1))
   if mode == "one_bit_adam":
-    return one_bit_adam(lr, axis_name=AXIS, warmup_steps=max(1, steps // 5))
+    return one_bit_adam(lr, b1=B1, axis_name=AXIS, warmup_steps=max(1, steps // 5))
   if mode in ("diloco_h16", "diloco_h16_1bit"):
     compression = sign_compression(AXIS) if mode.endswith("1bit") else None
-    return diloco(optax.adamw(lr, weight_decay=0.0), optax.sgd(1.0), 16, axis_name=AXIS, compression=compression)
+    inner = optax.adamw(lr, b1=B1, weight_decay=0.0)
+    return diloco(inner, optax.sgd(1.0), 16, axis_name=AXIS, compression=compression)
   raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}.")
 
 
