@@ -7,8 +7,8 @@ machine's cores. Each process is one replica of ``bench_diloco``'s text
 Transformer (8 sequences of 64 bytes per step, so the global batch is
 ``bench_diloco``'s 32; the same data, schedule and, for every row, the peak
 learning rate ``bench_diloco.PEAK_LR`` gives the width, synchronous Adam's
-best there, and every Adam's beta_1 ``bench_diloco.B1``), trained for ``steps`` steps with donated parameters and
-optimizer state:
+best there, and every Adam's beta_1 ``bench_diloco.B1``), trained for
+``steps`` steps with donated parameters and optimizer state:
 
 * ``adam_float32``: ``optax.adam`` on the exact mean of the gradients,
   flattened into one bucket (:func:`jmp_train.bucketed_mean`, the exchange
