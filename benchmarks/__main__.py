@@ -79,11 +79,13 @@ def _parser(names: list[str]) -> argparse.ArgumentParser:
   parser.add_argument(
     "--gpu-probe",
     action="store_true",
-    help="run the GPU measurements in one process (fp8 speed, "
-    "user_models, compression, gpt, fp8_first_call, loss_scaling, "
-    "gpu; bench_gpt.gpu_probe), "
-    "write their results and print one summary table; refuses "
-    "without a GPU",
+    help="run the GPU measurements that the stored GPU results lack for the current code "
+    "(benchmarks/_probe.py's PROBE, most wanted first), each in its own process, within "
+    "BENCH_PROBE_BUDGET_S seconds (default 420), writing each results file as it ends and "
+    "one summary table; refuses without a GPU",
+  )
+  parser.add_argument(
+    "--all", action="store_true", help="with --gpu-probe: run every measurement, current ones too (BENCH_PROBE_ALL=1)"
   )
   return parser
 
@@ -125,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
   if args.cpu_devices < 1:
     parser.error(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
   _simulate_cpu_devices(args.cpu_devices)
+  if args.all and not args.gpu_probe:
+    parser.error("--all goes with --gpu-probe")
   if args.gpu_probe:
-    from benchmarks import bench_gpt
+    from benchmarks import _probe
 
-    return bench_gpt.gpu_probe(args.out)
+    return _probe.gpu_probe(args.out, force=True if args.all else None)
 
   if args.list:
     print("\n".join(names))

@@ -224,6 +224,39 @@ def compiled_flops(compiled: Any) -> float | None:
   return flops if flops > 0 else None
 
 
+def roofline_prediction(fn: Callable[..., Any], *args: Any, device: Any = None) -> dict[str, Any]:
+  """The roofline's predicted time of one step ``fn(*args)`` on ``device``'s chip, for a record.
+
+  Counted by :func:`jmp_train.diagnostics.roofline` with ``backward=False``:
+  ``fn`` is a whole step (a train step function or a
+  :class:`jmp_train.TrainStep`, with its state and batch), traced, not run;
+  call it before a donating step consumes ``args``. The chip is the one of
+  ``device.device_kind`` (default: the first device; the CPU's peaks are
+  measured). A prediction that cannot be made does not stop the benchmark:
+  the fields are then ``None`` and ``roofline_error`` says why.
+
+  Returns:
+    ``{"roofline_chip": name, "roofline_ms": ms}``, or with ``None`` values
+    and ``roofline_error``.
+  """
+  from jmp_train.diagnostics import roofline
+
+  kind = (device or jax.devices()[0]).device_kind
+  try:
+    report = roofline(fn, *args, chip=kind, backward=False)
+  except Exception as e:  # Recorded: the measured figures stand without it.
+    first = (str(e).splitlines() or [""])[0]
+    return {"roofline_chip": None, "roofline_ms": None, "roofline_error": f"{type(e).__name__}: {first[:300]}"}
+  return {"roofline_chip": report.chip.name, "roofline_ms": 1e3 * report.time_s}
+
+
+def with_measured(prediction: dict[str, Any], measured_ms: float) -> dict[str, Any]:
+  """``prediction`` (:func:`roofline_prediction`) and ``roofline_over_measured``, its time over ``measured_ms``."""
+  predicted = prediction.get("roofline_ms")
+  ratio = predicted / measured_ms if predicted is not None and measured_ms else None
+  return {**prediction, "roofline_over_measured": ratio}
+
+
 def machine_info() -> dict[str, Any]:
   """Machine, device, versions and date, recorded with every result.
 
@@ -290,12 +323,17 @@ def device_tag() -> str:
   return "-".join(p for p in keep.split("-") if p) or jax.default_backend()
 
 
-def save_results(name: str, records: Sequence[dict[str, Any]], out_dir: pathlib.Path | None = None) -> pathlib.Path:
-  """Writes ``{machine, records}`` as JSON; returns the path."""
+def save_results(
+  name: str,
+  records: Sequence[dict[str, Any]],
+  out_dir: pathlib.Path | None = None,
+  extra: dict[str, Any] | None = None,
+) -> pathlib.Path:
+  """Writes ``{benchmark, machine, records}`` (and the fields of ``extra``) as JSON; returns the path."""
   out_dir = pathlib.Path(out_dir or RESULTS_DIR)
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / f"{name}-{device_tag()}.json"
-  payload = {"benchmark": name, "machine": machine_info(), "records": list(records)}
+  payload = {"benchmark": name, "machine": machine_info(), "records": list(records), **(extra or {})}
   # Round-trip through the encoder so NumPy scalars become Python numbers,
   # then write NaN/inf as null: strict JSON, readable by any tool.
   plain = json.loads(json.dumps(payload, default=_jsonable))

@@ -201,6 +201,74 @@ def _gradient_underflow(records: Records) -> Iterator[Figure]:
     )
 
 
+def _roofline(records: Records) -> Iterator[Figure]:
+  cpu = [r for r in records if r.get("part") == "cpu"]
+  if cpu:
+    policies = list(dict.fromkeys(r["policy"] for r in cpu))
+    ratios: dict[str, list[str]] = {}
+    for r in cpu:
+      ratios.setdefault(r["model"], []).append(f"{r['predicted_over_measured']:.2f}")
+    ranked = [f"{p} {'yes' if all(r['ranking_matches'] for r in cpu if r['policy'] == p) else 'no'}" for p in policies]
+    yield (
+      f"`roofline` on the CPU (its measured peaks), one train step: predicted over measured time under "
+      f"{' / '.join(f'`{p}`' for p in policies)}; whether the predicted order of the models is the measured one",
+      "; ".join(f"{m} {' / '.join(v)}" for m, v in ratios.items()) + f"; same order: {', '.join(ranked)}",
+    )
+  predicted = [r for r in records if r.get("part") == "predicted"]
+  for chip in dict.fromkeys(r["chip"] for r in predicted):
+    rows = [r for r in predicted if r["chip"] == chip]
+    yield (
+      f"Predicted by `roofline` on {chip}, not measured: the `{rows[0]['mixed_policy']}` train step's time; "
+      "`roofline_compare` of the loss's gradient: `mixed_bfloat16` over float32, `mixed_float8` over `mixed_bfloat16`",
+      "; ".join(
+        f"{r['model']} {1e3 * r['mixed_ms']:.3g} µs, {r['mixed_speedup']:.2f}x, {r['fp8_speedup']:.2f}x" for r in rows
+      ),
+    )
+
+
+def _default_policy(records: Records) -> Iterator[Figure]:
+  autos = [r for r in records if r.get("model_policy") == "auto" and "step_ratio" in r]
+  if autos:
+    over = [r["model"] for r in autos if max(r["compile_ratio"], r["step_ratio"]) > 1.05]
+    yield (
+      f'`make_train_step(..., policy="{autos[0]["policy"]}")` with `model_policy="auto"` (per operation) over '
+      '`"flax"` (layer fields): compile time, step time (target: within 1.05)',
+      "; ".join(f"{r['model']} {r['compile_ratio']:.2f}, {r['step_ratio']:.2f}" for r in autos)
+      + (f" (above the target: {', '.join(over)})" if over else " (within the target)"),
+    )
+
+
+def _int8(records: Records) -> Iterator[Figure]:
+  def drop(r: dict[str, Any]) -> str:
+    d = r["vs_float32"]
+    return f"{d:+.2f} pts" if r["metric"] == "accuracy_%" else f"{d:+.2%}"
+
+  models = list(dict.fromkeys(r["model"] for r in records if "model" in r))
+  parts = []
+  for model in models:
+    ptq, qat = find(records, model=model, variant="best_ptq"), find(records, model=model, variant="qat")
+    if ptq and qat:
+      parts.append(f"{model} {drop(ptq)} ({ptq['note']}), QAT {drop(qat)}")
+  if parts:
+    yield (
+      "INT8 w8a8 (per-channel weights, static per-tensor activations) against float32: best PTQ "
+      "(calibration method), QAT (`mixed_int8` fine-tuning, 10% of the steps); accuracy points or "
+      "validation loss",
+      "; ".join(parts),
+    )
+  sizes = []
+  for model in models:
+    onnx, weights = find(records, model=model, variant="onnx_bytes"), find(records, model=model, variant="weight_bytes")
+    agree = find(records, model=model, variant="onnxruntime_agreement")
+    if onnx and weights and agree:
+      sizes.append(f"{model} {weights['vs_float32']:.3f} / {onnx['vs_float32']:.3f} / {agree['value']:.1%}")
+  if sizes:
+    yield (
+      "INT8 model over float32: weight bytes / ONNX file; onnxruntime's predictions equal to ours",
+      "; ".join(sizes),
+    )
+
+
 FIGURES: dict[str, Callable[[Records], Iterator[Figure]]] = {
   "compression": _compression,
   "replica_scale": _replica_scale,
@@ -216,6 +284,9 @@ FIGURES: dict[str, Callable[[Records], Iterator[Figure]]] = {
   "activation_memory": _activation_memory,
   "loss_scaling": _loss_scaling,
   "gradient_underflow": _gradient_underflow,
+  "roofline": _roofline,
+  "default_policy": _default_policy,
+  "int8": _int8,
 }
 # Speed on a GPU: a CPU run of these benchmarks exercises their code only.
 GPU_ONLY = frozenset({"gpt", "user_models", "fp8", "fp8_first_call", "gpu", "loss_scaling"})

@@ -224,6 +224,18 @@ def _throughput_records(shape_sets, repeats: int, compiler_options=None) -> list
   return records
 
 
+def throughput_records(quick: bool = False) -> list[dict]:
+  """Part 2 alone (the codecs' whole updates against an elementwise pass), at the backend's sizes.
+
+  The GPU probe's share of this benchmark: part 1's bytes do not depend on
+  the device. ``quick``: a 64 x 64 gradient, compiled without LLVM's
+  optimizations.
+  """
+  if quick:
+    return _throughput_records({"": [(64, 64)]}, repeats=3, compiler_options=_INSPECT_ONLY)
+  return _throughput_records(_throughput_shapes(_mlp_shapes((784, 1024, 256, 10))), repeats=15)
+
+
 def run(quick: bool) -> list[dict]:
   devices = _exchange_devices()
   if len(devices) < 2:
@@ -235,7 +247,5 @@ def run(quick: bool) -> list[dict]:
   ks = (2,) if quick else tuple(range(2, min(8, len(devices)) + 1))
   mlp = _mlp_shapes((64, 128, 10) if quick else (784, 1024, 256, 10))
   records = _bytes_records(mlp, ks, devices)
-  if quick:
-    # A smoke test: its figures mean nothing, so skip LLVM's optimizations too.
-    return records + _throughput_records({"": [(64, 64)]}, repeats=3, compiler_options=_INSPECT_ONLY)
-  return records + _throughput_records(_throughput_shapes(mlp), repeats=15)
+  # --quick: a smoke test, its figures mean nothing, so LLVM's optimizations are skipped too.
+  return records + throughput_records(quick)

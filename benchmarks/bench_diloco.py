@@ -64,7 +64,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import _harness
-from benchmarks.bench_one_bit_text import AXIS, REPLICAS, _task, schedule
+from benchmarks.bench_one_bit_text import AXIS, REPLICAS, _task, eval_losses, schedule
 
 NAME = "diloco"
 COLUMNS = (
@@ -151,13 +151,7 @@ def train_local(
 
   run = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(spec, spec, data, data), out_specs=(spec, spec)))
   stacked, _ = jax.block_until_ready(run(stacked, init(stacked), xs, ys))
-  final = first(jax.device_get(stacked))
-  evaluate = jax.jit(loss_fn)
-  losses = {}
-  for split, (x, y) in evals.items():
-    parts = [evaluate(final, x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
-    losses[split] = float(np.mean(jax.device_get(parts)))
-  return {"val_loss": losses["val"], "train_loss": losses["train"]}
+  return eval_losses(loss_fn, first(jax.device_get(stacked)), evals, batch)
 
 
 def _rows(steps: int, quick: bool):

@@ -18,16 +18,19 @@ warm-up). ``tokens_per_s`` is batch times sequence over the median;
 parameters' matmuls, the head included, plus ``12 L T d`` for attention:
 :meth:`GPTConfig.train_flops_per_token`) over the median;
 ``fraction_of_peak`` that over the device's dense bfloat16 peak
-(``bench_gpu.PEAK_TFLOPS``); ``vs_floor`` the library's time over the
+(``jmp_train.diagnostics.CHIPS``); ``vs_floor`` the library's time over the
 floor's (1.0: no overhead). ``hlo_dots`` and ``weight_converts`` count the
 lowered step's matmuls and its converts of weight-sized arrays
 (:func:`hlo_profile`); ``xla_flags`` is the ``XLA_FLAGS`` the run had.
+``roofline_ms`` is :func:`jmp_train.diagnostics.roofline`'s predicted time
+of the step on the detected chip (``roofline_chip``) and
+``roofline_over_measured`` that over the median.
 
 Runs only on a GPU (the 1.3B-parameter ``GPTConfig.gpt_1b``, sequence 2048,
 batch ``BENCH_GPT_BATCH``, default 4; ``BENCH_GPT_REMAT`` picks the blocks'
 recomputation, default ``none``); elsewhere it returns one record saying it
 was skipped. ``python -m benchmarks --gpu-probe`` runs it with the other GPU
-measurements.
+measurements (:mod:`benchmarks._probe`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ COLUMNS = (
   "peak_tflops",
   "fraction_of_peak",
   "vs_floor",
+  "roofline_ms",
+  "roofline_over_measured",
   "hlo_dots",
   "weight_converts",
 )
@@ -156,6 +161,11 @@ def measure(cfg: GPTConfig, batch: int, seq: int, *, repeats: int = 10, warmup: 
     "library": hlo_profile(lib_lowered.as_text(), weight_shapes),
   }
   floor_c, library_c = floor_lowered.compile(), lib_lowered.compile()
+  # Traced, not run: before the donating steps consume their arguments.
+  predicted = {
+    "floor": _harness.roofline_prediction(floor, params, jax.eval_shape(tx.init, params), tokens, targets),
+    "library": _harness.roofline_prediction(library, lib_state, lib_batch),
+  }
 
   carry = {"floor": (params, tx.init(params)), "library": lib_state}
 
@@ -197,6 +207,7 @@ def measure(cfg: GPTConfig, batch: int, seq: int, *, repeats: int = 10, warmup: 
         "hlo_dot_dtypes": {"x".join(k): v for k, v in sorted(profiles[variant]["dots"].items())},
         "weight_converts": profiles[variant]["weight_converts"],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **_harness.with_measured(predicted[variant], 1e3 * t),
       }
     )
   return records
@@ -212,105 +223,3 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return measure(GPTConfig.gpt_125m(), 2, 512, repeats=3, warmup=1)
   cfg, batch, seq, repeats = _sizes(True)
   return measure(cfg, batch, seq, repeats=repeats)
-
-
-# --- python -m benchmarks --gpu-probe -------------------------------------
-
-# The GPU measurements of one probe, in the order they run (most wanted
-# first, since the budget may stop the rest): (results name, benchmark
-# module, what to call). Each is saved as soon as it ends.
-PROBE = (
-  ("fp8", "bench_fp8", "speed_records"),
-  ("user_models", "bench_user_models", "run"),
-  ("compression", "bench_compression", "run"),
-  ("gpt", "bench_gpt", "run"),
-  ("fp8_first_call", "bench_fp8_first_call", "run"),
-  ("loss_scaling", "bench_loss_scaling", "run"),
-  ("gpu", "bench_gpu", "run"),
-)
-PROBE_BUDGET_VARIABLE = "BENCH_PROBE_BUDGET_S"
-
-
-def no_gpu_reason() -> str | None:
-  """Why the probe cannot run here (``None`` on a GPU)."""
-  if jax.default_backend() == "gpu":
-    return None
-  return (
-    f"--gpu-probe needs a GPU: JAX's default backend here is "
-    f"{jax.default_backend()!r} ({jax.devices()[0].device_kind}). Install a CUDA "
-    'build of JAX (pip install -U "jax[cuda12]") and run it on a GPU machine.'
-  )
-
-
-def _probe_headline(name: str, records: list[dict[str, Any]]) -> str:
-  if _harness.is_skipped(records):
-    return f"skipped: {records[0]['reason']}"
-  if name == "gpt":
-    by = {r["variant"]: r for r in records}
-    lib, floor = by["library"], by["floor"]
-    pct = lambda r: "-" if r["fraction_of_peak"] is None else f"{r['fraction_of_peak']:.1%}"
-    return (
-      f"library {lib['tokens_per_s']:,.0f} tok/s, {lib['tflops']:.0f} TFLOP/s "
-      f"({pct(lib)} of bf16 peak); floor {floor['tokens_per_s']:,.0f} tok/s "
-      f"({pct(floor)}); library/floor time {lib['vs_floor']:.3f}"
-    )
-  return f"{len(records)} records"
-
-
-def gpu_probe(out_dir=None, budget_s: float | None = None) -> int:
-  """Runs :data:`PROBE` in this process; returns the exit status.
-
-  A benchmark starts only while less than ``budget_s`` seconds (default:
-  ``$BENCH_PROBE_BUDGET_S``, else 300) have passed since the probe began;
-  the others are reported as not run. Prints one summary table at the end.
-
-  Returns:
-    0 when every benchmark that ran succeeded; 1 when one raised; 2 (with
-    the reason on stderr) without a GPU.
-  """
-  import importlib
-  import sys
-  import time
-  import traceback
-
-  why = no_gpu_reason()
-  if why is not None:
-    print(why, file=sys.stderr, flush=True)
-    return 2
-  if budget_s is None:
-    budget_s = _harness.env_int(PROBE_BUDGET_VARIABLE, 300)
-  info = _harness.machine_info()
-  print(
-    f"# gpu probe: {info['device_kind']} x{info['device_count']}, jax "
-    f"{info['versions']['jax']}, XLA_FLAGS={info['xla_flags']!r}, budget {budget_s} s",
-    flush=True,
-  )
-  start, rows, failed = time.perf_counter(), [], False
-  for name, module_name, function in PROBE:
-    elapsed = time.perf_counter() - start
-    row = {
-      "benchmark": name,
-      "status": "not run (budget)",
-      "seconds": None,
-      "file": None,
-      "headline": f"{elapsed:.0f} s had passed",
-    }
-    rows.append(row)
-    if elapsed > budget_s:
-      continue
-    print(f"\n## {name}", flush=True)
-    t0 = time.perf_counter()
-    try:
-      module = importlib.import_module(f"benchmarks.{module_name}")
-      records = getattr(module, function)(**({"quick": False} if function == "run" else {}))
-      path = _harness.save_results(name, records, out_dir)
-      print(_harness.format_table(records, getattr(module, "COLUMNS", None)), flush=True)
-      row.update(status="ok", file=str(path), headline=_probe_headline(name, records))
-    except Exception as e:  # Report, run the rest.
-      traceback.print_exc()
-      failed = True
-      row.update(status="FAILED", headline=f"{type(e).__name__}: {str(e)[:120]}")
-    row["seconds"] = round(time.perf_counter() - t0, 1)
-  print("\n# gpu probe summary\n")
-  print(_harness.format_table(rows, ("benchmark", "status", "seconds", "headline", "file")))
-  return 1 if failed else 0

@@ -24,24 +24,28 @@ Two kinds of rows (``kind``):
   where the activations kept for the backward pass live), ``peak_bytes`` the
   device's ``peak_bytes_in_use`` counter after one step (steps run in
   increasing order of ``temp_bytes``, since the counter never drops), and
-  ``peak_ratio`` that over the first setup's (float32).
+  ``peak_ratio`` that over the first setup's (float32). ``roofline_ms`` is
+  :func:`jmp_train.diagnostics.roofline`'s predicted time of the same step
+  on the detected chip (``roofline_chip``; ``_harness.roofline_prediction``)
+  and ``roofline_over_measured`` that over the median.
 * ``matmul``: one large square matmul per dtype (float32 highest, float32
   default, bfloat16, float16; half-precision inputs and output, float32
   accumulation), achieved TFLOP/s ``2 n^3 / t`` against the device's dense
-  peak for that dtype from :data:`PEAK_TFLOPS` (datasheet figures; ``None``
-  and ``peak_source="unknown"`` for a device not in the table).
+  peak for that dtype from the library's chip table,
+  :data:`jmp_train.diagnostics.CHIPS` (datasheet figures; ``None`` and
+  ``peak_source="unknown"`` for a device not in the table).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import _harness
+from jmp_train.diagnostics import chip_peaks
 from jmp_train.diagnostics import tensor_core_report
 
 NAME = "gpu"
@@ -59,29 +63,19 @@ COLUMNS = (
   "temp_bytes",
   "peak_bytes",
   "peak_ratio",
+  "roofline_ms",
+  "roofline_over_measured",
 )
 
-# Dense (no structured sparsity) peak TFLOP/s from NVIDIA's datasheets, per
-# math mode: "fp32" (CUDA cores), "tf32", "bf16" and "fp16" (Tensor Cores,
-# float32 accumulation). Keyed by the words of `device.device_kind` that must
-# all appear (lower case); the first match wins, so specific rows come first.
-PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float | None]], ...] = (
-  (("gh200",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-  (("h200", "nvl"), {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
-  (("h200",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-  (("h100", "pcie"), {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
-  (("h100", "nvl"), {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
-  (("h100",), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-  (("a100",), {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
-  (("l4",), {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}),
-  (("v100", "pcie"), {"fp32": 14.0, "tf32": None, "bf16": None, "fp16": 112.0}),
-  (("v100",), {"fp32": 15.7, "tf32": None, "bf16": None, "fp16": 125.0}),
-  (("t4",), {"fp32": 8.1, "tf32": None, "bf16": None, "fp16": 65.0}),
-)
+# The peak mode of a row -> the operand format of jmp_train.diagnostics.CHIPS.
+_MODE_FORMATS = {"fp32": "float32", "tf32": "tf32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def peak_tflops(device_kind: str, mode: str) -> float | None:
   """The datasheet dense peak of ``device_kind`` in ``mode``, or ``None``.
+
+  Read from the library's chip table, :data:`jmp_train.diagnostics.CHIPS`
+  (the roofline's), matched by the device kind's words.
 
   Args:
     device_kind: ``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H100 80GB
@@ -89,8 +83,8 @@ def peak_tflops(device_kind: str, mode: str) -> float | None:
     mode: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``.
 
   Returns:
-    TFLOP/s, or ``None`` for a device not in :data:`PEAK_TFLOPS` or a mode
-    it lacks.
+    TFLOP/s, or ``None`` for a device not in the table (the CPU's peaks are
+    measured, not a datasheet's) or a mode it lacks.
 
   Raises:
     ValueError: for an unknown ``mode``.
@@ -101,14 +95,16 @@ def peak_tflops(device_kind: str, mode: str) -> float | None:
     >>> peak_tflops("cpu", "bf16") is None
     True
   """
-  modes = ("fp32", "tf32", "bf16", "fp16")
-  if mode not in modes:
-    raise ValueError(f"Unknown mode {mode!r}; valid: {', '.join(modes)}.")
-  words = set(re.split(r"[^a-z0-9]+", device_kind.lower()))
-  for required, peaks in PEAK_TFLOPS:
-    if all(w in words for w in required):
-      return peaks[mode]
-  return None
+  if mode not in _MODE_FORMATS:
+    raise ValueError(f"Unknown mode {mode!r}; valid: {', '.join(_MODE_FORMATS)}.")
+  if device_kind.strip().lower() == "cpu":
+    return None
+  try:
+    chip = chip_peaks(device_kind)
+  except ValueError:
+    return None
+  peak = chip.peaks.get(_MODE_FORMATS[mode])
+  return None if peak is None else round(peak / 1e12, 6)
 
 
 # name -> (policy spec, matmul precision to trace under, peak mode)
@@ -227,7 +223,7 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...], setups: tuple[str
     model_name, module, x, y, items, shape = cases[key]()
     # Every policy stores float32 parameters with the same tree: init once.
     params = jax.jit(module.init)(jax.random.key(0), x)["params"]
-    fns, flops, memory = {}, {}, {}
+    fns, flops, memory, predicted = {}, {}, {}, {}
     for setup in setups:
       policy, precision, _ = _SETUPS[setup]
       with _precision(precision):
@@ -237,6 +233,7 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...], setups: tuple[str
         # MLP step on an H100), and the lowered module has no cost analysis
         # there.
         flops[setup] = tensor_core_report(_step_fn(module, policy), params, x, y).total_flops
+        predicted[setup] = _harness.roofline_prediction(_step_fn(module, policy), params, x, y)
       fns[setup] = lambda c=compiled: c(params, x, y)
       memory[setup] = _harness.compiled_memory(compiled)["temp_bytes"]
     peaks = _peak_bytes(fns, memory)
@@ -258,6 +255,7 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...], setups: tuple[str
           "temp_bytes": memory[setup],
           "peak_bytes": peaks[setup],
           "peak_ratio": (peaks[setup] / peaks[setups[0]] if peaks[setup] and peaks[setups[0]] else None),
+          **_harness.with_measured(predicted[setup], 1e3 * t),
         }
       )
   return rows

@@ -369,6 +369,19 @@ def run(quick: bool) -> list[dict[str, Any]]:
   return records
 
 
+def kernel_records(quick: bool = False) -> list[dict[str, Any]]:
+  """The counted parts (``hlo_step``, ``hlo_update``) and the 1.1M-parameter step at batch 128, on this backend.
+
+  The GPU probe's share of this benchmark: the kernel counts from the
+  backend's own compiler and the one timed case where ``loss_scaled``'s
+  overhead shows most (queued on a GPU). ``quick``: 5 timed rounds.
+  """
+  steps = _steps()
+  records = compiled_profiles(steps=steps)
+  repeats = 5 if quick else 300
+  return records + _run_plan((64, 1024, 1024, 10), [("step", 128, repeats)], load_digits(), 1 if quick else 10, steps)
+
+
 def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
   params = _init_mlp(sizes)
   n_params = sum(int(p.size) for p in jax.tree.leaves(params))

@@ -160,6 +160,11 @@ def train_text(
     jax.shard_map(train, mesh=mesh, in_specs=(P(), specs, P(None, AXIS), P(None, AXIS)), out_specs=(P(), specs))
   )
   params, _ = jax.block_until_ready(run(params, opt_state, xs, ys))
+  return eval_losses(loss_fn, params, evals, batch)
+
+
+def eval_losses(loss_fn, params, evals: dict, batch: int) -> dict[str, float]:
+  """``{"val_loss", "train_loss"}``: the mean loss of ``params`` over each split, ``batch`` rows at a time."""
   evaluate = jax.jit(loss_fn)
   losses = {}
   for split, (x, y) in evals.items():

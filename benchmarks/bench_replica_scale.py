@@ -253,21 +253,25 @@ def projection(codecs: dict[str, float]) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
-  from jmp_train import sign_compression_wire_bytes
+  from jmp_train.diagnostics import data_parallel_exchange
 
   records = []
   for model, shapes in MODELS.items():
     n = sum(int(np.prod(s)) for s in shapes)
     like = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     for k in PROJECTED_KS:
-      one_bit_bytes = sign_compression_wire_bytes(like, k)
-      ring_bytes = 2 * (k - 1) / k * 4 * n
-      latency = 2 * (k - 1) * ALPHA_S
       for gbit in LINKS_GBIT_S:
         rate = gbit * 1e9 / 8
-        ring = latency + ring_bytes / rate
         for codec, c in codecs.items():
-          one_bit = latency + one_bit_bytes / rate + c * n
+          exchange = data_parallel_exchange(
+            like,
+            replicas=k,
+            link_bytes_per_s=rate,
+            latency_s=ALPHA_S,
+            codec_s_per_element=c,
+            formats=("float32", "1-bit"),
+          )
+          ring, one_bit = exchange.row("float32").t_comm_s, exchange.row("1-bit").t_comm_s
           records.append(
             {
               "part": "projection",

@@ -45,7 +45,9 @@ returns one record saying it was skipped.
 
 from __future__ import annotations
 
+import collections
 import functools
+import re
 import time
 from typing import Any
 
@@ -246,7 +248,7 @@ def measure(
     t0 = time.perf_counter()
     lowered = step.lower(state, batch)
     report = jmp_train.diagnostics.fp8_products(lowered)
-    lowered.compile()
+    compiled = lowered.compile()
     rows[variant] = {
       "model": name,
       "variant": variant,
@@ -255,15 +257,57 @@ def measure(
       "bf16_products": sum(
         1 for p in report.products if np.dtype(p.lhs_dtype) == jnp.bfloat16 and np.dtype(p.rhs_dtype) == jnp.bfloat16
       ),
+      "compiled": compiled_profile(compiled.as_text()),
     }
     steppers[variant] = _Stepper(step, state, batch)
   seconds = _harness.interleaved_median_seconds(steppers, warmup=warmup, repeats=repeats)
   for variant, row in rows.items():
     row["ms_per_step"] = 1e3 * seconds[variant]
     row["final_loss"] = float(steppers[variant].metrics["loss"])
-    row["speedup_vs_float32"] = seconds["float32"] / seconds[variant]
-    row["vs_by_hand"] = seconds[variant] / seconds["by_hand"]
+    row["speedup_vs_float32"] = seconds["float32"] / seconds[variant] if "float32" in seconds else None
+    row["vs_by_hand"] = seconds[variant] / seconds["by_hand"] if "by_hand" in seconds else None
   return list(rows.values())
+
+
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_RESULT = re.compile(r"=\s*\(?([a-z][a-z0-9]*)\[")
+_OPS = ("transpose", "copy", "convert", "fusion")
+
+
+def compiled_profile(hlo_text: str) -> dict[str, Any]:
+  """What the compiled step launches, from its optimized HLO text.
+
+  Returns:
+    ``custom_calls``: target -> count (cuDNN convolutions, cuBLAS GEMMs);
+    ``custom_call_dtypes``: ``"target result-dtype"`` -> count (a float32
+    convolution shows as ``__cudnn$convForward f32``); ``transpose``,
+    ``copy``, ``convert``, ``fusion``: instructions of that opcode (layout
+    changes show as transposes and copies).
+  """
+  calls, dtypes = collections.Counter(), collections.Counter()
+  ops = dict.fromkeys(_OPS, 0)
+  for line in hlo_text.splitlines():
+    target = _TARGET.search(line)
+    if target:
+      calls[target.group(1)] += 1
+      result = _RESULT.search(line)
+      dtypes[f"{target.group(1)} {result.group(1) if result else '?'}"] += 1
+    for op in _OPS:
+      if re.search(rf"\s{op}\(", line):
+        ops[op] += 1
+  return {"custom_calls": dict(sorted(calls.items())), "custom_call_dtypes": dict(sorted(dtypes.items())), **ops}
+
+
+# The ResNet-50 variants of the GPU probe: the default step and the hand-wrapped
+# ones around it (float32 is in the full run).
+RESNET_PROFILE_VARIANTS = ("mixed_bfloat16", "by_hand", "by_hand_half_norms", "by_hand_no_recompute")
+
+
+def resnet50_profile_records() -> list[dict[str, Any]]:
+  """ResNet-50's :data:`RESNET_PROFILE_VARIANTS`, timed together, each with its compiled step's profile (GPU)."""
+  if jax.default_backend() != "gpu":
+    return _harness.skipped(f"needs a GPU (backend here: {jax.default_backend()})")
+  return measure("resnet50", variants=RESNET_PROFILE_VARIANTS)
 
 
 def run(quick: bool) -> list[dict[str, Any]]:

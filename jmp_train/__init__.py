@@ -8,7 +8,8 @@ loads from the module it names. Two submodules too:
 
 * ``jmp_train.flax``: policies on linen and NNX modules;
 * ``jmp_train.diagnostics``: histograms, Tensor Core shapes, precision
-  audits, saved residuals.
+  audits, saved residuals;
+* ``jmp_train.int8``: INT8 products, calibration, quantized models.
 
 The ``jmp-train`` demo, its data and example models are not part of the
 library: they live beside it, in the repository's ``examples/``
@@ -77,11 +78,12 @@ if TYPE_CHECKING:  # What type checkers and IDEs read; at run time each name loa
   from jmp_train._src.train.state import TrainStep as TrainStep
   from jmp_train._src.train.step import make_train_step as make_train_step
   from jmp_train._src.train.checkpoint import checkpoint_save_args as checkpoint_save_args
-  from jmp_train._src.train.checkpoint import restore_checkpoint as restore_checkpoint
-  from jmp_train._src.train.checkpoint import restore_latest_checkpoint as restore_latest_checkpoint
+  from jmp_train._src.train.checkpoint_restore import restore_checkpoint as restore_checkpoint
+  from jmp_train._src.train.checkpoint_restore import restore_latest_checkpoint as restore_latest_checkpoint
   from jmp_train._src.train.checkpoint import save_checkpoint as save_checkpoint
   from jmp_train import diagnostics as diagnostics
   from jmp_train import flax as flax
+  from jmp_train import int8 as int8
 
 
 def _public_names() -> dict[str, str]:

@@ -19,6 +19,11 @@
 * :func:`collective_bytes`, :func:`collective_ops`,
   :func:`conditional_branches`: the bytes a compiled step exchanges between
   devices, read from its HLO, and which collectives run only in a branch.
+* :func:`roofline`, :func:`roofline_compare`, :func:`data_parallel_exchange`:
+  each operation's FLOPs, bytes and bound on a chip (:data:`CHIPS`,
+  :func:`chip_peaks`) and the predicted time; the same function under
+  several formats with a verdict; a data-parallel step's exchange against
+  its compute, and the balance point.
 * :func:`format_table`: the reports' markdown tables, for any rows.
 * :func:`plot_gradient_histogram`: the histogram as a bar chart against the
   float16 range (needs matplotlib: ``pip install 'jmp_train[plot]'``).
@@ -47,12 +52,30 @@ from jmp_train._src.diagnostics.tensor_cores import MatmulEntry
 from jmp_train._src.diagnostics.tensor_cores import TensorCoreReport
 from jmp_train._src.diagnostics.tensor_cores import pad_to_multiple
 from jmp_train._src.diagnostics.tensor_cores import tensor_core_report
+from jmp_train._src.diagnostics.chips import CHIPS
+from jmp_train._src.diagnostics.chips import Chip
+from jmp_train._src.diagnostics.chips import chip_peaks
+from jmp_train._src.diagnostics.exchange import ExchangeReport
+from jmp_train._src.diagnostics.exchange import ExchangeRow
+from jmp_train._src.diagnostics.exchange import data_parallel_exchange
+from jmp_train._src.diagnostics.format_compare import FormatComparison
+from jmp_train._src.diagnostics.format_compare import FormatRow
+from jmp_train._src.diagnostics.format_compare import roofline_compare
+from jmp_train._src.diagnostics.roofline import RooflineReport
+from jmp_train._src.diagnostics.roofline import RooflineRow
+from jmp_train._src.diagnostics.roofline import roofline
 from jmp_train._src.diagnostics.hlo import collective_bytes
 from jmp_train._src.diagnostics.hlo import collective_ops
 from jmp_train._src.diagnostics.hlo import conditional_branches
 from jmp_train._src.tables import format_table
 
 __all__ = (
+  "CHIPS",
+  "Chip",
+  "ExchangeReport",
+  "ExchangeRow",
+  "FormatComparison",
+  "FormatRow",
   "Fp8CastFractions",
   "fp8_cast_fractions",
   "Fp8ProductReport",
@@ -65,17 +88,23 @@ __all__ = (
   "PrecisionIssue",
   "PrecisionReport",
   "ProductEntry",
+  "RooflineReport",
+  "RooflineRow",
   "SavedResidual",
   "TensorCoreReport",
+  "chip_peaks",
   "collective_bytes",
   "collective_ops",
   "conditional_branches",
+  "data_parallel_exchange",
   "format_table",
   "gradient_histogram",
   "overflow_fraction",
   "pad_to_multiple",
   "plot_gradient_histogram",
   "precision_audit",
+  "roofline",
+  "roofline_compare",
   "saved_residuals",
   "suggest_loss_scale",
   "tensor_core_report",

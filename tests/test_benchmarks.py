@@ -189,16 +189,66 @@ def _check_compression_records(records):
     assert by[name]["seconds"] > 0 and by[name]["vs_copy"] > 0, by[name]
 
 
+def _check_roofline_records(records):
+  cpu = [r for r in records if r["part"] == "cpu"]
+  predicted = [r for r in records if r["part"] == "predicted"]
+  assert len(cpu) + len(predicted) == len(records)
+  # Both policies of both models, predicted (the CPU's measured peaks) and measured.
+  assert {(r["model"], r["policy"]) for r in cpu} == {
+    (m, p) for m in ("mlp", "mlp_wide") for p in ("float32", _mixed_policy())
+  }
+  for r in cpu:
+    assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and r["chip"] == "cpu"
+    assert r["predicted_over_measured"] == pytest.approx(r["predicted_ms"] / r["measured_ms"])
+  for policy in {r["policy"] for r in cpu}:
+    rows = {r["model"]: r for r in cpu if r["policy"] == policy}
+    # The wider MLP on 8x the batch does more work: predicted slower.
+    assert rows["mlp"]["rank_predicted"] == 1 and rows["mlp_wide"]["rank_predicted"] == 2
+    assert sorted(r["rank_measured"] for r in rows.values()) == [1, 2]
+    same = all(r["rank_predicted"] == r["rank_measured"] for r in rows.values())
+    assert all(r["ranking_matches"] is same for r in rows.values())
+  # The GPU figures are predictions, and say so: one chip in the quick run.
+  assert {(r["model"], r["chip"]) for r in predicted} == {("mlp", "H100 SXM"), ("mlp_wide", "H100 SXM")}
+  for r in predicted:
+    assert r["source"] == "predicted only" and "measured_ms" not in r
+    assert r["float32_ms"] > 0 and r["mixed_ms"] > 0 and r["mixed_speedup"] > 0 and r["fp8_speedup"] > 0
+    assert r["verdict"]
+
+
+def _mixed_policy():
+  from jmp_train import half_dtype
+
+  return "mixed_float16" if half_dtype() == jnp.float16 else "mixed_bfloat16"
+
+
+def _check_default_policy_records(records):
+  by = {r["model_policy"]: r for r in records}
+  assert [r["model"] for r in records] == ["mlp", "mlp"] and set(by) == {"flax", "auto"}
+  assert by["flax"]["compile_ratio"] == by["flax"]["step_ratio"] == 1.0
+  for r in records:
+    assert r["compile_ms"] > 0 and r["median_ms"] > 0
+  assert by["auto"]["step_ratio"] == pytest.approx(by["auto"]["median_ms"] / by["flax"]["median_ms"])
+
+
 _QUICK_RECORD_CHECKS = {
   "activation_memory": _check_activation_memory_records,
   "compression": _check_compression_records,
+  "default_policy": _check_default_policy_records,
   "multiprocess": _check_multiprocess_records,
+  "roofline": _check_roofline_records,
 }
 
 
 # --------------------------------------------------------------------------
 # The entry point.
 # --------------------------------------------------------------------------
+
+
+def test_roofline_ranks_by_time():
+  from benchmarks.bench_roofline import ranks
+
+  assert ranks({"a": 2.0, "b": 1.0, "c": 3.0}) == {"a": 2, "b": 1, "c": 3}
+  assert ranks({"x": 1.0, "y": 1.0}) == {"x": 1, "y": 2}  # ties: the order given
 
 
 def test_compression_call_passes_a_donated_output_on():
@@ -337,6 +387,24 @@ def test_tree_bytes_and_compiled_analysis():
   assert memory["argument_bytes"] == 2 * n * n * 4
   assert memory["output_bytes"] == n * n * 4
   assert _harness.compiled_flops(compiled) == 2 * n**3
+
+
+def test_roofline_prediction_of_a_step_and_where_there_is_none():
+  import optax
+
+  from jmp_train import make_train_step
+
+  step = make_train_step(lambda v, x: x @ v["params"]["w"], lambda y, t: jnp.mean((y - t) ** 2), optax.sgd(0.1))
+  state = step.init({"w": jnp.ones((64, 64))})
+  batch = (jnp.ones((32, 64)), jnp.zeros((32, 64)))
+  found = _harness.roofline_prediction(step, state, batch)
+  assert found["roofline_chip"] == "cpu" and found["roofline_ms"] > 0 and "roofline_error" not in found
+  assert _harness.with_measured(found, 2 * found["roofline_ms"])["roofline_over_measured"] == pytest.approx(0.5)
+  # A device the chip table lacks: no prediction, and the reason, the measured figures untouched.
+  unknown = _harness.roofline_prediction(step, state, batch, device=types.SimpleNamespace(device_kind="Mystery X1"))
+  assert unknown["roofline_chip"] is None and unknown["roofline_ms"] is None
+  assert unknown["roofline_error"].startswith("ValueError: Unknown chip 'Mystery X1'")
+  assert _harness.with_measured(unknown, 3.0) == {**unknown, "roofline_over_measured": None}
 
 
 def test_skipped_records():
@@ -541,6 +609,9 @@ def test_gpu_benchmark_code_path_on_cpu(gpu_bench):
   assert steps[0]["speedup"] == 1.0
   for r in steps:
     assert r["median_ms"] > 0 and r["items_per_s"] > 0 and r["tflops"] > 0
+    # The roofline's prediction of the same step on the detected chip (here the CPU's measured peaks).
+    assert r["roofline_chip"] == "cpu" and r["roofline_ms"] > 0 and "roofline_error" not in r
+    assert r["roofline_over_measured"] == pytest.approx(r["roofline_ms"] / r["median_ms"])
   assert [r["policy"] for r in matmuls] == ["float32 (highest)", "float32 (default/TF32)", "bfloat16", "float16"]
   for r in matmuls:
     assert r["tflops"] > 0

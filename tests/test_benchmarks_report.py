@@ -138,6 +138,47 @@ def test_headlines_come_from_every_file_and_gpu_speed_from_gpus_only(tmp_path):
   assert head.count("loss_scaling-gpu-") == 2
 
 
+def test_roofline_and_default_policy_headlines(tmp_path):
+  machine = {"backend": "cpu", "device_kind": "cpu", "device_count": 1, "versions": {"jax": "0.0.1"}}
+  cpu = [
+    {"part": "cpu", "model": m, "policy": p, "predicted_over_measured": ratio, "ranking_matches": p == "float32"}
+    for m, p, ratio in (
+      ("mlp", "float32", 1.01),
+      ("mlp", "mixed_bfloat16", 0.66),
+      ("resnet", "float32", 0.29),
+      ("resnet", "mixed_bfloat16", 0.34),
+    )
+  ]
+  predicted = [
+    {"part": "predicted", "model": "mlp", "chip": chip, "mixed_policy": "mixed_bfloat16", "mixed_ms": 0.0016}
+    | {"mixed_speedup": 1.277, "fp8_speedup": speedup}
+    for chip, speedup in (("H100 SXM", 0.781), ("H200", 0.79))
+  ]
+  default_policy = [
+    {"model": m, "model_policy": v, "policy": "mixed_bfloat16", "compile_ratio": c, "step_ratio": s}
+    for m, v, c, s in (
+      ("transformer", "flax", 1.0, 1.0),
+      ("transformer", "auto", 0.93, 0.78),
+      ("resnet", "flax", 1.0, 1.0),
+      ("resnet", "auto", 2.56, 1.42),
+    )
+  ]
+  for name, records in (("roofline", cpu + predicted), ("default_policy", default_policy)):
+    (tmp_path / f"{name}-cpu.json").write_text(json.dumps({"benchmark": name, "machine": machine, "records": records}))
+  head = bench_report.report(tmp_path).split("\n## ", 2)[1]
+  rows = [line for line in head.splitlines() if line.startswith("| ") and "-cpu.json" in line]
+  assert len(rows) == 4  # the CPU check, two chips' predictions, the policies' ratios
+  assert "mlp 1.01 / 0.66; resnet 0.29 / 0.34; same order: float32 yes, mixed_bfloat16 no" in head
+  assert "Predicted by `roofline` on H100 SXM, not measured" in head and "on H200, not measured" in head
+  assert "| mlp 1.6 µs, 1.28x, 0.78x " in head and "| mlp 1.6 µs, 1.28x, 0.79x " in head
+  assert "transformer 0.93, 0.78; resnet 2.56, 1.42 (above the target: resnet)" in head
+  within = [dict(r, compile_ratio=1.0, step_ratio=1.04) for r in default_policy if r["model"] == "resnet"]
+  (tmp_path / "default_policy-cpu.json").write_text(
+    json.dumps({"benchmark": "default_policy", "machine": machine, "records": within})
+  )
+  assert "resnet 1.00, 1.04 (within the target)" in bench_report.report(tmp_path)
+
+
 def test_main_writes_the_report(tmp_path, monkeypatch, capsys):
   target = tmp_path / "docs" / "report.md"
   monkeypatch.setattr(bench_report, "REPORT_PATH", target)

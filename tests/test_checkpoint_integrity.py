@@ -264,6 +264,30 @@ def test_checkpoints_without_checksums_restore_unverified(saved, tmp_path):
     jmp_train.checkpoint_save_args(state, record={"x": object()})
 
 
+def test_a_step_that_lost_its_step_metadata_restores_as_the_newest_step_does(saved, tmp_path):
+  # The step's _CHECKPOINT_METADATA gone, its items intact: restored (and
+  # verified) as restore_latest_checkpoint restores it.
+  run = tmp_path / "run"
+  shutil.copytree(saved["run"], run)
+  (run / "2" / "_CHECKPOINT_METADATA").unlink()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _assert_equal(jmp_train.restore_checkpoint(run / "2", saved["like"]), saved["states"][2])
+    assert jmp_train.restore_latest_checkpoint(run, saved["like"])[0] == 2
+  # Its JSON record is still checked against the checksum saved with the state.
+  _change_record(run / "2")
+  message = _one_line_error(lambda: jmp_train.restore_checkpoint(run / "2", saved["like"]))
+  assert message.startswith(f"{run / '2'} is a damaged"), message
+  assert "its file record/metadata does not match the checksum" in message, message
+  # With two array items, which one to restore is the caller's choice: the
+  # message names the missing file and the call.
+  shutil.copytree(saved["run"] / "2" / "state", run / "1" / "other")
+  (run / "1" / "_CHECKPOINT_METADATA").unlink()
+  message = _one_line_error(lambda: jmp_train.restore_checkpoint(run / "1", saved["like"]))
+  assert message.startswith(f"{run / '1'} has no _CHECKPOINT_METADATA file"), message
+  assert f"restore_checkpoint('{run / '1' / 'state'}', like)" in message, message
+
+
 def test_checksums_do_not_depend_on_the_sharding(saved, tmp_path):
   # Saved sharded over the 8 devices, restored replicated: the same sums.
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))

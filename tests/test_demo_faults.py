@@ -194,32 +194,7 @@ def test_results_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 def _jmp_train(tmp: pathlib.Path, *flags: str) -> subprocess.Popen:
-  env = processes.worker_env()
-  env["JAX_PLATFORMS"] = "cpu"
-  env["TMPDIR"] = str(tmp / "tmp")  # the launcher's folder for its workers goes there
-  (tmp / "tmp").mkdir(exist_ok=True)
-  return subprocess.Popen(
-    [
-      sys.executable,
-      "-m",
-      "jmp_train_examples",
-      "--quick",
-      "--task",
-      "digits",
-      "--no-progress",
-      "--no-plot",
-      "--configs",
-      "8dev-f32",
-      "--num-processes",
-      "2",
-      *flags,
-    ],
-    cwd=ROOT,
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
+  return processes.start_demo(*flags, tmp=tmp)
 
 
 def _alive(pid: int) -> bool:
@@ -231,18 +206,6 @@ def _alive(pid: int) -> bool:
   except OSError:
     return False
   return not (status["State"].strip().startswith("Z") and int(status["Threads"]) <= 1)
-
-
-def _wait_for_training(launcher: subprocess.Popen, ckpt: pathlib.Path) -> dict[int, int]:
-  """Waits for a checkpoint (training has begun); returns the workers' pids."""
-  deadline = time.monotonic() + 150
-  while not any(p.name.isdigit() for p in ckpt.glob("8dev-f32/*")):
-    assert launcher.poll() is None, launcher.communicate()
-    assert time.monotonic() < deadline, "no checkpoint written"
-    time.sleep(0.2)
-  workers = processes.worker_pids(str(ckpt))
-  assert len(workers) == 2, workers
-  return workers
 
 
 def _wait_for_gone(pids, timeout: float) -> float | None:
@@ -283,7 +246,7 @@ def faults(tmp_path_factory):
           str(tmp / "out"),
         ),
       )
-    workers = {name: _wait_for_training(launcher, tmp / "ckpt") for name, (tmp, launcher) in runs.items()}
+    workers = {name: processes.wait_for_training(launcher, tmp / "ckpt") for name, (tmp, launcher) in runs.items()}
     tmp, launcher = runs["stopped"]
     second = _jmp_train(tmp, "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out2"))
     try:

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from helpers import processes
 from jmp_train_examples import demo
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_a_killed_worker_is_named_not_the_one_that_stopped_after_it(monkeypatch):
@@ -39,47 +34,13 @@ def test_a_worker_that_failed_on_its_own_is_reported_with_its_error(monkeypatch)
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers in /proc")
 def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
   ckpt = tmp_path / "ckpt"
-  env = processes.worker_env()
-  env["JAX_PLATFORMS"] = "cpu"
-  launcher = subprocess.Popen(
-    [
-      sys.executable,
-      "-m",
-      "jmp_train_examples",
-      "--quick",
-      "--task",
-      "digits",
-      "--no-progress",
-      "--no-plot",
-      "--configs",
-      "8dev-f32",
-      "--num-processes",
-      "2",
-      "--steps",
-      "100000",
-      "--checkpoint-dir",
-      str(ckpt),
-      "--checkpoint-every",
-      "1",
-      "--out",
-      str(tmp_path / "out"),
-    ],
-    cwd=ROOT,
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
+  launcher = processes.start_demo(
+    "--steps", "100000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--out", str(tmp_path / "out")
   )
   workers = {}
   try:
     # Training has begun once a checkpoint is written.
-    deadline = time.monotonic() + 240
-    while not any(p.name.isdigit() for p in ckpt.glob("8dev-f32/*")):
-      assert launcher.poll() is None, launcher.communicate()
-      assert time.monotonic() < deadline, "no checkpoint written"
-      time.sleep(0.5)
-    workers = processes.worker_pids(str(ckpt))
-    assert len(workers) == 2, workers
+    workers = processes.wait_for_training(launcher, ckpt, timeout=240)
     victim = workers[1]
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()

@@ -364,9 +364,9 @@ def test_suggest_loss_scale_bounds():
     ),
     (lambda: diag.precision_audit(jnp.sum, jnp.ones(2), reduction_threshold=0), ["reduction_threshold"]),
     (lambda: diag.tensor_core_report(lambda i: i * 2, jnp.arange(3), backward=True), ["floating-point"]),
-    (lambda: diag.pad_to_multiple(-1), ["n must be >= 0", "-1"]),
+    (lambda: diag.pad_to_multiple(-1), ["n must be an int >= 0", "-1"]),
     (lambda: diag.pad_to_multiple(3.5), ["n must be an int", "3.5"]),
-    (lambda: diag.pad_to_multiple(10, 0), ["multiple must be >= 1"]),
+    (lambda: diag.pad_to_multiple(10, 0), ["multiple must be a positive int"]),
   ],
 )
 def test_bad_input_is_explained(call, fragments):

@@ -56,7 +56,10 @@ def test_audit_large_reductions_and_threshold():
   assert issue.kind == "half_reduction" and issue.op == "reduce_sum[2048]"
   assert issue.shape == (2, 2048) and issue.dtype == BF16
   assert diag.precision_audit(f, x, reduction_threshold=4096).ok
-  assert diag.precision_audit(f, x[:, :1000]).ok
+  assert diag.precision_audit(f, x[:, :1023]).ok
+  # A sum of exactly the threshold (1,024 by default) counts.
+  (issue,) = diag.precision_audit(f, x[:, :1024]).issues
+  assert issue.op == "reduce_sum[1024]"
   assert diag.precision_audit(f, x.astype(jnp.float32)).ok
   # jnp.sum already accumulates 16-bit inputs in float32.
   assert diag.precision_audit(lambda x: x.sum(axis=1).astype(jnp.float32), x).ok
@@ -98,7 +101,9 @@ def test_audit_backward_scatter_add_of_a_half_table():
   (issue,) = diag.precision_audit(half_table, table, backward=True).issues
   assert (issue.kind, issue.phase, issue.op) == ("half_reduction", "backward", "scatter-add[4096]")
   assert issue.dtype == BF16 and issue.shape == (16, 8)
-  assert diag.precision_audit(half_table, table, backward=True, reduction_threshold=4096).ok
+  # A scatter of exactly reduction_threshold rows counts; one more row than it does not.
+  assert not diag.precision_audit(half_table, table, backward=True, reduction_threshold=4096).ok
+  assert diag.precision_audit(half_table, table, backward=True, reduction_threshold=4097).ok
   assert diag.precision_audit(float32_rows, table, backward=True).ok
 
 

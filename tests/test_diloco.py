@@ -227,8 +227,8 @@ def test_bad_arguments_are_named():
     diloco(optax.sgd(0.1), axis_name=None)
   tx = diloco(optax.sgd(0.1), axis_name=AXIS)
   params = {"w": jnp.zeros(3)}
-  with pytest.raises(NameError):  # no mapped axis "i" here
-    tx.update(params, tx.init(params), params)
+  with pytest.raises(ValueError, match=rf"diloco\(axis_name='{AXIS}'\)\.update found no mapped axis"):
+    tx.update(params, tx.init(params), params)  # no mapped axis here
 
 
 def test_init_returns_fresh_buffers():

@@ -22,7 +22,7 @@ sys.path.insert(0, str(DOCS / "_ext"))
 
 import jmp_api  # noqa: E402  (docs/_ext is not a package)
 
-NAMESPACES = ("jmp_train", "jmp_train.flax", "jmp_train.diagnostics")
+NAMESPACES = ("jmp_train", "jmp_train.flax", "jmp_train.diagnostics", "jmp_train.int8")
 _DIRECTIVE = re.compile(r"^\.\. (autoclass|autofunction|autodata):: (\S+)$", re.M)
 
 

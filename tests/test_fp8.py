@@ -241,8 +241,8 @@ def test_policy_specs_round_trip():
   q = jmp_train.get_policy("p=f32,c=bf16,o=f32,matmul=fp8_current,fp8_history=8,fp8_margin=1,fp8_amax=most_recent")
   assert q.fp8 == jmp_train.Fp8Recipe("current", 8, 1, "most_recent")
   assert jmp_train.get_policy(str(q)) == q and hash(q) == hash(jmp_train.get_policy(str(q)))
-  with pytest.raises(ValueError, match="fp8_current, fp8_delayed"):
-    jmp_train.get_policy("p=f32,c=bf16,o=f32,matmul=int8")
+  with pytest.raises(ValueError, match="fp8_current, fp8_delayed, int8"):
+    jmp_train.get_policy("p=f32,c=bf16,o=f32,matmul=int4")
   with pytest.raises(ValueError, match="mixed_float8"):
     jmp_train.get_policy("mixed_float4")
 

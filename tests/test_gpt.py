@@ -9,7 +9,6 @@ would show here before it shows in a GPU profile).
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
@@ -24,7 +23,6 @@ if str(_ROOT) not in sys.path:  # `pytest` run without `python -m`.
   sys.path.insert(0, str(_ROOT))
 
 import jmp_train  # noqa: E402
-from benchmarks import __main__ as bench_main  # noqa: E402
 from benchmarks import bench_gpt  # noqa: E402
 from jmp_train_examples import models  # noqa: E402
 from jmp_train_examples.models.gpt import GPT, GPTConfig, chunked_cross_entropy  # noqa: E402
@@ -154,6 +152,9 @@ def test_measure_records(measured):
     assert r["median_ms"] > 0 and r["tokens_per_s"] > 0 and r["tflops"] > 0
     assert r["peak_tflops"] is None and r["fraction_of_peak"] is None  # a CPU: no peak
     assert isinstance(r["xla_flags"], str)
+    # The roofline's prediction of the step on the detected chip (the CPU here), next to the measured time.
+    assert r["roofline_chip"] == "cpu" and r["roofline_ms"] > 0 and "roofline_error" not in r
+    assert r["roofline_over_measured"] == pytest.approx(r["roofline_ms"] / r["median_ms"])
   assert measured[0]["vs_floor"] == 1.0
 
 
@@ -166,25 +167,3 @@ def test_hlo_profile_counts_dots_and_weight_sized_converts():
   profile = bench_gpt.hlo_profile(text, [w.shape])
   assert profile["dots"] == {("bf16", "bf16", "bf16"): 2}
   assert profile["weight_converts_by"] == {((8, 16), "f32", "bf16"): 1, ((8, 16), "bf16", "f32"): 1}
-
-
-def test_gpu_probe_refuses_without_gpu(capsys):
-  assert jax.default_backend() != "gpu"
-  assert bench_main.main(["--gpu-probe"]) == 2
-  err = capsys.readouterr().err
-  assert "--gpu-probe needs a GPU" in err and "'cpu'" in err
-
-
-def test_gpu_probe_runs_saves_and_keeps_to_its_budget(tmp_path, monkeypatch, capsys):
-  # The probe's loop on CPU: both benchmarks skip here, and write their files.
-  monkeypatch.setattr(bench_gpt, "no_gpu_reason", lambda: None)
-  monkeypatch.setattr(bench_gpt, "PROBE", (("gpt", "bench_gpt", "run"), ("gpu", "bench_gpu", "run")))
-  assert bench_gpt.gpu_probe(tmp_path, budget_s=600) == 0
-  out = capsys.readouterr().out
-  assert "# gpu probe summary" in out and "XLA_FLAGS=" in out
-  files = sorted(p.name for p in tmp_path.glob("*.json"))
-  assert files == ["gpt-cpu.json", "gpu-cpu.json"]
-  payload = json.loads((tmp_path / "gpt-cpu.json").read_text())
-  assert "xla_flags" in payload["machine"]
-  assert bench_gpt.gpu_probe(tmp_path / "none", budget_s=-1) == 0
-  assert out.count("ok") >= 2 and capsys.readouterr().out.count("not run (budget)") == 2

@@ -160,6 +160,9 @@ def test_warmup_float_all_reduce_only_in_its_branch():
   packed = [op for op in ops if op.dtypes == ("u8",)]
   assert packed and {op.computation for op in packed} <= names
   assert not {op.computation for op in packed} & {op.computation for op in float_reduce}
+  # Each collective says which branch it runs in, by name, not by XLA's region names.
+  assert all("/warmup/" in op.scope for op in float_reduce), [op.scope for op in float_reduce]
+  assert all("/one_bit/" in op.scope for op in packed), [op.scope for op in packed]
 
 
 def test_shard_map_program_wire_format():

@@ -81,3 +81,11 @@ def test_examples_benchmarks_and_notebooks_use_public_names_only():
     for path in sorted((ROOT / folder).rglob("*")):
       if path.suffix in (".py", ".ipynb", ".md") and "egg-info" not in str(path):
         assert "_src" not in path.read_text(), f"{path.relative_to(ROOT)} reaches into jmp_train._src"
+
+
+def test_the_checkpoint_modules_are_small_and_one_concern_each():
+  # Saving, restoring, checksums, folder checks, the array store, orbax itself.
+  modules = {p.stem: len(p.read_text().splitlines()) for p in sorted((SRC / "train").glob("checkpoint*.py"))}
+  assert {"checkpoint", "checkpoint_restore", "checkpoint_checksums", "checkpoint_folders"} <= set(modules), modules
+  for name, lines in modules.items():
+    assert lines < 400, f"{name}.py has {lines} lines: split it by concern (under 400 lines each)"

@@ -211,3 +211,27 @@ def test_model_policy_inputs_leaves_declared_float32_layers_in_float32():
   step, state = _build("linen_resnet", "mixed_bfloat16", model_policy="inputs")
   batch = step.shard_batch(_batches("linen_resnet")[0])
   _assert_products(step.lower(state, batch), np.dtype(jnp.float32))
+
+
+# ---------------------------------------------------------------------------
+# The audits of the step itself.
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_precision_audit_of_the_default_step_finds_nothing(name):
+  step, state = _build(name, "mixed_bfloat16")
+  report = diag.precision_audit(step, state, step.shard_batch(_batches(name)[0]))
+  report.assert_clean()
+  assert report.half_ops > 0, str(report)
+
+
+@pytest.mark.parametrize("name", ["linen_resnet", "nnx_convnet"])
+def test_mixed_float8_runs_every_convolution_and_matmul_of_a_convnet_in_fp8(name):
+  step = _step(name, "mixed_float8")
+  if corpus.CORPUS[name].kind == "linen":  # the FP8 layers' scaling state, made from example inputs
+    _, params, model_state = _initial(name)
+    state = step.init(params, model_state=model_state or None, rng=0, inputs=_batches(name)[0][0])
+  else:
+    state = step.init(nnx.merge(*_initial(name)))
+  report = diag.fp8_products(step, state, step.shard_batch(_batches(name)[0]))
+  assert len(report.products) >= MIN_PRODUCTS and not report.not_fp8, str(report)

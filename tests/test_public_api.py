@@ -9,9 +9,10 @@ import pytest
 import jmp_train
 import jmp_train.diagnostics
 import jmp_train.flax
+import jmp_train.int8
 
 TESTS = pathlib.Path(__file__).parent
-PUBLIC_MODULES = [jmp_train, jmp_train.flax, jmp_train.diagnostics]
+PUBLIC_MODULES = [jmp_train, jmp_train.flax, jmp_train.diagnostics, jmp_train.int8]
 PUBLIC = [(m, name) for m in PUBLIC_MODULES for name in m.__all__]
 
 
@@ -85,7 +86,7 @@ def test_type_checkers_see_every_public_name_where_it_loads():
     for alias in node.names:
       assert alias.asname == alias.name, alias.name
       seen[alias.name] = node.module
-  assert set(seen) == set(jmp_train.__all__) | {"diagnostics", "flax"}
+  assert set(seen) == set(jmp_train.__all__) | {"diagnostics", "flax", "int8"}
   for name, module in seen.items():
     assert getattr(jmp_train, name) is getattr(importlib.import_module(module), name), name
 

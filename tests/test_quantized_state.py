@@ -169,7 +169,7 @@ def test_errors():
   x = jnp.ones((10,))
   with pytest.raises(ValueError, match="code must be one of .*dynamic.*linear.*'log'"):
     qs.quantize(x, code="log")
-  with pytest.raises(ValueError, match="block_size must be a positive int; got 0"):
+  with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
     qs.quantize(x, block_size=0)
   with pytest.raises(ValueError, match="block_size"):
     qs.quantize(x, block_size=2.5)

@@ -139,14 +139,23 @@ def test_compute_dtype_reaches_the_model():
     seen.append((variables["params"]["w"].dtype, x.dtype))
     return x @ variables["params"]["w"]
 
+  batch = (np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32))
+  loss_fn = lambda out, y: (assert_f32(out), jnp.mean((out - y) ** 2))[1]  # noqa: E731
   for policy, expected in [("mixed_float16", (F16, F16)), ("mixed_bfloat16", (BF16, BF16)), ("float32", (F32, F32))]:
-    step = jmp_train.make_train_step(
-      apply_fn, lambda out, y: (assert_f32(out), jnp.mean((out - y) ** 2))[1], optax.sgd(0.1), policy=policy
-    )
+    # The jmp way: the function receives cast parameters and inputs.
+    step = jmp_train.make_train_step(apply_fn, loss_fn, optax.sgd(0.1), policy=policy, model_policy="inputs")
     state = step.init({"w": jnp.ones((3, 2))})
-    state, _ = step(state, (np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32)))
+    state, _ = step(state, batch)
     assert seen[-1] == expected
     assert state.params["w"].dtype == F32
+    # The default decides per operation: the function is traced as given
+    # (float32 parameters), its product runs on compute-dtype operands.
+    step = jmp_train.make_train_step(apply_fn, loss_fn, optax.sgd(0.1), policy=policy)
+    state = step.init({"w": jnp.ones((3, 2))})
+    products = [e for e in step.lower(state, batch).as_text().splitlines() if "stablehlo.dot_general" in e]
+    short = {F16: "f16", BF16: "bf16", F32: "f32"}[expected[0]]
+    assert any(f"tensor<4x3x{short}>, tensor<3x2x{short}>" in p for p in products), products
+    assert all(short == "f32" or "xf32>" not in p.split("->")[0] for p in products), products
 
 
 def assert_f32(x):

@@ -176,13 +176,15 @@ def test_a_flax_tutorial_loss_fn_names_the_expected_signature():
   for part in ("(inputs, targets)", "has_aux=True", "loss_fn(model, batch)", "string indexing"):
     assert part in message, message
 
-  # A genuine error inside a loss_fn of the right signature is left alone.
+  # A genuine error inside a loss_fn of the right signature keeps its kind and
+  # its message, chained, with the shapes the loss was given.
   def buggy(outputs, targets):
     raise TypeError("my own bug")
 
   step = jmp_train.make_train_step(lambda v, x: x @ v["params"]["w"], buggy, optax.sgd(0.1))
-  with pytest.raises(TypeError, match="^my own bug"):
+  with pytest.raises(TypeError, match=r"^loss_fn\(outputs, targets\) raised TypeError: my own bug; it was") as info:
     step(step.init({"w": jnp.ones((3, 2))}), _BATCH)
+  assert str(info.value.__cause__) == "my own bug"
 
   # The tutorial's (loss, logits) without has_aux.
   step = jmp_train.make_train_step(

@@ -74,7 +74,23 @@ NAMESPACES = (
       ("Precision audit", ("diagnostics.precision_audit",)),
       ("Saved residuals", ("diagnostics.residuals",)),
       ("Collectives", ("diagnostics.hlo",)),
+      (
+        "Roofline",
+        ("diagnostics.chips", "diagnostics.roofline", "diagnostics.format_compare", "diagnostics.exchange"),
+      ),
       ("Tables", ("tables",)),
+    ),
+  ),
+  (
+    "int8",
+    "jmp_train.int8",
+    "``jmp_train.int8``",
+    (
+      ("INT8 products", ("int8.recipe", "int8.products")),
+      ("Calibration", ("deployment.calibration",)),
+      ("Quantized models", ("deployment.quantized",)),
+      ("Sensitivity and diagnostics", ("deployment.sensitivity", "deployment.report")),
+      ("ONNX export", ("deployment.onnx_export",)),
     ),
   ),
 )

@@ -213,8 +213,11 @@ def single_device_optimizer(cfg: RunConfig, s: DemoSettings) -> optax.GradientTr
 
 def data_parallel_optimizer(
   cfg: RunConfig, s: DemoSettings, axis_name: str = "batch"
-) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
+) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation | None]:
   """``(compression, optimizer)`` of an 8-device row, for ``make_train_step``.
+
+  The rows whose compression is a complete optimizer (``one_bit_momentum``,
+  ``diloco``) have no optimizer (``None``).
 
   Every 8-device row runs the single-device rows' momentum SGD (momentum
   ``s.momentum``) under the same schedule:
@@ -256,7 +259,7 @@ def data_parallel_optimizer(
     tx = jmp_train.one_bit_momentum(
       lr, m, axis_name=axis_name, warmup_steps=s.one_bit_warmup_steps, scale=s.one_bit_scale
     )
-    return tx, optax.identity()
+    return tx, None
   if cfg.compression in ("diloco", "diloco-1bit"):
     exchange = (
       jmp_train.sign_compression(axis_name, scale=s.one_bit_scale) if cfg.compression == "diloco-1bit" else None
@@ -264,7 +267,7 @@ def data_parallel_optimizer(
     tx = jmp_train.diloco(
       optax.sgd(lr, momentum=m), sync_every=DILOCO_SYNC_EVERY, axis_name=axis_name, compression=exchange
     )
-    return tx, optax.identity()
+    return tx, None
   raise ValueError(
     f"Unknown compression {cfg.compression!r}; valid: 'none', '1bit', '1bit-noef', 'diloco', 'diloco-1bit'."
   )

@@ -156,6 +156,46 @@ def _check_skipped(metrics, s: DemoSettings, name: str, step: int) -> None:
     )
 
 
+class _ScaleFloorWatch:
+  """Warns once when a dynamic loss scale has sat at its floor for a whole growth interval.
+
+  Rare isolated overflows (one every ``growth_interval`` steps or more
+  often) halve the scale faster than it grows back, so it ends at
+  ``min_scale`` for good, and float16 gradients below ``2^-24 / min_scale``
+  flush to zero. Fed the metrics where the loop already reads them (every
+  10 steps): no host sync of its own. Silent without a
+  :class:`jmp_train.DynamicLossScale`.
+  """
+
+  def __init__(self, state: Any, name: str):
+    try:
+      scale = jmp_train.get_loss_scale(state.opt_state)
+    except ValueError:  # no loss scaling
+      scale = None
+    self.floor = getattr(scale, "min_scale", None)
+    self.interval = getattr(scale, "growth_interval", None)
+    self.name, self.since, self.warned = name, None, False
+
+  def update(self, metrics: Any, step: int) -> None:
+    if self.floor is None or self.warned:
+      return
+    if float(metrics["loss_scale"]) > self.floor:
+      self.since = None
+      return
+    self.since = step if self.since is None else self.since
+    if step - self.since >= self.interval:
+      self.warned = True
+      warnings.warn(
+        f"configuration {self.name!r}: the dynamic loss scale has sat at its floor min_scale="
+        f"{self.floor:g} from step {self.since} to step {step}, a whole growth_interval "
+        f"({self.interval}): overflows back it off faster than it grows, and float16 gradients "
+        f"below {2.0**-24 / self.floor:.3g} flush to zero. Use a shorter growth_interval, a lower "
+        "min_scale, or a bfloat16 policy.",
+        UserWarning,
+        stacklevel=2,
+      )
+
+
 # Settings that change what a configuration computes: a checkpoint written
 # under others cannot be resumed.
 _RUN_SETTINGS = (
@@ -297,7 +337,8 @@ def _train(step, compiled, state, task, s, progress, name="?", checkpoints=None)
   """Runs the steps; returns the state, the last metrics, curves and steps/s.
 
   Every 10 steps, when the metrics are fetched for the progress bar, it
-  checks the consecutive skipped steps (:func:`_check_skipped`). With
+  checks the consecutive skipped steps (:func:`_check_skipped`) and whether
+  the loss scale is stuck at its floor (:class:`_ScaleFloorWatch`). With
   ``checkpoints`` (a :class:`_Checkpoints`), it starts from the latest
   complete checkpoint and saves periodically.
   """
@@ -310,6 +351,7 @@ def _train(step, compiled, state, task, s, progress, name="?", checkpoints=None)
       metrics = record["metrics"]
       progress(begin, {"resumed": begin})
   losses, scales, start = [], [], None
+  floor = _ScaleFloorWatch(state, name)
   for i in range(begin, s.steps):
     batch = step.shard_batch(_local_rows(task.train_batch(i), step))
     state, metrics = compiled(state, batch)
@@ -331,6 +373,7 @@ def _train(step, compiled, state, task, s, progress, name="?", checkpoints=None)
     if (i + 1) % 10 == 0 or i + 1 == s.steps:
       progress(i + 1, {"loss": float(metrics["loss"])})
       _check_skipped(metrics, s, name, i + 1)
+      floor.update(metrics, i + 1)
   jax.block_until_ready(state)
   ran = s.steps - begin
   elapsed = time.perf_counter() - start if start is not None else 0.0

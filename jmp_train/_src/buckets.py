@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_train._src.hyperparams import check_int
+
 __all__ = [
   "assemble",
   "flatten_to_buckets",
@@ -38,11 +40,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 def check_bucket_bytes(bucket_bytes: Any, allow_none: bool = False) -> None:
   """Raises ``ValueError`` unless ``bucket_bytes`` is a positive int (or ``None`` if allowed)."""
-  if allow_none and bucket_bytes is None:
-    return
-  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
-    valid = "a positive int or None" if allow_none else "a positive int"
-    raise ValueError(f"bucket_bytes must be {valid}, got {bucket_bytes!r}.")
+  check_int(bucket_bytes, "bucket_bytes", 1, allow_none=allow_none)
 
 
 def assemble(pieces, base: jax.Array) -> jax.Array:

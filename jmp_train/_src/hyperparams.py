@@ -20,6 +20,7 @@ import optax
 __all__ = [
   "check_axis_name",
   "check_bool",
+  "check_int",
   "check_learning_rate",
   "check_non_negative",
   "check_unit",
@@ -90,14 +91,50 @@ def check_axis_name(axis_name: Any) -> None:
     raise ValueError(f"axis_name must be a string (the replicas' mapped axis), got {axis_name!r}.")
 
 
-def check_warmup_steps(warmup_steps: Any, minimum: int) -> None:
-  """Raises ``ValueError`` unless ``warmup_steps`` is an int of at least ``minimum``."""
-  if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < minimum:
+def check_int(value: Any, name: str, minimum: int = 0, *, allow_none: bool = False, note: str = "") -> int | None:
+  """``value`` as a Python ``int``; ``ValueError`` unless it is an integer of at least ``minimum``.
+
+  The one check of the library's integer arguments (step counts, sizes,
+  replica counts): a Python ``int`` or a NumPy integer (``np.int64(4)``, as
+  arithmetic on NumPy values gives) passes alike; a ``bool``, a float
+  (``4.0``) or an array does not.
+
+  Args:
+    value: the argument.
+    name: its name, for the message.
+    minimum: the smallest valid value.
+    allow_none: whether ``None`` is valid (it is returned as is).
+    note: said after the valid range, e.g. ``" (local steps per synchronisation)"``.
+
+  Returns:
+    ``int(value)``, or ``None`` for ``None`` where allowed.
+
+  Raises:
+    ValueError: naming ``name``, the valid range and the value.
+
+  Examples:
+    >>> check_int(np.int64(4), "sync_every", 1)
+    4
+    >>> check_int(0, "sync_every", 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: sync_every must be a positive int, got 0.
+  """
+  if value is None and allow_none:
+    return None
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < minimum:
+    valid = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise ValueError(
-      f"warmup_steps must be an int >= {minimum}, got {warmup_steps!r}"
-      + static_hint(warmup_steps)
-      + (": the frozen second moment comes from the warm-up." if minimum else ".")
+      f"{name} must be {valid}{' or None' if allow_none else ''}{note}, got {value!r}{static_hint(value)}."
     )
+  return int(value)
+
+
+def check_warmup_steps(warmup_steps: Any, minimum: int) -> int:
+  """``warmup_steps`` as an ``int`` (:func:`check_int`: an integer of at least ``minimum``)."""
+  return check_int(
+    warmup_steps, "warmup_steps", minimum, note=" (the frozen second moment comes from the warm-up)" if minimum else ""
+  )
 
 
 def value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:

@@ -6,10 +6,11 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmp_train._src.dtypes import is_floating_array
 
-__all__ = ["all_finite", "check_leaves", "first_not_differentiable"]
+__all__ = ["all_finite", "check_leaves", "first_not_differentiable", "non_finite_leaves"]
 
 
 def check_leaves(tree: Any, what: str, name: str) -> tuple[list[Any], Any]:
@@ -85,6 +86,33 @@ def first_not_differentiable(tree: Any) -> tuple[str, str] | None:
     if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
       return jax.tree_util.keystr(path), str(dtype)
   return None
+
+
+def non_finite_leaves(tree: Any) -> list[tuple[str, int, int]]:
+  """The floating leaves of ``tree`` that hold inf or NaN: a check on the host, for values given once.
+
+  One small reduction per leaf where it lives (a device array is not
+  copied to the host) and one transfer of the counts. Leaves being traced
+  (``jax.eval_shape`` of an ``init``) have no values: nothing is found.
+
+  Args:
+    tree: a pytree of arrays (parameters to start from).
+
+  Returns:
+    ``(path, non-finite elements, elements)`` of each such leaf, in tree
+    order, ``path`` as ``jax.tree_util.keystr`` writes it.
+
+  Examples:
+    >>> non_finite_leaves({"w": jnp.array([1.0, jnp.inf]), "b": jnp.zeros(2)})
+    [("['w']", 1, 2)]
+  """
+  leaves = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if is_floating_array(x)]
+  if any(isinstance(x, jax.core.Tracer) for _, x in leaves):
+    return []
+  counts = jax.device_get(
+    [jnp.sum(~jnp.isfinite(x)) if isinstance(x, jax.Array) else np.sum(~np.isfinite(x)) for _, x in leaves]
+  )
+  return [(jax.tree_util.keystr(p), int(c), int(np.size(x))) for (p, x), c in zip(leaves, counts) if c]
 
 
 def all_finite(tree: Any, axis_name: str | Sequence[str] | None = None) -> jax.Array:

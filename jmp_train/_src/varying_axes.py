@@ -9,6 +9,8 @@ no-op.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 import jax
@@ -76,7 +78,8 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
     *operands: the branches' arguments.
 
   Returns:
-    The output of the branch ``pred`` selects.
+    The output of the branch ``pred`` selects. Each branch runs under a
+    ``jax.named_scope`` of its function's name.
 
   Examples:
     >>> int(cond(jnp.array(True), lambda x: x + 1, lambda x: x - 1, 1))
@@ -86,8 +89,13 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
   axes = [_aval_axes(a) | _aval_axes(b) for a, b in zip(*outs)]
 
   def unified(fun):
+    name = getattr(fun, "__name__", "")
+
     def branch(*args):
-      flat, tree = jax.tree.flatten(fun(*args))
+      # Named after the branch's function, so a compiled program's collectives
+      # say which branch they run in (CollectiveOp.scope: ".../warmup/psum").
+      with jax.named_scope(name) if name.isidentifier() else contextlib.nullcontext():
+        flat, tree = jax.tree.flatten(fun(*args))
       return jax.tree.unflatten(tree, [pvary(x, want) for x, want in zip(flat, axes)])
 
     return branch

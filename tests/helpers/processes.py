@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import subprocess
 import sys
+import time
 
 from jmp_train_examples.processes import free_port, run_processes
 
@@ -54,3 +56,38 @@ def worker_pids(marker: str) -> dict[int, int]:
       index = int(argv[argv.index(b"--_process") + 1].split(b",")[0])
       pids[index] = int(entry.name)
   return pids
+
+
+def start_demo(*flags: str, tmp: pathlib.Path | None = None) -> subprocess.Popen:
+  """``jmp-train --quick --task digits --configs 8dev-f32 --num-processes 2 FLAGS``, started.
+
+  As a user starts it (``python -m jmp_train_examples``, from the repository
+  root, on the CPU), its output piped. With ``tmp``, the launcher's folder
+  for its workers goes under ``tmp/tmp``.
+  """
+  env = worker_env()
+  env["JAX_PLATFORMS"] = "cpu"
+  if tmp is not None:
+    env["TMPDIR"] = str(tmp / "tmp")
+    (tmp / "tmp").mkdir(exist_ok=True)
+  quick = ["--quick", "--task", "digits", "--no-progress", "--no-plot", "--configs", "8dev-f32", "--num-processes", "2"]
+  return subprocess.Popen(
+    [sys.executable, "-m", "jmp_train_examples", *quick, *flags],
+    cwd=HERE.parents[1],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+
+
+def wait_for_training(launcher: subprocess.Popen, ckpt: pathlib.Path, timeout: float = 150) -> dict[int, int]:
+  """Waits for the demo's first checkpoint in ``ckpt`` (training has begun); returns its workers' pids."""
+  deadline = time.monotonic() + timeout
+  while not any(p.name.isdigit() for p in ckpt.glob("8dev-f32/*")):
+    assert launcher.poll() is None, launcher.communicate()
+    assert time.monotonic() < deadline, "no checkpoint written"
+    time.sleep(0.2)
+  workers = worker_pids(str(ckpt))
+  assert len(workers) == 2, workers
+  return workers

@@ -4,6 +4,8 @@
   among the arguments, the output cast).
 * ``lists``: the AMP op lists (allow, deny, lookup) and their defaults.
 * ``interpreter``: the rules that choose each equation's dtype.
+* ``scaled``: the weight products it runs in the policy's narrow format
+  (FP8, INT8), and the site hook calibration and quantized models use.
 * ``calls``: how calls are followed (``jit``, ``scan``, ``cond``,
   ``checkpoint``, ``shard_map``, ``custom_jvp``).
 """

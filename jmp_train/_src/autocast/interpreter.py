@@ -14,12 +14,13 @@ import dataclasses
 import fnmatch
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+from jax.extend import source_info_util
 
+from jmp_train._src.autocast import scaled
 from jmp_train._src.dtypes import is_floating_dtype
 from jmp_train._src.policy import policy as policy_lib
 
@@ -53,6 +54,15 @@ def _cast(x: Any, dtype: np.dtype) -> Any:
   return lax.convert_element_type(x, dtype)
 
 
+def _matches(scope: tuple[str, ...], pattern: str, innermost: bool = False) -> bool:
+  """Whether the glob ``pattern`` names a scope: one of its names or a
+  ``/``-joined run of them (``Block_1/Attention_0`` inside
+  ``Model/Block_1/Attention_0``); with ``innermost``, only those ending at
+  the innermost name."""
+  ends = (len(scope),) if innermost else range(1, len(scope) + 1)
+  return any(fnmatch.fnmatchcase("/".join(scope[i:j]), pattern) for j in ends for i in range(j))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Rules:
   """The op lists and the policy, resolved."""
@@ -63,13 +73,27 @@ class _Rules:
   half_scopes: tuple[str, ...]
   float32_scopes: tuple[str, ...]
   lookup_prims: frozenset[str] = frozenset()
+  # Scopes whose weight products stay in the compute dtype (not the policy's FP8).
+  unscaled_scopes: tuple[str, ...] = ()
+
+  def scales(self, name: str, tags: Sequence[int], scope: tuple[str, ...]) -> bool:
+    """Whether a product runs in the policy's scaled format (FP8 or INT8).
+
+    Weight products do: a matmul or convolution one of whose operands is a
+    parameter (or computed from parameters alone), outside the
+    ``unscaled_scopes``. Products of two activations (attention's scores and
+    its weighted sum) stay in the compute dtype, as Transformer Engine's and
+    DeepSeek-V3's FP8 recipes keep them.
+    """
+    if self.policy.product_format is None or name not in scaled.PRODUCTS or _PARAM not in tags[:2]:
+      return False
+    return not any(_matches(scope, p) for p in self.unscaled_scopes)
 
   def scope_mode(self, scope: tuple[str, ...]) -> int | None:
     """``_HALF``/``_FLOAT32`` if a scope entry names ``scope``; innermost wins."""
     for i in reversed(range(len(scope))):
-      path = "/".join(scope[: i + 1])
       for patterns, mode in ((self.float32_scopes, _FLOAT32), (self.half_scopes, _HALF)):
-        if any(fnmatch.fnmatchcase(scope[i], p) or fnmatch.fnmatchcase(path, p) for p in patterns):
+        if any(_matches(scope[: i + 1], p, innermost=True) for p in patterns):
           return mode
     return None
 
@@ -224,7 +248,9 @@ def _eval(
     vals, in_tags = [r[0] for r in read], [r[1] for r in read]
     eqn_scope = scope + _name_stack(eqn)
     handler = HANDLERS.get(eqn.primitive.name)
-    with jax.named_scope("/".join(_name_stack(eqn))) if _name_stack(eqn) else _nullcontext():
+    # The model's own source line and scope on what is bound (audits name it).
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
       if handler is not None:
         if i in demanded:  # a call whose results feed only float32 ops
           vals, in_tags = _to_float32(vals, in_tags)
@@ -233,7 +259,7 @@ def _eval(
         outs, out_tags = _opaque(eqn, vals, in_tags)
       else:
         mode = _FLOAT32 if i in demanded else rules.mode(eqn.primitive.name, eqn_scope)
-        outs, out_tags = _plain(rules, eqn, vals, in_tags, mode)
+        outs, out_tags = _plain(rules, eqn, vals, in_tags, mode, eqn_scope)
     for v, x, t in zip(eqn.outvars, outs, out_tags):
       env[v] = (x, t)
   read = [_read(env, v) for v in jaxpr.outvars]
@@ -244,14 +270,6 @@ def _to_float32(vals: list, tags: list) -> tuple[list, list]:
   """Activations cast to float32 (parameters and constants unchanged)."""
   pairs = [(_cast(x, _F32), _FLOAT32) if _dtype(x) is not None and t >= _HALF else (x, t) for x, t in zip(vals, tags)]
   return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
-class _nullcontext:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
 
 
 def _bind(eqn: Any, vals: Sequence[Any], params: dict | None = None) -> list[Any]:
@@ -280,7 +298,7 @@ def _target(rules: _Rules, vals: Sequence[Any], tags: Sequence[int], mode: int |
   return max(ranked, key=lambda d: d.itemsize), strongest
 
 
-def _plain(rules: _Rules, eqn: Any, vals: list, tags: list, mode: int | None):
+def _plain(rules: _Rules, eqn: Any, vals: list, tags: list, mode: int | None, scope: tuple[str, ...] = ()):
   """A primitive without sub-jaxprs: cast operands, fix dtype parameters, bind."""
   name = eqn.primitive.name
   if name == "convert_element_type":
@@ -290,12 +308,39 @@ def _plain(rules: _Rules, eqn: Any, vals: list, tags: list, mode: int | None):
   dtype, out_tag = _target(rules, vals, tags, mode)
   if dtype is None:
     return _bind(eqn, vals), [out_tag] * len(eqn.outvars)
+  if mode == _HALF and rules.scales(name, tags, scope):
+    weight = 1 if tags[1] == _PARAM else 0
+    return [scaled.product(rules.policy, eqn, [_cast(x, dtype) for x in vals], weight, scope)], [_HALF]
+  if name in _BROADCASTING and out_tag >= _HALF:
+    vals = [_widened(x, t, dtype, eqn.outvars[0].aval.shape) for x, t in zip(vals, tags)]
   vals = [_cast(x, dtype) for x in vals]
   params = dict(eqn.params)
   if params.get("preferred_element_type") is not None and _is_float(params["preferred_element_type"]):
     params["preferred_element_type"] = dtype
   outs = _bind(eqn, vals, params)
   return outs, [out_tag if _dtype(o) is not None else _CONST for o in outs]
+
+
+# Elementwise primitives that broadcast size-1 dimensions of their operands.
+_BROADCASTING = frozenset(
+  {"add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "nextafter", "select_n", "clamp"}
+)
+
+
+def _widened(x: Any, tag: int, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+  """A parameter broadcast to ``shape`` in its own dtype before its cast to ``dtype``.
+
+  A bias or a norm's scale meeting a half-precision activation is cast to
+  half precision there; cast first and broadcast by the op, its gradient (the
+  broadcast's transpose, a sum over every token) would be summed in half
+  precision. Broadcast first, the sum runs in the parameter's dtype.
+  """
+  d = _dtype(x)
+  if tag != _PARAM or d is None or d.itemsize <= dtype.itemsize or np.shape(x) == tuple(shape):
+    return x
+  if len(np.shape(x)) != len(shape):
+    return x
+  return lax.broadcast_in_dim(x, shape, tuple(range(len(shape))))
 
 
 def _lookup(rules: _Rules, eqn: Any, vals: list, tags: list):
@@ -316,7 +361,10 @@ def _convert(eqn: Any, vals: list, tags: list):
     return out, [_CONST]
   if _dtype(x) is None:
     return out, [_CONST]  # integers and booleans to float: a constant
-  # An explicit float-to-float cast in the function: respected.
+  # An explicit float-to-float cast in the function: respected. A parameter
+  # stays a parameter (a layer casting its kernel to its declared dtype).
+  if tag == _PARAM:
+    return out, [_PARAM]
   return out, [_HALF if new.itemsize < _F32.itemsize else max(tag, _HALF) if tag >= _HALF else tag]
 
 

@@ -16,6 +16,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
@@ -91,7 +92,11 @@ def autocast(
     ``dot_general``, ``conv_general_dilated``): floating operands cast to
     ``policy.compute_dtype``, result in ``compute_dtype`` (GPUs and TPUs
     accumulate 16-bit matmuls in float32 in hardware; a float32 result would
-    make the backward pass a mixed-dtype matmul);
+    make the backward pass a mixed-dtype matmul). Under a policy with an FP8
+    recipe (``"mixed_float8"``), a weight product (one operand a parameter,
+    or computed from parameters alone) is an FP8 product with current
+    scaling (:func:`jmp_train.fp8_dot_general` with ``meta=None``); products
+    of two activations (attention's) stay in ``compute_dtype``;
   * ``float32_ops`` (deny list, default :data:`DEFAULT_FLOAT32_OPS`: exp,
     log, log1p, logistic, pow, rsqrt, erf, ..., reduce_sum, reduce_prod,
     cumsum, ...): floating operands cast to float32, result in float32. An
@@ -107,7 +112,9 @@ def autocast(
     a float32 op, else ``compute_dtype`` if one is a half-precision
     activation, else as traced. Parameters and constants never promote an
     activation: a float32 bias added to a half-precision activation is cast
-    to the activation's dtype. Only the ops that feed nothing but float32
+    to the activation's dtype, after its broadcast, so that its gradient
+    (the broadcast's transpose, a sum over every token) is summed in
+    ``param_dtype``. Only the ops that feed nothing but float32
     ops join a float32 region (softmax's ``x - max(x)``), and, one level
     deep, an op whose every use meets a float32 value (batch norm's
     ``x - mean`` before ``* rsqrt(var)``); a half-precision value that meets
@@ -143,9 +150,12 @@ def autocast(
   float-to-float casts in ``fun`` are kept.
 
   Entries ``"scope:PATTERN"`` in either list name a region (a
-  ``jax.named_scope``, or a jitted / ``custom_jvp`` function's name, as a
-  shell glob): every floating op inside runs in that list's dtype, the
-  innermost named region winning.
+  ``jax.named_scope``, a linen module's path, an NNX submodule's attribute
+  path such as ``blocks/1/attn``, or a jitted / ``custom_jvp`` function's
+  name, as a shell glob matched against each name and each ``/``-joined run
+  of names): every floating op inside runs in that list's dtype, the
+  innermost named region winning. Each operation bound keeps the source
+  line it was traced from.
 
   Args:
     fun: the function, e.g. ``model.apply`` or a loss function.
@@ -349,6 +359,60 @@ def _check_out(nnx: Any, out: Any) -> Any:
   return out
 
 
+@contextlib.contextmanager
+def module_scopes(nnx: Any, nodes: Sequence[Any]):
+  """While tracing, each submodule's call runs under a ``jax.named_scope`` of its path.
+
+  Linen writes a module's path into the name stack of the operations it
+  traces; NNX writes nothing there. This names them the same way
+  (``blocks/0/attn``), so ``"scope:PATTERN"`` entries match NNX submodules by
+  path, and audits name them. The classes' ``__call__`` are wrapped for the
+  duration of the trace only, and a module's own ``super().__call__`` adds no
+  second scope.
+  """
+  paths: dict[int, str] = {}
+  for node in nodes:
+    if isinstance(node, nnx.Module):
+      for path, module in nnx.iter_modules(node):
+        if path:
+          paths.setdefault(id(module), "/".join(str(p) for p in path))
+  classes = {type(m) for node in nodes if isinstance(node, nnx.Module) for _, m in nnx.iter_modules(node)}
+  active: list[int] = []
+  patched = []
+
+  def wrap(original):
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+      path = paths.get(id(self))
+      if path is None or (active and active[-1] == id(self)):
+        return original(self, *args, **kwargs)
+      active.append(id(self))
+      try:
+        with jax.named_scope(path.rsplit("/", 1)[-1]) if active[:-1] else jax.named_scope(path):
+          return original(self, *args, **kwargs)
+      finally:
+        active.pop()
+
+    return call
+
+  for cls in classes:
+    original = cls.__dict__.get("__call__") or next(
+      (c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None
+    )
+    if original is None:
+      continue
+    patched.append((cls, cls.__dict__.get("__call__")))
+    cls.__call__ = wrap(original)
+  try:
+    yield
+  finally:
+    for cls, own in reversed(patched):
+      if own is None:
+        del cls.__call__
+      else:
+        cls.__call__ = own
+
+
 class _Static(NamedTuple):
   """A value of the new state that is not an array (no output of the jaxpr)."""
 
@@ -403,7 +467,8 @@ def _call_nnx(
     for i, node in zip(order, copies):
       args_leaves[i] = node
     a, k = jax.tree.unflatten(treedef, args_leaves)
-    out = _check_out(nnx, fun(*a, **k))
+    with module_scopes(nnx, copies):
+      out = _check_out(nnx, fun(*a, **k))
     new_graphdef, new_state = nnx.split(copies, graph=True)
     new_leaves, new_def = jax.tree.flatten(new_state)
     # A leaf that is still its input comes back as it was passed (not as

@@ -60,6 +60,7 @@ import optax
 from jax import lax
 
 from jmp_train._src import buckets as buckets_lib
+from jmp_train._src.hyperparams import check_int
 from jmp_train._src.leaf_checks import check_leaves
 from jmp_train._src.leaf_checks import all_finite
 from jmp_train._src.compression.replica_averaging import ReplicaCompressor
@@ -356,9 +357,8 @@ def compressed_mean(
     raise ValueError(f"Unknown wire {wire!r}; valid formats: {', '.join(WIRE_FORMATS)}.")
   if axis_name is not None and not isinstance(axis_name, str):
     raise ValueError(f"axis_name must be a string or None, got {axis_name!r}.")
-  for name, value in (("num_replicas", num_replicas), ("bucket_bytes", bucket_bytes)):
-    if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
-      raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+  num_replicas = check_int(num_replicas, "num_replicas", 1, allow_none=True)
+  bucket_bytes = check_int(bucket_bytes, "bucket_bytes", 1, allow_none=True)
   if error_feedback is not None and not isinstance(error_feedback, (bool, np.bool_)):
     raise ValueError(f"error_feedback must be True, False or None (the wire's default), got {error_feedback!r}.")
   if error_feedback is None:

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import optax
 
 from jmp_train._src import varying_axes
+from jmp_train._src.hyperparams import check_int
 from jmp_train._src.compression.replica_averaging import ReplicaCompressor, ReplicaOptimizer
+from jmp_train._src.compression.sign_layout import axis_size
 
 __all__ = ["DiLoCoState", "diloco"]
 
@@ -57,10 +59,7 @@ def _check(inner, outer, sync_every, axis_name, compression, reset_inner):
         "a plain optax optimizer, and a compressor (sign_compression, compressed_mean) "
         "as compression=."
       )
-  if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-    raise ValueError(
-      f"sync_every must be a positive int (local steps per synchronisation, e.g. 16), got {sync_every!r}."
-    )
+  check_int(sync_every, "sync_every", 1, note=" (local steps per synchronisation, e.g. 16)")
   if not isinstance(axis_name, str):
     raise ValueError(f"axis_name must be the name of the replicas' mapped axis (a str), got {axis_name!r}.")
   if compression is not None and not isinstance(compression, ReplicaCompressor):
@@ -175,6 +174,7 @@ def diloco(
   if outer is None:
     outer = optax.sgd(1.0)
   _check(inner, outer, sync_every, axis_name, compression, reset_inner)
+  sync_every = int(sync_every)
 
   def init(params):
     # Fresh buffers: a donated step must not delete the caller's params.
@@ -190,7 +190,9 @@ def diloco(
   def update(grads, state, params=None):
     if params is None:
       raise ValueError("diloco's update needs the parameters: tx.update(grads, state, params).")
-    jax.lax.axis_index(axis_name)  # a clear error at trace time when the axis is unbound
+    # A clear error at trace time when the axis is unbound (JAX's NameError says
+    # to call axis_index under shard_map, where the step already is).
+    axis_size(axis_name, None, "update", "diloco", leaves=jax.tree.leaves(grads))
     updates, inner_state = inner.update(grads, state.inner_state, params)
     local = optax.apply_updates(params, updates)
     count = state.count + 1

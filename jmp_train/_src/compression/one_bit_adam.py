@@ -65,11 +65,12 @@ import numpy as np
 import optax
 from jax import lax
 
-from jmp_train._src.hyperparams import check_axis_name, check_bool, check_learning_rate, check_non_negative
-from jmp_train._src.hyperparams import check_unit, check_warmup_steps, is_number, is_static_zero, static_hint, value_at
+from jmp_train._src.hyperparams import check_axis_name, check_bool, check_int, check_learning_rate, check_non_negative
+from jmp_train._src.hyperparams import check_unit, check_warmup_steps, is_number, is_static_zero, value_at
 from jmp_train._src.leaf_checks import check_leaves
 from jmp_train._src.compression.replica_averaging import ReplicaOptimizer
 from jmp_train._src.compression.sign_compression import SignCompressionState, sign_compression
+from jmp_train._src.compression.sign_layout import axis_size
 from jmp_train._src.varying_axes import cond
 
 __all__ = ["OneBitAdamState", "one_bit_adam"]
@@ -232,7 +233,7 @@ def one_bit_adam(
     rescale_variance,
   )
   compression = sign_compression(axis_name, scale=scale, num_replicas=num_replicas, bucket_bytes=bucket_bytes)
-  k = int(variance_refresh)
+  k, warmup_steps = int(variance_refresh), int(warmup_steps)
   decay = not is_static_zero(weight_decay)
   step_bound = _step_bound(b1, b2)
   covered = functools.partial(_covered, warmup_steps=warmup_steps, refresh=k)
@@ -307,7 +308,9 @@ def one_bit_adam(
   def update_fn(updates, state, params=None):
     if decay and params is None:
       raise ValueError("one_bit_adam with weight_decay needs params in update.")
-    check_leaves(updates, "gradients", "one_bit_adam")
+    leaves, _ = check_leaves(updates, "gradients", "one_bit_adam")
+    # Before the first collective: its own error for an unbound axis is raw.
+    axis_size(axis_name, None, "update", "one_bit_adam", leaves=leaves)
     # lax.cond, not jnp.where: a step runs either the float all-reduce or
     # the 1-bit exchange, never both; the counter is the same everywhere.
     t = optax.safe_increment(state.count)
@@ -352,10 +355,7 @@ def _check_arguments(
     raise ValueError(f"Unknown exchange {exchange!r}; valid: {', '.join(EXCHANGES)}.")
   check_bool(clip_step, "clip_step")
   check_bool(rescale_variance, "rescale_variance")
-  if not isinstance(variance_refresh, (int, np.integer)) or variance_refresh < 0:
-    raise ValueError(
-      f"variance_refresh must be an int >= 0 (0: v frozen), got {variance_refresh!r}{static_hint(variance_refresh)}."
-    )
+  check_int(variance_refresh, "variance_refresh", 0, note=" (0: v frozen)")
 
 
 def _step_bound(b1, b2):
@@ -387,6 +387,8 @@ def _exact_step(count, warmup_steps: int, refresh: int):
 def _replicas_mean_square(grads, axis_name: str):
   """Per leaf, the replicas' mean of ``mean(g**2)``: one all-reduce for the whole tree."""
   leaves, treedef = jax.tree.flatten(grads)
+  if not leaves:  # no parameters: nothing to average (optax's empty-tree no-op)
+    return grads
   local = jnp.stack([jnp.mean(jnp.square(x.astype(jnp.float32))) for x in leaves])
   return jax.tree.unflatten(treedef, list(lax.pmean(local, axis_name)))
 

@@ -31,6 +31,7 @@ from jmp_train._src.hyperparams import check_unit, check_warmup_steps, is_static
 from jmp_train._src.leaf_checks import check_leaves
 from jmp_train._src.compression.replica_averaging import ReplicaOptimizer
 from jmp_train._src.compression.sign_compression import SignCompressionState, sign_compression
+from jmp_train._src.compression.sign_layout import axis_size
 from jmp_train._src.varying_axes import cond
 
 __all__ = ["OneBitMomentumState", "one_bit_momentum"]
@@ -129,7 +130,7 @@ def one_bit_momentum(
     Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
   """
   check_axis_name(axis_name)
-  check_warmup_steps(warmup_steps, 0)
+  warmup_steps = check_warmup_steps(warmup_steps, 0)
   check_learning_rate(learning_rate)
   check_unit(momentum, "momentum")
   check_non_negative(weight_decay, "weight_decay")
@@ -160,7 +161,9 @@ def one_bit_momentum(
   def update_fn(updates, state, params=None):
     if decay and params is None:
       raise ValueError("one_bit_momentum with weight_decay needs params in update.")
-    check_leaves(updates, "gradients", "one_bit_momentum")
+    leaves, _ = check_leaves(updates, "gradients", "one_bit_momentum")
+    # Before the warm-up's pmean: its own error for an unbound axis is raw.
+    axis_size(axis_name, None, "update", "one_bit_momentum", leaves=leaves)
     g = local_trace(updates, state, params)
     if warmup_steps:
       trace, cstate = cond(state.count < warmup_steps, warmup, compressed, g, state)

@@ -72,10 +72,11 @@ import numpy as np
 import optax
 from jax import lax
 
+from jmp_train._src import varying_axes
 from jmp_train._src.compression import sign_codec
 from jmp_train._src.buckets import bucket_sizes, check_bucket_bytes
 from jmp_train._src.compression.compressed_mean import CompressedMeanState
-from jmp_train._src.hyperparams import check_bool
+from jmp_train._src.hyperparams import check_bool, check_int
 from jmp_train._src.leaf_checks import check_leaves
 from jmp_train._src.compression.replica_averaging import ReplicaCompressor
 from jmp_train._src.compression.sign_layout import Layout, axis_size, make_layout
@@ -131,15 +132,13 @@ def _validate(axis_name, scale, warmup_steps, num_replicas, bucket_bytes, **flag
     raise ValueError(f"Unknown scale {scale!r}; valid scales: {', '.join(SCALES)}.")
   for name, value in flags.items():
     check_bool(value, name)
-  if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
-    raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
+  check_int(warmup_steps, "warmup_steps", 0)
   if axis_name is not None and not isinstance(axis_name, str):
     raise ValueError(
       f"axis_name must be a string or None, got {axis_name!r}; to compress over "
       "several mesh axes, name one combined axis."
     )
-  if num_replicas is not None and (not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1):
-    raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+  check_int(num_replicas, "num_replicas", 1, allow_none=True)
   check_bucket_bytes(bucket_bytes, allow_none=True)
 
 
@@ -280,11 +279,14 @@ def _update(cfg: _Config, updates, state: SignCompressionState, params=None):
   if cfg.warmup_steps == 0:
     out, r, e = _compress(leaves, state, buckets, cfg)
   else:
-    out, r, e = lax.cond(
-      state.count < cfg.warmup_steps,
-      lambda: _exact(leaves, state, cfg),
-      lambda: _compress(leaves, state, buckets, cfg),
-    )
+
+    def warmup():
+      return _exact(leaves, state, cfg)
+
+    def one_bit():
+      return _compress(leaves, state, buckets, cfg)
+
+    out, r, e = varying_axes.cond(state.count < cfg.warmup_steps, warmup, one_bit)
   out = [o.astype(x.dtype) for o, x in zip(out, leaves)]
   return jax.tree.unflatten(treedef, out), SignCompressionState(
     count=optax.safe_increment(state.count),
@@ -482,7 +484,9 @@ def sign_compression_wire_bytes(
     The bytes, an ``int``.
 
   Raises:
-    ValueError: for a bad ``num_replicas``, ``scale`` or ``bucket_bytes``.
+    ValueError: for a bad ``num_replicas``, ``scale`` or ``bucket_bytes``,
+      or a leaf that is not floating (which :func:`sign_compression` refuses
+      too: mask it out with ``optax.masked``).
 
   Examples:
     >>> grads = {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros((1024,))}
@@ -491,9 +495,9 @@ def sign_compression_wire_bytes(
     >>> round(ring / one_bit)  # a 32nd of float32's bytes, and the pairs
     30
   """
-  if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
-    raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+  k = check_int(num_replicas, "num_replicas", 1)
   _validate(None, scale, 0, num_replicas, bucket_bytes)
-  k = int(num_replicas)
-  buckets = _layouts(jax.tree.leaves(params), scale, bucket_bytes, k)
+  # The leaves sign_compression sends: it refuses a non-floating one, so this does too.
+  leaves, _ = check_leaves(params, "parameters", "sign_compression")
+  buckets = _layouts(leaves, scale, bucket_bytes, k)
   return sum(2 * (k - 1) * (layout.chunk // 8 + 8 * layout.max_local) for _, layout in buckets)

@@ -13,10 +13,14 @@
 * ``residuals``: the arrays the backward pass keeps.
 * ``hlo``: the collectives of a compiled step and the bytes they move.
 * ``plotting``: the histogram as a chart (matplotlib).
+* ``chips``, ``roofline``, ``format_compare``, ``exchange``: chip peaks, the
+  roofline of a function's operations, the same function under several
+  formats, and a data-parallel step's exchange against its compute.
 
 Their shared pieces: ``arguments`` (checks of their arguments, the float
-formats) and ``jaxprs`` (a function's forward and backward jaxprs, walked
-equation by equation).
+formats), ``jaxprs`` (a function's forward and backward jaxprs, walked
+equation by equation) and ``op_groups`` (the roofline's operations, flattened
+and fused into groups).
 
 The public module ``jmp_train.diagnostics`` re-exports their names.
 """

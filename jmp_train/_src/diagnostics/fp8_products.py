@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_train._src import tables
+from jmp_train._src.diagnostics import jaxprs
 
 __all__ = ["Fp8ProductReport", "ProductEntry", "fp8_products"]
 
@@ -216,7 +217,7 @@ class Fp8ProductReport:
     return tables.format_table(self.to_rows()) + "\n" + self.summary()
 
 
-def fp8_products(program: Any) -> Fp8ProductReport:
+def fp8_products(program: Any, *args: Any) -> Fp8ProductReport:
   """Lists a program's matmuls and convolutions, and those not on FP8 operands.
 
   Reads the text of the program: nothing runs. Every ``dot_general``,
@@ -229,7 +230,10 @@ def fp8_products(program: Any) -> Fp8ProductReport:
     program: a lowered step (``jax.stages.Lowered``, from
       ``jax.jit(f).lower(*args)`` or ``step.lower(state, batch)`` of
       :func:`jmp_train.make_train_step`; read as StableHLO), a compiled one
-      (``jax.stages.Compiled``; read as HLO), or the text of either.
+      (``jax.stages.Compiled``; read as HLO), the text of either, or a
+      :class:`jmp_train.TrainStep` followed by its state and batch (lowered
+      for them).
+    *args: with a train step, its state and batch.
 
   Returns:
     An :class:`Fp8ProductReport`: ``report.not_fp8`` lists the products with
@@ -257,6 +261,18 @@ def fp8_products(program: Any) -> Fp8ProductReport:
     >>> [p.lhs_dtype.name for p in plain.not_fp8]
     ['float32']
   """
+  if jaxprs.train_step_program(program) is not None:
+    if len(args) != 2:
+      raise TypeError(
+        f"fp8_products(step, state, batch) reads a train step's program as lowered for its "
+        f"state and batch; got {len(args)} argument(s) after the step."
+      )
+    program = program.lower(*args)
+  elif args:
+    raise TypeError(
+      f"fp8_products takes arguments only after a jmp_train.TrainStep (its state and batch); "
+      f"got {len(args)} after a {type(program).__name__}."
+    )
   if isinstance(program, jax.stages.Lowered):
     text = program.as_text(debug_info=True)
   elif isinstance(program, jax.stages.Compiled):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any, Iterator
 
 import jax
@@ -24,6 +23,7 @@ import numpy as np
 from jmp_train._src import tables
 from jmp_train._src.diagnostics import _casts
 from jmp_train._src.diagnostics import arguments
+from jmp_train._src.hyperparams import check_int
 
 __all__ = ["GradientHistogram", "Histogram", "gradient_histogram"]
 
@@ -292,8 +292,7 @@ def gradient_histogram(
   dtype = arguments.target_dtype(target_dtype)
   arguments.check_positive("scale", scale)
   for name, value in (("min_exponent", min_exponent), ("max_exponent", max_exponent)):
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-      raise ValueError(f"{name} must be an int, got {value!r}.")
+    check_int(value, name, arguments.MIN_EXPONENT)
   if not arguments.MIN_EXPONENT <= min_exponent < max_exponent <= arguments.MAX_EXPONENT:
     raise ValueError(
       f"Need {arguments.MIN_EXPONENT} <= min_exponent < max_exponent <= {arguments.MAX_EXPONENT} "

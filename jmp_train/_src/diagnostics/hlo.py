@@ -73,6 +73,7 @@ _DTYPE_BYTES = {
 
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMP_RE = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _GROUPS_RE = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
@@ -100,6 +101,10 @@ class CollectiveOp:
     group_size: devices per replica group (1 when not given).
     wire_bytes: bytes one device sends with bandwidth-optimal algorithms
       (see :func:`collective_bytes`' ``wire``).
+    scope: where JAX traced it (the instruction's ``op_name``, e.g.
+      ``"jit(step)/shard_map/cond/branch_1_fun/one_bit_adam/warmup/psum"``:
+      the functions, ``jax.named_scope`` s and ``cond`` branches around
+      it), or ``""`` where the program does not say.
   """
 
   kind: str
@@ -109,6 +114,7 @@ class CollectiveOp:
   operand_bytes: int
   group_size: int
   wire_bytes: float
+  scope: str = ""
 
   @property
   def dtypes(self) -> tuple[str, ...]:
@@ -282,6 +288,7 @@ def collective_ops(compiled_or_hlo_text: Any) -> list[CollectiveOp]:
         operand_bytes=nbytes,
         group_size=k,
         wire_bytes=_wire_bytes(kind, nbytes, k),
+        scope=scope.group(1) if (scope := _OP_NAME_RE.search(line)) else "",
       )
     )
   return ops

@@ -67,14 +67,35 @@ def _split_args(args: tuple) -> tuple[list, list, list[bool], Any]:
   return floats, others, is_float, treedef
 
 
+def train_step_program(fn: Any) -> Callable | None:
+  """The jitted program of a :class:`jmp_train.TrainStep` (called on ``(state, batch)``), else None."""
+  if type(fn).__name__ != "TrainStep":
+    return None
+  from jmp_train._src.train.state import TrainStep
+
+  return fn._step if isinstance(fn, TrainStep) else None
+
+
 def trace(fn: Callable, args: tuple, backward: bool) -> list[tuple[str, Any]]:
   """``[(phase, jaxpr)]``: the forward pass and, if asked, the backward pass.
+
+  A :class:`jmp_train.TrainStep` (with ``args`` its state and batch) is one
+  phase, ``"step"``: its program holds the forward pass, the backward pass
+  and the update, as compiled.
 
   The backward pass is the pullback of ``jax.vjp(fn, ...)`` with respect to
   every floating-point leaf of ``args``, traced on its own (from abstract
   residuals and cotangents for every floating output), so the forward pass
   is not counted twice.
   """
+  step = train_step_program(fn)
+  if step is not None:
+    # The whole compiled step: forward, backward and update in one program
+    # (traced through the jitted function itself: its compiler options, e.g.
+    # FP8's on GPUs, refuse an enclosing make_jaxpr).
+    traced = getattr(step, "trace", None)
+    jaxpr = traced(*args).jaxpr.jaxpr if traced is not None else jax.make_jaxpr(step)(*args).jaxpr
+    return [("step", jaxpr)]
   phases = [("forward", jax.make_jaxpr(fn)(*args).jaxpr)]
   if not backward:
     return phases

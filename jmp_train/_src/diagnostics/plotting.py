@@ -21,12 +21,12 @@ __all__ = ["plot_gradient_histogram"]
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown")
 
 
-def _import_pyplot():
+def _import_pyplot(what: str = "plot_gradient_histogram"):
   try:
     import matplotlib.pyplot as plt
   except ImportError as e:
     raise ImportError(
-      "plot_gradient_histogram needs matplotlib, which is an optional "
+      f"{what} needs matplotlib, which is an optional "
       "dependency of jmp_train; install it with `pip install 'jmp_train[plot]'` "
       "(or `pip install matplotlib`)."
     ) from e

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import dataclasses
-import numbers
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -24,6 +23,7 @@ from jmp_train._src import tables
 from jmp_train._src.diagnostics import arguments
 from jmp_train._src.diagnostics import jaxprs
 from jmp_train._src.dtypes import is_floating_dtype
+from jmp_train._src.hyperparams import check_int
 
 __all__ = [
   "ISSUE_KINDS",
@@ -191,9 +191,9 @@ def precision_audit(
     as their exp and log pieces (``where`` names the enclosing
     ``log_softmax`` call);
   * ``half_reduction``: sums, products and cumulative sums in half
-    precision over more than ``reduction_threshold`` elements (a float16
+    precision over ``reduction_threshold`` elements or more (a float16
     sum stops growing once the total is 2**11 times the addends, a bfloat16
-    one at 2**8), and scatter-adds of more than ``reduction_threshold``
+    one at 2**8), and scatter-adds of ``reduction_threshold`` or more
     rows in half precision (the backward pass of a lookup in a
     half-precision table, e.g. Flax's ``Embed(dtype=bfloat16)``);
   * ``half_output``: floating outputs of ``fn`` in half precision: the loss
@@ -209,10 +209,12 @@ def precision_audit(
   of the same function shows its float32 ``exp`` and sums as usual.
 
   Args:
-    fn: the function, e.g. the loss function or ``model.apply``.
+    fn: the function, e.g. the loss function or ``model.apply``; or a
+      :class:`jmp_train.TrainStep`, audited as compiled (forward, backward
+      and update: one phase, ``"step"``), with ``args`` its state and batch.
     *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
-    backward: also audit the backward pass.
-    reduction_threshold: reductions over more elements than this count.
+    backward: also audit the backward pass (a train step holds it already).
+    reduction_threshold: reductions over this many elements or more count.
 
   Returns:
     A :class:`PrecisionReport`; ``print(report)`` shows the table and
@@ -233,18 +235,13 @@ def precision_audit(
     ['half_output']
   """
   arguments.check_callable(fn, "precision_audit")
-  if (
-    not isinstance(reduction_threshold, numbers.Integral)
-    or isinstance(reduction_threshold, bool)
-    or reduction_threshold < 1
-  ):
-    raise ValueError(f"reduction_threshold must be a positive int, got {reduction_threshold!r}.")
-  audit = _Audit(int(reduction_threshold))
+  audit = _Audit(check_int(reduction_threshold, "reduction_threshold", 1))
   phases = jaxprs.trace(fn, args, bool(backward))
   for phase, jaxpr in phases:
     for eqn, repeats, where in jaxprs.walk(jaxpr):
       audit.visit(eqn, phase, repeats, where)
-  audit.check_outputs(phases[0][1].outvars)
+  if phases[0][0] != "step":  # a step's outputs are its state and metrics
+    audit.check_outputs(phases[0][1].outvars)
   return PrecisionReport(
     issues=tuple(audit.merged.values()),
     half_ops=audit.half_ops,
@@ -293,7 +290,7 @@ class _Audit:
       if axes is None:
         axes = (eqn.params.get("axis", 0),)
       size = math.prod(shape[a] for a in axes)
-      if size > self.reduction_threshold:
+      if size >= self.reduction_threshold:
         self.add(
           "half_reduction",
           phase,
@@ -307,7 +304,7 @@ class _Audit:
     elif in_half and name in _SCATTER_SUMS:
       indices = tuple(int(x) for x in eqn.invars[1].aval.shape)
       size = math.prod(indices[:-1])  # the rows scattered (index vectors last)
-      if size > self.reduction_threshold:
+      if size >= self.reduction_threshold:
         self.add(
           "half_reduction",
           phase,
@@ -315,8 +312,10 @@ class _Audit:
           floats[0],
           shape,
           where,
-          "accumulate the scattered rows in float32 (gather float32 rows, then "
-          "cast: an embedding under apply_policy or autocast does)",
+          "the table is read in half precision, so its gradient's rows are summed in half: "
+          "keep the table in float32 and cast the rows after the lookup (the default "
+          "model_policy and jmp_train.autocast's lookup rule do; a table stored in half "
+          "precision, or cast before the lookup, does not)",
           repeats,
         )
     elif name in ("dot_general", "conv_general_dilated") and not in_half:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import dataclasses
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -27,6 +26,7 @@ from jmp_train._src import tables
 from jmp_train._src.fp8.products import FP8_SCOPE
 from jmp_train._src.diagnostics import arguments
 from jmp_train._src.diagnostics import jaxprs
+from jmp_train._src.hyperparams import check_int
 
 __all__ = ["MatmulEntry", "TensorCoreReport", "pad_to_multiple", "tensor_core_report"]
 
@@ -297,9 +297,11 @@ def tensor_core_report(
 
   Args:
     fn: the function, e.g. ``lambda p, x: model.apply(p, x)`` or a loss.
-      Bind keyword arguments with ``functools.partial``.
+      Bind keyword arguments with ``functools.partial``. Or a
+      :class:`jmp_train.TrainStep`, read as compiled (forward, backward and
+      update: one phase, ``"step"``), with ``args`` its state and batch.
     *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-    backward: also trace the backward pass.
+    backward: also trace the backward pass (a train step holds it already).
     tensor_core_speedup: ``y`` of the speed-up bound, the Tensor Core ops'
       own speed-up (8 is V100's FP16 vs FP32 peak ratio).
 
@@ -371,9 +373,5 @@ def pad_to_multiple(n: int, multiple: int = 8) -> int:
     >>> pad_to_multiple(50257, 64), pad_to_multiple(1000), pad_to_multiple(3, 16)
     (50304, 1000, 16)
   """
-  for name, value, lowest in (("n", n, 0), ("multiple", multiple, 1)):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-      raise ValueError(f"{name} must be an int, got {value!r}.")
-    if value < lowest:
-      raise ValueError(f"{name} must be >= {lowest}, got {value}.")
-  return -(-int(n) // int(multiple)) * int(multiple)
+  n, multiple = check_int(n, "n", 0), check_int(multiple, "multiple", 1)
+  return -(-n // multiple) * multiple

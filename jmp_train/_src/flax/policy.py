@@ -303,7 +303,9 @@ def apply_policy(
   Raises:
     ValueError: if ``module`` is not a Flax module, ``policy`` is not a
       valid policy or spec, the overrides are malformed, ``cast_inputs`` is
-      not a bool, or ``recompute`` is not one of ``("float32", None)``.
+      not a bool, ``recompute`` is not one of ``("float32", None)``, or the
+      policy runs int8 products (which no Flax layer does: use
+      :func:`jmp_train.autocast`).
 
   Examples:
     >>> import flax.linen as nn
@@ -327,6 +329,12 @@ def apply_policy(
       f"policy must be a jmp_train.Policy or a spec string such as "
       f"'mixed_bfloat16' or 'params=float32,compute=float16,output=float32', "
       f"got {policy!r}."
+    )
+  if policy.int8 is not None:
+    raise ValueError(
+      f"apply_policy configures Flax's layers, and no Flax layer runs int8 products: the policy "
+      f"{policy} needs its products decided per operation. Use jmp_train.autocast(model.apply, "
+      "policy), or make_train_step(model, ..., policy=...) with its default model_policy='auto'."
     )
   classes = flax_layers.check_float32_modules(float32_modules)
   paths = flax_layers.check_float32_paths(float32_paths)

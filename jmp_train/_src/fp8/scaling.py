@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_train._src.hyperparams import check_int
+
 __all__ = [
   "E4M3",
   "E5M2",
@@ -76,12 +78,8 @@ class Fp8Recipe:
       raise ValueError(f"scaling must be one of {_SCALINGS}, got {self.scaling!r}.")
     if self.amax_compute_algo not in _AMAX_ALGOS:
       raise ValueError(f"amax_compute_algo must be one of {_AMAX_ALGOS}, got {self.amax_compute_algo!r}.")
-    n = self.amax_history_len
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-      raise ValueError(f"amax_history_len must be a positive int, got {n!r}.")
-    m = self.margin
-    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
-      raise ValueError(f"margin must be a non-negative int, got {m!r}.")
+    check_int(self.amax_history_len, "amax_history_len", 1)
+    check_int(self.margin, "margin", 0)
 
 
 class Fp8TensorMeta(NamedTuple):

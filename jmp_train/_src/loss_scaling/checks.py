@@ -8,12 +8,13 @@ checked.
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jmp_train._src.hyperparams import check_int
 
 __all__ = [
   "FROM_ARGS",
@@ -91,12 +92,7 @@ def dynamic_config(
   max_scale: Any,
 ) -> dict[str, Any]:
   """The validated static configuration of a :class:`DynamicLossScale`."""
-  try:
-    interval = operator.index(growth_interval)
-  except TypeError:
-    interval = 0
-  if interval < 1:
-    raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}.")
+  interval = check_int(growth_interval, "growth_interval", 1, note=" (good steps before the scale grows)")
   config = dict(
     growth_interval=interval,
     growth_factor=_static_float(growth_factor, "growth_factor"),

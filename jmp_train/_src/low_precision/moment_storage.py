@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_train._src.low_precision import quantized_state as qs
-from jmp_train._src.hyperparams import static_hint
+from jmp_train._src.hyperparams import check_int
 from jmp_train._src.dtypes import parse_dtype
 
 __all__ = [
@@ -53,8 +53,7 @@ def check_options(block_size: Any, code: Any, min_8bit_size: Any, rounding: Any)
   qs._check_code(code)
   if rounding not in ROUNDINGS:
     raise ValueError(f"rounding must be one of {ROUNDINGS}; got {rounding!r}.")
-  if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-    raise ValueError(f"min_8bit_size must be an int >= 0; got {min_8bit_size!r}{static_hint(min_8bit_size)}.")
+  check_int(min_8bit_size, "min_8bit_size", 0)
 
 
 class Moment:

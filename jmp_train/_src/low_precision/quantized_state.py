@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train._src.hyperparams import static_hint
+from jmp_train._src.hyperparams import check_int
 
 __all__ = [
   "CODES",
@@ -170,9 +170,7 @@ def code_map(code: str = "dynamic", signed: bool = True) -> np.ndarray:
 
 
 def _check_block_size(block_size: Any) -> int:
-  if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-    raise ValueError(f"block_size must be a positive int; got {block_size!r}{static_hint(block_size)}.")
-  return int(block_size)
+  return check_int(block_size, "block_size", 1)
 
 
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:

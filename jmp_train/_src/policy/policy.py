@@ -18,6 +18,7 @@ import numpy as np
 from jmp_train._src.dtypes import DTYPE_ALIASES as _DTYPE_ALIASES
 from jmp_train._src.dtypes import is_floating_array, parse_dtype
 from jmp_train._src.fp8.products import Fp8Recipe
+from jmp_train._src.int8.recipe import Int8Recipe
 
 __all__ = [
   "Policy",
@@ -40,12 +41,14 @@ _PRESETS: dict[str, tuple[str, str, str]] = {
   "mixed_half": ("float32", "half", "float32"),
   "float32": ("float32", "float32", "float32"),
 }
-_FP8_PRESETS: dict[str, Fp8Recipe] = {
+_FP8_PRESETS: dict[str, Fp8Recipe | Int8Recipe] = {
   "mixed_float8": Fp8Recipe(),
+  "mixed_int8": Int8Recipe(),
 }
-# Keys of a spec that choose FP8 matmuls and their scaling recipe.
-_MATMUL_VALUES = {"fp8": "delayed", "fp8_delayed": "delayed", "fp8_current": "current"}
-_FP8_KEYS = ("matmul", "fp8_history", "fp8_margin", "fp8_amax")
+# Keys of a spec that choose narrow (FP8, INT8) matmuls and their scaling recipe.
+_MATMUL_VALUES = {"fp8": "delayed", "fp8_delayed": "delayed", "fp8_current": "current", "int8": "int8"}
+_INT8_KEYS = {"int8_activation": "activation", "int8_weight": "weight"}
+_FP8_KEYS = ("matmul", "fp8_history", "fp8_margin", "fp8_amax", *_INT8_KEYS)
 _ACCEPTED_DTYPES = sorted(set(_DTYPE_ALIASES) | {"half"})
 _ACCEPTED_KEYS = sorted(set(_KEY_ALIASES) | set(_FP8_KEYS))
 
@@ -92,6 +95,10 @@ class Policy:
     fp8: ``None``, or the :class:`~jmp_train.Fp8Recipe` with which matmuls
       and convolutions run in FP8 (E4M3 operands, E5M2 gradients; the rest
       of the computation stays in ``compute_dtype``).
+    int8: ``None``, or the :class:`~jmp_train.int8.Int8Recipe` with which
+      weight products run on int8 operands with int32 accumulation under
+      :func:`~jmp_train.autocast` (gradients in ``compute_dtype``). At
+      most one of ``fp8`` and ``int8``.
 
   Being frozen and hashable, a policy can be a static argument of
   ``jax.jit``. ``str(policy)`` is a spec that :func:`get_policy` parses back.
@@ -113,6 +120,7 @@ class Policy:
   compute_dtype: np.dtype
   output_dtype: np.dtype
   fp8: Fp8Recipe | None = None
+  int8: Int8Recipe | None = None
 
   def __post_init__(self):
     if self.output_dtype is None:
@@ -125,6 +133,10 @@ class Policy:
         raise ValueError(f"Policy's {field}: {e}") from None
     if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
       raise TypeError(f"fp8 must be None or a jmp_train.Fp8Recipe, got {self.fp8!r}.")
+    if self.int8 is not None and not isinstance(self.int8, Int8Recipe):
+      raise TypeError(f"int8 must be None or a jmp_train.int8.Int8Recipe, got {self.int8!r}.")
+    if self.fp8 is not None and self.int8 is not None:
+      raise ValueError("A policy runs its products in one narrow format: give fp8= or int8=, not both.")
 
   def cast_to_param(self, tree: Any) -> Any:
     """Casts floating leaves of ``tree`` to ``param_dtype``."""
@@ -143,19 +155,30 @@ class Policy:
     return dataclasses.replace(self, output_dtype=dtype)
 
   @property
+  def product_format(self) -> Fp8Recipe | Int8Recipe | None:
+    """The recipe of the narrow format weight products run in (``fp8`` or ``int8``), or ``None``."""
+    return self.fp8 if self.fp8 is not None else self.int8
+
+  @property
   def is_mixed(self) -> bool:
     """Whether computation runs in a narrower dtype than the parameters."""
     return self.compute_dtype.itemsize < self.param_dtype.itemsize
 
   def __str__(self) -> str:
     text = f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
-    return text + _fp8_spec(self.fp8)
+    return text + _fp8_spec(self.product_format)
 
 
-def _fp8_spec(recipe: Fp8Recipe | None) -> str:
-  """The spec keys of an FP8 recipe (its non-default fields only)."""
+def _fp8_spec(recipe: Fp8Recipe | Int8Recipe | None) -> str:
+  """The spec keys of an FP8 or INT8 recipe (its non-default fields only)."""
   if recipe is None:
     return ""
+  if isinstance(recipe, Int8Recipe):
+    default_int8 = Int8Recipe()
+    keys = [
+      f"{k}={getattr(recipe, f)}" for k, f in _INT8_KEYS.items() if getattr(recipe, f) != getattr(default_int8, f)
+    ]
+    return ",".join([",matmul=int8", *keys])
   default = Fp8Recipe()
   text = f",matmul=fp8_{recipe.scaling}"
   if recipe.amax_history_len != default.amax_history_len:
@@ -167,8 +190,8 @@ def _fp8_spec(recipe: Fp8Recipe | None) -> str:
   return text
 
 
-def _parse_fp8(spec: str, fp8_parts: dict[str, str]) -> Fp8Recipe | None:
-  """The recipe named by a spec's ``matmul=``/``fp8_*=`` parts."""
+def _parse_fp8(spec: str, fp8_parts: dict[str, str]) -> Fp8Recipe | Int8Recipe | None:
+  """The recipe named by a spec's ``matmul=``/``fp8_*=``/``int8_*=`` parts."""
   if not fp8_parts:
     return None
   matmul = fp8_parts.get("matmul")
@@ -179,6 +202,19 @@ def _parse_fp8(spec: str, fp8_parts: dict[str, str]) -> Fp8Recipe | None:
     )
   if matmul not in _MATMUL_VALUES:
     raise ValueError(f"In policy spec {spec!r}, matmul={matmul!r}; accepted: {', '.join(sorted(_MATMUL_VALUES))}.")
+  int8_parts = {k: v for k, v in fp8_parts.items() if k in _INT8_KEYS}
+  fp8_only = sorted(k for k in fp8_parts if k.startswith("fp8_"))
+  if matmul == "int8":
+    if fp8_only:
+      raise ValueError(f"In policy spec {spec!r}, {', '.join(fp8_only)} set FP8 scaling, but matmul=int8.")
+    try:
+      return Int8Recipe(**{_INT8_KEYS[k]: v for k, v in int8_parts.items()})
+    except ValueError as e:
+      raise ValueError(f"In policy spec {spec!r}: {e}") from None
+  if int8_parts:
+    raise ValueError(
+      f"In policy spec {spec!r}, {', '.join(sorted(int8_parts))} need matmul=int8, got matmul={matmul!r}."
+    )
   kwargs: dict[str, Any] = {"scaling": _MATMUL_VALUES[matmul]}
   for key, field in (("fp8_history", "amax_history_len"), ("fp8_margin", "margin")):
     if key in fp8_parts:
@@ -204,14 +240,20 @@ def get_policy(spec: str | Policy) -> Policy:
     type (:func:`half_dtype`), ``full`` is float32;
   * one dtype for all three: ``"bfloat16"``;
   * presets: ``"mixed_float16"``, ``"mixed_bfloat16"``, ``"mixed_half"``,
-    ``"float32"``, and ``"mixed_float8"`` (float32 parameters, FP8 matmuls
+    ``"float32"``, ``"mixed_float8"`` (float32 parameters, FP8 matmuls
     and convolutions with delayed scaling, bfloat16 elsewhere, float32
-    output);
+    output) and ``"mixed_int8"`` (the same with int8 weight products under
+    :func:`~jmp_train.autocast`: per-row and per-channel scales, int32
+    accumulation, bfloat16 gradient products);
   * FP8 matmuls in any spec: ``matmul=fp8`` (or ``fp8_delayed``) or
     ``matmul=fp8_current``, with optional ``fp8_history=N``,
     ``fp8_margin=M`` and ``fp8_amax=max|most_recent`` (the fields of
     :class:`~jmp_train.Fp8Recipe`), e.g.
-    ``"p=f32,c=bf16,o=f32,matmul=fp8_current"``.
+    ``"p=f32,c=bf16,o=f32,matmul=fp8_current"``;
+  * INT8 matmuls: ``matmul=int8``, with optional
+    ``int8_activation=per_row|per_tensor`` and
+    ``int8_weight=per_channel|per_tensor`` (the fields of
+    :class:`~jmp_train.int8.Int8Recipe`).
 
   Args:
     spec: the string, or a :class:`Policy` (returned as is).
@@ -242,7 +284,10 @@ def get_policy(spec: str | Policy) -> Policy:
   if text in _PRESETS:
     return Policy(*_PRESETS[text])
   if text in _FP8_PRESETS:
-    return Policy("float32", "bfloat16", "float32", fp8=_FP8_PRESETS[text])
+    recipe = _FP8_PRESETS[text]
+    if isinstance(recipe, Int8Recipe):
+      return Policy("float32", "bfloat16", "float32", int8=recipe)
+    return Policy("float32", "bfloat16", "float32", fp8=recipe)
   if "=" not in text:
     try:
       dtype = parse_dtype(text)
@@ -281,4 +326,7 @@ def get_policy(spec: str | Policy) -> Policy:
     raise ValueError(
       f"Policy spec {spec!r} is missing {', '.join(missing)}; it needs params=, compute= and output= (or p=, c=, o=)."
     )
-  return Policy(values["param"], values["compute"], values["output"], fp8=_parse_fp8(spec, fp8_parts))
+  recipe = _parse_fp8(spec, fp8_parts)
+  if isinstance(recipe, Int8Recipe):
+    return Policy(values["param"], values["compute"], values["output"], int8=recipe)
+  return Policy(values["param"], values["compute"], values["output"], fp8=recipe)

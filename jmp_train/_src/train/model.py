@@ -21,6 +21,7 @@ state can be replicated, averaged and checkpointed like any array tree.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from typing import Any, Callable, Sequence
 
@@ -143,12 +144,11 @@ class LinenModel:
   apply_fn: Callable[..., Any]
   eval_apply_fn: Callable[..., Any] | None
   rng_collections: Sequence[str]
-  # "flax" or "autocast": the apply runs under the policy; "inputs": as given.
+  # "flax", "autocast" or "layers+autocast": the apply runs under the policy;
+  # "inputs": as given.
   mechanism: str = "inputs"
   # Trace the forward pass for products wider than the compute dtype.
   audit: bool = False
-  # The same model under autocast, run where casts leave wide products.
-  fallback: "LinenModel | None" = None
 
   # The policy of the "flax" mechanism (FP8 scaling state at init).
   policy: Any = None
@@ -167,7 +167,7 @@ class LinenModel:
     name = fp8_meta_collection()
     if self.policy is not None and self.policy.fp8 is not None and name not in model_state:
       if inputs is None:
-        if self.mechanism != "flax":  # a model of the user's: it may hold no FP8 products
+        if self.mechanism not in ("flax", "layers+autocast"):  # a function of the user's
           return params, model_state
         raise ValueError(
           f"Under the FP8 policy {self.policy} each product of the model keeps its "
@@ -257,6 +257,47 @@ class LinenModel:
       ) from None
 
 
+def call_module(module: Any, inputs: Any) -> Any:
+  """``module(inputs)``, or ``module(*inputs)`` / ``module(**inputs)`` where its call needs it.
+
+  A batch is ``(inputs, targets)``. A module whose ``__call__`` takes one
+  argument gets ``inputs`` whole. One that takes several (Flax's Gemma:
+  ``Transformer(tokens, positions, cache, attention_mask)``) gets a tuple
+  of inputs as its positional arguments and a dict as its keyword
+  arguments: whichever of ``module(inputs)``, ``module(*inputs)`` and
+  ``module(**inputs)`` its signature accepts, in that order.
+
+  Raises:
+    TypeError: if the signature accepts none of them, naming it and the
+      convention.
+  """
+  # A policy wrapper takes what its module takes.
+  inner = getattr(module, "module", None) if type(module).__name__ == "NNXPolicyWrapper" else None
+  try:
+    signature = inspect.signature((inner or module).__call__)
+  except (TypeError, ValueError):  # no signature to read: called as given
+    return module(inputs)
+  calls = [((inputs,), {})]
+  if isinstance(inputs, (tuple, list)):
+    calls.append((tuple(inputs), {}))
+  if isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs):
+    calls.append(((), dict(inputs)))
+  for args, kwargs in calls:
+    try:
+      signature.bind(*args, **kwargs)
+    except TypeError:
+      continue
+    return module(*args, **kwargs)
+  kind = type(inputs).__name__
+  raise TypeError(
+    f"{type(inner or module).__name__}.__call__{signature} cannot take the batch's inputs (a {kind}): "
+    "make_train_step calls an NNX module as module(inputs) with batch = (inputs, targets), "
+    "module(*inputs) when inputs is a tuple of its positional arguments, and "
+    "module(**inputs) when inputs is a dict of its keyword arguments. Make the batch "
+    "((tokens, positions, ...), targets) or ({'tokens': ..., ...}, targets)."
+  )
+
+
 def _key_to_data(tree: Any) -> Any:
   return jax.tree.map(
     lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
@@ -296,12 +337,12 @@ class NnxModel:
   rest: Any
   # The policy the module's layers get ("flax"), or None (as given).
   policy: Any = None
-  # "flax": the layers carry the policy; "autocast": the call runs under it.
+  # "flax": the layers carry the policy; "autocast": the call runs under it;
+  # "layers+autocast": both (FP8 layers with their state, autocast for the rest).
   mechanism: str = "inputs"
   # The caller's graph definition, for to_module (None: ``graphdef``).
   user_graphdef: Any = None
   audit: bool = False
-  fallback: None = None
 
   @classmethod
   def from_module(cls, module: Any, policy: Any = None, mechanism: str = "inputs", audit: bool = False) -> "NnxModel":
@@ -309,7 +350,7 @@ class NnxModel:
     from jmp_train._src.flax import nnx_modules
 
     user_graphdef = None
-    if mechanism == "flax":
+    if mechanism in ("flax", "layers+autocast"):
       user_graphdef = nnx.graphdef(module)
       module = nnx_modules.configured_copy(module, policy)
       if policy.fp8 is not None:
@@ -350,16 +391,19 @@ class NnxModel:
 
   def _call(self, model, inputs):
     """``model(inputs)`` as the mechanism runs it."""
-    if self.mechanism == "flax":
+    from jmp_train._src.train import model_policy
+
+    if self.mechanism in ("flax", "layers+autocast"):
       from jmp_train._src.flax import nnx_modules
 
       # The recompute of apply_policy's wrapper; inputs are cast by the step.
-      return nnx_modules.NNXPolicyWrapper(model, self.policy, cast_inputs=False)(inputs)
+      wrapper = nnx_modules.NNXPolicyWrapper(model, self.policy, cast_inputs=False)
+      if self.mechanism == "flax":
+        return call_module(wrapper, inputs)
+      return model_policy.autocast_call(wrapper, inputs, self.policy)
     if self.mechanism == "autocast":
-      from jmp_train._src.train import model_policy
-
       return model_policy.autocast_call(model, inputs, self.policy)
-    return model(inputs)
+    return call_module(model, inputs)
 
   def train_apply(self, params, model_state, inputs, rng, replica):
     """Outputs and new model state in training mode.
@@ -399,7 +443,7 @@ def _linen_apply_fn(fn: Any, policy: Any, mechanism: str) -> Any:
   """``fn`` with the policy applied by ``mechanism`` (``"flax"`` falls back to autocast)."""
   from jmp_train._src.train import model_policy
 
-  if mechanism == "flax" and model_policy.linen_parts(fn) is None:
+  if mechanism in ("flax", "layers+autocast") and model_policy.linen_parts(fn) is None:
     mechanism = "autocast"  # an evaluation function that is no linen apply
   return model_policy.linen_apply(fn, policy, mechanism)
 
@@ -440,13 +484,15 @@ def as_model(
 
   narrow = policy is not None and mp.is_narrow(policy)
   mechanism = model_policy if narrow and not mp.applies_policy(apply_fn) else "inputs"
-  audit = mechanism != "inputs" or (narrow and model_policy == "auto" and not mp.applies_policy(apply_fn))
+  if mechanism == "auto":
+    mechanism = mp.default_mechanism(apply_fn, policy)
+  audit = mechanism != "inputs"
   if _is_nnx_module(apply_fn):
     if eval_apply_fn is not None:
       raise TypeError(
         "eval_apply_fn is not used with an nnx.Module: evaluation calls module.eval() on a copy of the module."
       )
-    return NnxModel.from_module(apply_fn, policy, "flax" if mechanism == "auto" else mechanism, audit)
+    return NnxModel.from_module(apply_fn, policy, mechanism, audit)
   if _is_linen_module(apply_fn):
     apply_fn = apply_fn.apply
   if _is_linen_module(eval_apply_fn):
@@ -459,21 +505,9 @@ def as_model(
   if eval_apply_fn is not None and not callable(eval_apply_fn):
     raise TypeError(f"eval_apply_fn must be callable or None, got {type(eval_apply_fn).__name__}: {eval_apply_fn!r}.")
   rng_collections = tuple(rng_collections)
-  fallback = None
-  if mechanism == "auto":
-    if mp.linen_parts(apply_fn) is not None:
-      mechanism = "flax"
-    else:
-      # Casts first; autocast where they leave products wide (audited).
-      mechanism = "inputs"
-      fallback = LinenModel(
-        mp.linen_apply(apply_fn, policy, "autocast"),
-        mp.linen_apply(eval_apply_fn, policy, "autocast"),
-        rng_collections,
-        "autocast",
-        audit=True,
-      )
+  if mechanism == "layers+autocast" and mp.linen_parts(apply_fn) is None:
+    mechanism = "autocast"  # no layers to configure: a function of the user's
   if mechanism != "inputs":
     apply_fn = mp.linen_apply(apply_fn, policy, mechanism)
     eval_apply_fn = None if eval_apply_fn is None else _linen_apply_fn(eval_apply_fn, policy, mechanism)
-  return LinenModel(apply_fn, eval_apply_fn, rng_collections, mechanism, audit, fallback, policy)
+  return LinenModel(apply_fn, eval_apply_fn, rng_collections, mechanism, audit, policy)

@@ -8,14 +8,16 @@ leaves every matrix product in float32. :func:`applied` chooses, for what was
 passed to :func:`jmp_train.make_train_step`, how the policy reaches the
 products instead (``model_policy``):
 
-* ``"auto"`` (the default): a ``flax.linen.Module``, its ``apply``, or a
-  ``functools.partial`` of its ``apply`` runs under
-  :func:`jmp_train.flax.apply_policy` (the layers' own ``dtype`` fields, set
-  while they run); an ``nnx.Module`` is copied with the policy's layer
-  fields (what :func:`jmp_train.flax.apply_policy` does to NNX modules); any
-  other callable runs with its parameters and inputs cast, and, if a product
-  is still wider than the compute dtype at the first trace, under
-  :func:`jmp_train.autocast` instead;
+* ``"auto"`` (the default): :func:`jmp_train.autocast` decides every
+  operation, whatever layers the model is built from (a linen module, its
+  ``apply`` or a ``functools.partial`` of it, an ``nnx.Module``, any
+  function): matrix products and convolutions in the compute dtype (FP8
+  under an FP8 policy), exp, log, softmax, normalization statistics and
+  reductions in float32, parameter gradients summed in the parameters'
+  dtype. Under an FP8 policy with delayed scaling, a Flax module's own Dense
+  / Conv / Einsum layers also become FP8 layers that keep their amax
+  histories (``"fp8_meta"``); autocast runs the other products in FP8 with
+  current scaling;
 * ``"flax"``: :func:`jmp_train.flax.apply_policy` (Flax modules only);
 * ``"autocast"``: :func:`jmp_train.autocast` for any model;
 * ``"inputs"``: parameters and inputs cast, nothing else (the layers'
@@ -24,7 +26,8 @@ products instead (``model_policy``):
 A model that applies a policy itself (built with
 :func:`jmp_train.flax.apply_policy` or :func:`jmp_train.autocast`) is used
 as is. :func:`audited` traces the forward pass once per compilation and warns
-when a product still takes operands wider than the compute dtype.
+when a product still takes operands wider than the compute dtype (one inside
+a ``custom_vjp`` rule, which autocast runs as traced).
 """
 
 from __future__ import annotations
@@ -66,16 +69,17 @@ def check_model_policy(model_policy: Any) -> str:
   if not isinstance(model_policy, str) or model_policy not in MODEL_POLICIES:
     raise ValueError(
       f"model_policy must be one of {MODEL_POLICIES}, got {model_policy!r}: 'auto' "
-      "applies the policy to every product of the model (jmp_train.flax.apply_policy "
-      "for Flax modules, autocast where casts do not suffice), 'inputs' only casts "
-      "the parameters and inputs (the layers' declared dtypes win)."
+      "decides every operation of the model by jmp_train.autocast (products narrow, "
+      "precision-sensitive operations in float32), 'flax' configures the Flax layers "
+      "instead (jmp_train.flax.apply_policy), 'inputs' only casts the parameters and "
+      "inputs (the layers' declared dtypes win)."
     )
   return model_policy
 
 
 def is_narrow(policy: Policy) -> bool:
-  """Whether ``policy`` computes in a dtype narrower than float32, or in FP8."""
-  return policy.compute_dtype.itemsize < 4 or policy.fp8 is not None
+  """Whether ``policy`` computes in a dtype narrower than float32, or in FP8 or INT8."""
+  return policy.compute_dtype.itemsize < 4 or policy.product_format is not None
 
 
 def mark_applied(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
@@ -121,6 +125,21 @@ def applies_policy(fn: Any) -> bool:
   return getattr(fn, _APPLIED_ATTR, None) is not None
 
 
+def default_mechanism(fn: Any, policy: Policy) -> str:
+  """How ``model_policy="auto"`` applies ``policy`` to ``fn``.
+
+  ``"autocast"``: every operation decided by :func:`jmp_train.autocast`,
+  whatever layers the model is built from. Under an FP8 policy with delayed
+  scaling, Flax modules also get their Dense / Conv layers as FP8
+  layers (``"layers+autocast"``): those keep their amax histories in the
+  ``"fp8_meta"`` collection, and autocast runs every product they do not
+  reach in FP8 with current scaling.
+  """
+  if policy.fp8 is not None and policy.fp8.scaling == "delayed":
+    return "layers+autocast"
+  return "autocast"
+
+
 def _autocast(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
   from jmp_train._src.autocast.transform import autocast
 
@@ -132,7 +151,7 @@ def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str) -
   if fn is None or mechanism == "inputs" or applies_policy(fn):
     return fn
   parts = linen_parts(fn)
-  if mechanism == "flax":
+  if mechanism in ("flax", "layers+autocast"):
     if parts is None:
       raise TypeError(
         f"model_policy='flax' applies jmp_train.flax.apply_policy, which needs a "
@@ -143,7 +162,8 @@ def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str) -
     from jmp_train._src.flax import policy as flax_policy
 
     module, args, kwargs = parts
-    return functools.partial(flax_policy.apply_policy(module, policy).apply, *args, **kwargs)
+    applied = functools.partial(flax_policy.apply_policy(module, policy).apply, *args, **kwargs)
+    return applied if mechanism == "flax" else _autocast(applied, policy)
   return _autocast(fn, policy)
 
 
@@ -201,7 +221,7 @@ def audited(
   args: tuple[Any, ...],
   warn: bool,
 ) -> Any:
-  """The model to run: ``model``, or its ``autocast`` fallback; warns on wide products.
+  """``model``, after warning if its products stay wider than the compute dtype.
 
   Args:
     model: the step's model (``train.model.LinenModel`` or ``NnxModel``).
@@ -211,33 +231,28 @@ def audited(
     warn: warn when products stay wider than the compute dtype.
 
   Returns:
-    The model to run: ``model.fallback`` (the same model under
-    :func:`jmp_train.autocast`) when ``model`` leaves products wider than the
-    compute dtype and has a fallback, else ``model``.
+    ``model``.
 
   Warns:
-    UserWarning: with ``warn``, when products of the chosen model still take
+    UserWarning: with ``warn``, when products of the model still take
       operands wider than the compute dtype: how many, where (the first
-      three) and the fixes.
+      three, by the model's source line) and the fixes.
   """
-  if not model.audit or (not warn and model.fallback is None):
+  if not model.audit or not warn:
     return model
   wide = wide_products(_forward_jaxpr(call(model), *args), policy.compute_dtype)
-  if wide and model.fallback is not None:
-    model = model.fallback
-    wide = wide_products(_forward_jaxpr(call(model), *args), policy.compute_dtype)
-  if wide and warn:
+  if wide:
     shown = "; ".join(wide[:3]) + (f"; and {len(wide) - 3} more" if len(wide) > 3 else "")
     warnings.warn(
       f"Under the policy {policy} the model still runs {len(wide)} matrix "
       f"product(s) or convolution(s) with operands wider than "
-      f"{policy.compute_dtype.name}: {shown}. Something inside the model casts to "
-      "float32 (jnp.asarray(x, jnp.float32), .astype(jnp.float32)) or runs a "
-      "custom primitive or custom_vjp rule the policy does not reach. Cast there "
-      "to the compute dtype (or take it from the inputs' dtype), pass "
-      "make_train_step(..., model_policy='autocast'), or, if float32 is meant "
-      "there, wrap the model in jmp_train.flax.apply_policy(..., float32_paths=...) "
-      "yourself (a model that applies a policy itself is not audited).",
+      f"{policy.compute_dtype.name}: {shown}. Such a product sits inside a "
+      "custom_vjp rule, a Pallas kernel or a callback, which autocast runs as traced "
+      "so that its own rule stays valid. Cast its operands to the compute dtype there "
+      "(or take the dtype from the inputs), or, if float32 is meant there, pass "
+      "make_train_step(..., model_policy='inputs') and apply the policy yourself "
+      "(jmp_train.autocast(..., float32_ops=(*DEFAULT_FLOAT32_OPS, 'scope:NAME'))): "
+      "a model that applies a policy itself is not audited.",
       UserWarning,
       stacklevel=2,
     )
@@ -245,5 +260,10 @@ def audited(
 
 
 def autocast_call(module: Any, inputs: Any, policy: Policy) -> Any:
-  """``module(inputs)`` for an NNX module, under :func:`jmp_train.autocast`."""
-  return _autocast(lambda m, x: m(x), policy)(module, inputs)
+  """``module(inputs)`` for an NNX module, under :func:`jmp_train.autocast`.
+
+  ``inputs`` splatted as the module's signature needs (``train.model.call_module``).
+  """
+  from jmp_train._src.train.model import call_module
+
+  return _autocast(call_module, policy)(module, inputs)

@@ -15,10 +15,12 @@ import functools
 import inspect
 import re
 import traceback
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -67,6 +69,32 @@ def _split_batch(batch: Any) -> tuple[Any, Any]:
       f"step(state, (inputs, targets)), e.g. (batch['image'], batch['label'])."
     )
   return batch[0], batch[1]
+
+
+def _leading_sizes(tree: Any) -> set[int]:
+  return {x.shape[0] for x in jax.tree.leaves(tree) if len(getattr(x, "shape", ())) >= 1}
+
+
+def _check_batch_sizes(cfg: StepConfig, inputs: Any, targets: Any) -> None:
+  """Inputs and targets hold as many examples (their leading axes), checked at trace time.
+
+  Only when all of the inputs' leaves agree on one leading size, and all
+  of the targets' leaves on one: a batch may carry other arrays (a table
+  every example shares) whose leading axis is no batch axis.
+
+  Raises:
+    ValueError: naming both sizes and shapes.
+  """
+  sizes_in, sizes_out = _leading_sizes(inputs), _leading_sizes(targets)
+  if len(sizes_in) != 1 or len(sizes_out) != 1 or sizes_in == sizes_out:
+    return
+  where = " on each replica (the share of the batch one device sees)" if cfg.axis_name is not None else ""
+  raise ValueError(
+    f"The batch's inputs hold {sizes_in.pop()} examples but its targets {sizes_out.pop()}{where} "
+    f"(leading axes; inputs {describe(inputs)}, targets {describe(targets)}): a loss of the model's "
+    "outputs against these targets compares the wrong examples or fails. Pass one target per example, "
+    "inputs and targets cut from the same slice of the data."
+  )
 
 
 # First parameter names of a loss that expects the model, its state or its
@@ -119,20 +147,70 @@ def _loss_signature_mismatch(loss_fn: Callable[..., Any], error: Exception, outp
   return None
 
 
+# The errors a loss raises on arguments it cannot use; each is re-raised as
+# its kind, naming what the loss was given.
+_LOSS_ERRORS = (TypeError, ValueError, IndexError, KeyError, AttributeError)
+
+
+def _loss_error(error: Exception, outputs: Any, targets: Any) -> Exception:
+  """``error`` from ``loss_fn(outputs, targets)``, of the same kind, naming the shapes and dtypes it got."""
+  kind = next(k for k in _LOSS_ERRORS if isinstance(error, k))
+  return kind(
+    f"loss_fn(outputs, targets) raised {error_summary(error)}; it was given outputs ({describe(outputs)}) "
+    f"and targets ({describe(targets)}). Check that the targets fit the loss: integer class labels of shape "
+    "(batch,) for optax.softmax_cross_entropy_with_integer_labels (labels[:, 0] for labels of shape "
+    "(batch, 1), labels.astype(jnp.int32) for float ones; one-hot targets go with "
+    "optax.softmax_cross_entropy), the outputs' shape for an elementwise loss."
+  )
+
+
 def _call_loss_fn(cfg: StepConfig, outputs, targets):
   try:
     return cfg.loss_fn(outputs, targets)
   # ValueError: a loss_fn(params, batch) unpacking `x, y = batch` from the targets.
-  except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+  except _LOSS_ERRORS as e:
     why = _loss_signature_mismatch(cfg.loss_fn, e, outputs, targets)
     if why is None:
-      raise
+      raise _loss_error(e, outputs, targets) from e
   raise TypeError(
     f"{_LOSS_SIGNATURE} {why} Pass the model as apply_fn and a loss of its "
     "outputs, e.g. lambda logits, labels: optax.softmax_cross_entropy_with_"
     "integer_labels(logits, labels).mean(), with step(state, (batch['image'], "
     "batch['label']))."
   ) from None
+
+
+def _warn_broadcast(outputs: Any, targets: Any) -> None:
+  """A ``UserWarning`` (at trace time) when outputs and targets broadcast to a larger shape than either.
+
+  Outputs ``(16, 1)`` against targets ``(16,)`` broadcast to ``(16, 16)``:
+  an elementwise loss (``jnp.mean((outputs - targets) ** 2)``) then
+  compares every output with every target, as PyTorch's ``MSELoss`` warns.
+  Shapes that broadcast to one of them (per-example logits ``(16, 10)``
+  with labels ``(16,)`` of 16 classes) are left alone.
+  """
+  if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (outputs, targets)):
+    return
+  o, t = tuple(outputs.shape), tuple(targets.shape)
+  try:
+    both = tuple(np.broadcast_shapes(o, t))
+  except ValueError:
+    return
+  if both in (o, t):
+    return
+  if o == (*t, 1):
+    fix = "jnp.squeeze(outputs, -1), or targets[..., None]"
+  elif t == (*o, 1):
+    fix = "jnp.squeeze(targets, -1)"
+  else:
+    fix = "targets.reshape(outputs.shape)"
+  warnings.warn(
+    f"loss_fn gets outputs of shape {o} and targets of shape {t}, which broadcast to {both}: an "
+    "elementwise loss such as jnp.mean((outputs - targets) ** 2) then compares every output with every "
+    f"target, not each with its own. Give them the same shape, e.g. {fix}, in the loss or in the batch.",
+    UserWarning,
+    stacklevel=2,
+  )
 
 
 def _loss(cfg: StepConfig, outputs, targets):
@@ -144,7 +222,9 @@ def _loss(cfg: StepConfig, outputs, targets):
       ``has_aux`` or no ``(loss, aux dict)`` with it.
     ValueError: if the loss is not a scalar.
   """
-  result = _call_loss_fn(cfg, cfg.policy.cast_to_output(outputs), targets)
+  outputs = cfg.policy.cast_to_output(outputs)
+  _warn_broadcast(outputs, targets)
+  result = _call_loss_fn(cfg, outputs, targets)
   if cfg.has_aux:
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
       raise TypeError(f"With has_aux=True, loss_fn must return (loss, aux), got {describe(result)}.")
@@ -366,6 +446,7 @@ def _mean(cfg: StepConfig, x):
 def train_step(cfg: StepConfig, state: TrainState, batch):
   """One step on one replica: ``(state, metrics)``."""
   inputs, targets = _split_batch(batch)
+  _check_batch_sizes(cfg, inputs, targets)
   loss, aux, model_state, grads, scale = _gradients(cfg, state, inputs, targets)
   grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / scale
   params, opt_state, model_state, new_scale, skipped, consecutive = _update(cfg, state, grads, model_state)
@@ -388,6 +469,7 @@ def train_step(cfg: StepConfig, state: TrainState, batch):
 
 def eval_step(cfg: StepConfig, state: TrainState, batch):
   inputs, targets = _split_batch(batch)
+  _check_batch_sizes(cfg, inputs, targets)
   params = cfg.policy.cast_to_compute(state.params) if cfg.cast_params else state.params
   inputs = cfg.policy.cast_to_compute(inputs)
 

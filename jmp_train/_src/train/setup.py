@@ -63,7 +63,7 @@ def _check_optimizer_slot(optimizer: Any, compression: Any) -> None:
   """A transformation that averages local gradients itself belongs in ``compression``."""
   if isinstance(optimizer, ReplicaOptimizer):
     raise TypeError(
-      "optimizer is a complete optimizer on local gradients (one_bit_adam or "
+      "optimizer is a complete optimizer on local gradients (diloco, one_bit_adam or "
       "one_bit_momentum) that averages them across replicas itself: pass it as "
       "compression=, with optimizer=None, e.g. make_train_step(apply_fn, loss_fn, None, "
       "compression=one_bit_adam(...), mode='shard_map')."
@@ -75,6 +75,17 @@ def _check_optimizer_slot(optimizer: Any, compression: Any) -> None:
       "learning rate: pass it as compression=, and an optax optimizer as optimizer="
       ", e.g. make_train_step(apply_fn, loss_fn, optax.sgd(0.1), "
       "compression=sign_compression('batch'), mode='shard_map')."
+    )
+  if isinstance(compression, ReplicaOptimizer) and optimizer is not None:
+    # chain(compression, optimizer) would run the optimizer on the complete
+    # optimizer's updates: a second Adam on DiLoCo's steps, say.
+    raise TypeError(
+      "compression is a complete optimizer on local gradients (diloco, one_bit_adam or "
+      "one_bit_momentum) whose output is the parameter update itself, but optimizer= "
+      f"was also given ({_describe(optimizer)}): the step would run it on those updates. "
+      "Pass optimizer=None, e.g. make_train_step(apply_fn, loss_fn, None, "
+      "compression=diloco(optax.adamw(1e-3), axis_name='batch'), mode='shard_map'); "
+      "the inner optimizer goes inside it (diloco's inner=, one_bit_adam's own learning_rate)."
     )
 
 

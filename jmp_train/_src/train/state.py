@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Callable
 
 import jax
@@ -20,9 +21,22 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmp_train._src import pytrees
+from jmp_train._src.leaf_checks import non_finite_leaves
+from jmp_train._src.messages import error_summary
 from jmp_train._src.policy.policy import Policy
 
 __all__ = ["TrainState", "TrainStep", "tree_bytes"]
+
+# JAX's errors for a deleted (donated) input: "Array has been deleted",
+# "Buffer has been deleted or donated".
+_DELETED = re.compile(r"delete|donat", re.IGNORECASE)
+# A collective of a multi-process step whose peers are gone: gloo's "Connection
+# closed by peer", NCCL's, the coordination service's UNAVAILABLE or timeouts.
+_LOST_PEER = re.compile(
+  r"gloo|nccl|connection (closed|reset|refused)|socket closed|broken pipe|unavailable|deadline_exceeded|heartbeat"
+  r"|coordination service",
+  re.IGNORECASE,
+)
 
 
 @pytrees.register_pytree_dataclass
@@ -85,6 +99,34 @@ def tree_bytes(tree: Any) -> int:
   )
 
 
+def _check_finite(params: Any, cast: str) -> None:
+  """Names the parameters that hold inf or NaN (a host check, once, at ``init``).
+
+  A non-finite parameter makes the loss and every gradient NaN: in float32
+  the weights fill with NaN, and under a dynamic loss scale every step is
+  skipped for ever, visible only in a metric.
+
+  Raises:
+    ValueError: naming up to three such leaves and the fix.
+  """
+  found = non_finite_leaves(params)
+  if not found:
+    return
+  named = ", ".join(f"params{path} ({bad} of {size})" for path, bad, size in found[:3])
+  more = f" and {len(found) - 3} more leaves" if len(found) > 3 else ""
+  fix = (
+    "values beyond the dtype's range overflow to inf: scale them down, or keep float32 parameters "
+    "(a 'mixed_float16' or 'mixed_bfloat16' policy)"
+    if cast
+    else "start from finite values: check the initialiser, or the checkpoint or arrays they came from"
+  )
+  raise ValueError(
+    f"step.init got parameters that are not finite{cast}: inf or NaN in {named}{more}. "
+    "A non-finite parameter makes the loss and every gradient NaN (under a dynamic loss scale "
+    f"every step would be skipped for ever): {fix}."
+  )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainStep:
   """A compiled train step, with the helpers that lay out its inputs.
@@ -123,12 +165,16 @@ class TrainStep:
         of one entry per local device; ``shard_map``: a leading axis that
         divides among the mesh's devices, and device arrays in a
         multi-process run); each names :meth:`shard_batch`.
+      RuntimeError: in a multi-process run, if a collective of the step
+        lost the other processes (one died or stopped, or this one was
+        paused past ``jax.distributed``'s heartbeat timeout), naming this
+        process and JAX's error (chained): the job must restart.
     """
     self._check_inputs(state, batch, "step")
     try:
       return self._step(state, batch)
-    except (ValueError, RuntimeError):
-      self._check_not_donated(state, "step", every_leaf=True)
+    except (ValueError, RuntimeError) as e:
+      self._explain_failure(e, state, "step")
       raise
 
   def evaluate(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
@@ -141,8 +187,8 @@ class TrainStep:
     self._check_inputs(state, batch, "step.evaluate")
     try:
       return self._eval(state, batch)
-    except (ValueError, RuntimeError):
-      self._check_not_donated(state, "step.evaluate", every_leaf=True)
+    except (ValueError, RuntimeError) as e:
+      self._explain_failure(e, state, "step.evaluate")
       raise
 
   def _check_inputs(self, state: Any, batch: Any, call: str) -> None:
@@ -167,6 +213,25 @@ class TrainStep:
           f"out for it: {problem}. Pass step.shard_batch(batch), which lays out this "
           "process's examples for the mode."
         )
+
+  def _explain_failure(self, error: Exception, state: Any, call: str) -> None:
+    """Raises what made the compiled ``call`` fail, where JAX's error hides it.
+
+    Only an error about deleted buffers can come from a donated state: a
+    failure inside the step (a peer lost mid-collective) also leaves the
+    donated input deleted, and must not be blamed on it.
+    """
+    if jax.process_count() > 1 and _LOST_PEER.search(str(error)):
+      raise RuntimeError(
+        f"{call}(state, batch) failed in process {jax.process_index()} of {jax.process_count()}: "
+        f"a collective lost the other processes ({error_summary(error)}). Another process of the "
+        "job has died or stopped, or this one was paused (SIGSTOP, a debugger, a suspended job) "
+        "for longer than jax.distributed's heartbeat timeout, and the job's coordination service "
+        "has given it up. The job cannot go on: restart every process, from the latest checkpoint "
+        "(jmp_train.restore_latest_checkpoint)."
+      ) from error
+    if _DELETED.search(str(error)):
+      self._check_not_donated(state, call, every_leaf=True)
 
   @staticmethod
   def _check_not_donated(state: Any, call: str, every_leaf: bool) -> None:
@@ -237,9 +302,19 @@ class TrainStep:
     Returns:
       The state: plain arrays in ``"single"`` mode; one copy per device (a
       leading device axis) in ``"pmap"`` and ``"shard_map"`` modes.
+
+    Raises:
+      ValueError: if a parameter holds inf or NaN, as given or once cast to
+        ``policy.param_dtype`` (a float32 value beyond float16's 65504),
+        naming its path (checked once, on the host).
     """
     params, model_state = self._model.initial(params, model_state, inputs, self.axis_name)
-    params = self.policy.cast_to_param(params)
+    _check_finite(params, "")
+    stored = self.policy.cast_to_param(params)
+    dtypes = lambda tree: [getattr(x, "dtype", None) for x in jax.tree.leaves(tree)]
+    if dtypes(stored) != dtypes(params):  # a narrower dtype can overflow
+      _check_finite(stored, f" once cast to the policy's param_dtype {jnp.dtype(self.policy.param_dtype).name}")
+    params = stored
     if isinstance(rng, int):
       rng = jax.random.PRNGKey(rng)
     elif rng is not None and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):

@@ -127,32 +127,35 @@ def make_train_step(
     mesh: the ``shard_map`` mesh; default a 1-D mesh of ``jax.devices()``
       named ``axis_name``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    model_policy: how the policy reaches the model's matrix products and
-      convolutions, whatever dtype its layers declare (Flax's example models
-      declare ``dtype=jnp.float32`` on every layer, which a cast of the
-      inputs alone would leave in float32). Under a policy that computes in
-      float32 nothing is applied. ``"auto"`` (default): a
-      ``flax.linen.Module``, its ``apply``, or a ``functools.partial`` of its
-      ``apply`` (and the same for ``eval_apply_fn``) runs under
-      :func:`jmp_train.flax.apply_policy` (norms in float32, attention's
-      softmax in float32, FP8 products under an FP8 policy); an
-      ``nnx.Module`` gets the policy's layer fields in a copy (the same
-      ``nnx.Param`` paths; :meth:`TrainStep.to_nnx` returns the caller's
-      module class and fields); any other callable runs with its parameters
-      and inputs cast, and under :func:`jmp_train.autocast` if a product is
-      still wider than the compute dtype. ``"flax"``:
-      :func:`jmp_train.flax.apply_policy` (Flax modules only);
-      ``"autocast"``: :func:`jmp_train.autocast`, for any model;
+    model_policy: how the policy reaches the model's operations, whatever
+      layers the model is built from and whatever dtype they declare (Flax's
+      example models declare ``dtype=jnp.float32`` on every layer, which a
+      cast of the inputs alone would leave in float32). Under a policy that
+      computes in float32 nothing is applied. ``"auto"`` (default): the
+      model (a ``flax.linen.Module``, its ``apply`` or a
+      ``functools.partial`` of it, an ``nnx.Module``, any callable; the same
+      for ``eval_apply_fn``) runs under :func:`jmp_train.autocast`, which
+      decides each operation: matrix products and convolutions in the
+      compute dtype, exp, log, softmax, norm statistics, sums and embedding
+      gradients in float32, forward and backward; under an FP8 policy every
+      weight product in FP8 (Flax's Dense / Conv layers as FP8
+      layers with delayed scaling, the others with current scaling).
+      ``"flax"``: :func:`jmp_train.flax.apply_policy`, the Flax layers'
+      fields (Flax modules only; :meth:`TrainStep.to_nnx` returns the
+      caller's module class and fields); ``"autocast"``:
+      :func:`jmp_train.autocast` alone, FP8 products with current scaling;
       ``"inputs"``: parameters and inputs cast, nothing else (the layers'
       declared dtypes win). A model that applies a policy itself (made with
       :func:`jmp_train.flax.apply_policy` or :func:`jmp_train.autocast`) is
       used as is. At the first trace the forward pass is checked (except
       with ``"inputs"`` or a model that applies a policy itself), and a
-      ``UserWarning`` names the products still wider than the compute dtype.
+      ``UserWarning`` names the products still wider than the compute dtype
+      (inside a ``custom_vjp`` rule or a kernel, which autocast runs as
+      traced).
     cast_params: cast parameters to the compute dtype before ``apply_fn``
       (the jmp way). Default (``None``): ``True`` when the model receives its
       parameters as stored (``model_policy="inputs"``, a model that applies
-      a policy itself, or a plain function under ``"auto"``), ``False`` when
+      a policy itself), ``False`` when
       the step applies the policy inside the model (which keeps batch-norm
       parameters in float32, and sums an embedding table's gradient in
       float32: a table cast up front is gathered in the compute dtype, so
@@ -213,7 +216,9 @@ def make_train_step(
       (a string, or a factory such as ``optax.sgd`` instead of
       ``optax.sgd(0.1)``); if ``optimizer`` averages local gradients itself
       (``one_bit_adam``, ``one_bit_momentum``, ``sign_compression``,
-      ``compressed_mean``: pass it as ``compression``); at the first step, if
+      ``compressed_mean``: pass it as ``compression``), or ``compression``
+      is a complete optimizer (``diloco``, ``one_bit_adam``,
+      ``one_bit_momentum``) and ``optimizer`` is not ``None``; at the first step, if
       the batch is not a tuple ``(inputs, targets)``, a parameter is not
       floating (its path named), ``loss_fn`` does not take ``(outputs,
       targets)`` (a Flax-tutorial ``loss_fn(model, batch)``), or it returns a
@@ -226,7 +231,8 @@ def make_train_step(
       ``has_aux``, ``cast_params`` or ``donate``, ``rng_collections`` that
       are not a sequence of names, a ``compression`` without a
       data-parallel mode, or a ``mesh`` that lacks ``axis_name``; at the
-      first step, for a loss (or ``regularizer`` value) that is not a scalar,
+      first step, for inputs and targets of different leading sizes, for a
+      loss (or ``regularizer`` value) that is not a scalar,
       a model that reads a collection ``model_state`` does not hold (naming
       ``step.init(params, model_state={"batch_stats": ...})``, or
       ``inputs=`` for FP8 scaling state), a model whose collectives name an
@@ -259,7 +265,9 @@ def make_train_step(
       narrow-weights rule in ``optimizer`` (updates below about
       ``|w|·2^-11`` round away: chain :func:`jmp_train.stochastic_rounding`
       or :func:`jmp_train.kahan_compensation`, use
-      :func:`jmp_train.modified_momentum_sgd`, or keep float32 parameters).
+      :func:`jmp_train.modified_momentum_sgd`, or keep float32 parameters);
+      at the first trace, for outputs and targets that broadcast to a larger
+      shape than either (``(16, 1)`` against ``(16,)``).
 
   References:
     Micikevicius et al., "Mixed Precision Training", ICLR 2018.
