@@ -242,9 +242,12 @@ def test_mixed_int8_reaches_products_per_operation_and_apply_policy_refuses_it()
   text = step.lower(state, BATCH).as_text()
   products = _mlir_findings(text, "bf16")["products"]
   # Every forward weight product on int8 operands (q, kv, o, up, down per
-  # block, and the tied head); the backward pass and attention in bfloat16.
+  # block, and the tied head); attention and the backward pass in the compute
+  # dtype (float32 operands for the backward on XLA:CPU, which refuses some
+  # bf16 x bf16 -> f32 products).
   assert products.count("i8 x i8") == 5 * ulm.LAYERS + 1, products
-  assert set(products) == {"i8 x i8", "bf16 x bf16"}, products
+  assert products.count("bf16 x bf16") >= 2 * ulm.LAYERS, products
+  assert set(products) <= {"i8 x i8", "bf16 x bf16", "f32 x f32"}, products
   with pytest.raises(ValueError, match="no Flax layer runs int8 products.*autocast"):
     jmp_train.flax.apply_policy(ulm.LinenUserLayersLM(), "mixed_int8")
 
