@@ -396,9 +396,7 @@ def module_scopes(nnx: Any, nodes: Sequence[Any]):
     return call
 
   for cls in classes:
-    original = cls.__dict__.get("__call__") or next(
-      (c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None
-    )
+    original = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
     if original is None:
       continue
     patched.append((cls, cls.__dict__.get("__call__")))

@@ -271,8 +271,10 @@ def call_module(module: Any, inputs: Any) -> Any:
     TypeError: if the signature accepts none of them, naming it and the
       convention.
   """
+  from jmp_train._src.flax import nnx_modules
+
   # A policy wrapper takes what its module takes.
-  inner = getattr(module, "module", None) if type(module).__name__ == "NNXPolicyWrapper" else None
+  inner = module.module if isinstance(module, nnx_modules.NNXPolicyWrapper) else None
   try:
     signature = inspect.signature((inner or module).__call__)
   except (TypeError, ValueError):  # no signature to read: called as given

@@ -15,7 +15,7 @@ products instead (``model_policy``):
   under an FP8 policy), exp, log, softmax, normalization statistics and
   reductions in float32, parameter gradients summed in the parameters'
   dtype. Under an FP8 policy with delayed scaling, a Flax module's own Dense
-  / Conv / Einsum layers also become FP8 layers that keep their amax
+  / Conv layers also become FP8 layers that keep their amax
   histories (``"fp8_meta"``); autocast runs the other products in FP8 with
   current scaling;
 * ``"flax"``: :func:`jmp_train.flax.apply_policy` (Flax modules only);
