@@ -10,6 +10,10 @@ per window), each trained in float32 (Adam, cosine decay), then:
   channel; embedding tables one per row; activations with one static scale
   per tensor) calibrated by :func:`jmp_train.int8.calibrate` with each
   method on the same 4 training batches; ``best_ptq`` is the best of them;
+* ``ptq_smoothquant``: the same with SmoothQuant (``smoothquant=0.5``: each
+  dense product's activation divided per input channel by factors folded
+  into its weight), calibrated by ``best_ptq``'s method (not one of
+  ``best_ptq``'s candidates);
 * ``qat``: ``"mixed_int8"`` fine-tuning of the float32 weights for 10% of the
   float run's steps (a tenth of its peak learning rate), then PTQ with the
   best method;
@@ -60,6 +64,7 @@ COLUMNS = ("model", "variant", "metric", "value", "vs_float32", "target", "met",
 _CALIBRATION_BATCHES = 4
 _METHODS = (("max", {}), ("percentile", {"percentile": 99.99}), ("entropy", {}), ("mse", {}))
 _QWIX_METHODS = ("absmax", "minmax")
+_SMOOTHQUANT_ALPHA = 0.5
 
 
 class _Task:
@@ -332,6 +337,22 @@ def _run_task(task: _Task, quick: bool, tmp: pathlib.Path) -> list[dict[str, Any
       target=f"drop <= {tol['ptq']:g}",
       met=_drop(task, best_value, ref) <= tol["ptq"],
       note=best,
+    )
+  )
+
+  # SmoothQuant with the best method.
+  start = time.perf_counter()
+  sq_cal = int8.calibrate(apply_fn, params, task.calib, best, smoothquant=_SMOOTHQUANT_ALPHA, **dict(_METHODS)[best])
+  sq_value = task.score(int8.quantize(apply_fn, params, sq_cal)(test_x))
+  records.append(
+    _record(
+      task,
+      "ptq_smoothquant",
+      sq_value,
+      ref,
+      seconds=time.perf_counter() - start,
+      note=f"alpha {_SMOOTHQUANT_ALPHA:g}, {best} calibration; {len(sq_cal.smoothing)} of "
+      f"{len(sq_cal.scales)} products smoothed",
     )
   )
 

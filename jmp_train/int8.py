@@ -10,7 +10,8 @@ Reached as ``jmp_train.int8`` after ``import jmp_train``.
   scales, the straight-through estimator backward;
   :func:`int8_quantize`, :func:`int8_scale`: the codes and the scale.
 * :func:`calibrate` (:class:`Calibration`): static activation scales per
-  weight product, by ``"max"``, ``"percentile"``, ``"entropy"`` or ``"mse"``.
+  weight product, by ``"max"``, ``"percentile"``, ``"entropy"`` or ``"mse"``;
+  ``smoothquant=alpha`` adds SmoothQuant's per-channel smoothing.
 * :func:`quantize` (:class:`QuantizedModel`, :class:`Int8Weight`): int8
   weights per channel, products on int8 codes with the static scales.
 * :func:`sensitivity` (:class:`Sensitivity`): each weight product quantized

@@ -56,7 +56,7 @@ def _built(kind: str, policy: str):
     step = jmp_train.make_train_step(ulm.LinenUserLayersLM(), _loss, optax.adam(1e-3), **kwargs)
     return step, step.init(_linen_variables()["params"], inputs=BATCH[0])
   step = jmp_train.make_train_step(ulm.NnxUserLayersLM(nnx.Rngs(0)), _loss, optax.adam(1e-3), **kwargs)
-  return step, step.init()
+  return step, step.init(inputs=BATCH[0])
 
 
 @functools.cache
@@ -161,6 +161,79 @@ def test_fp8_reaches_every_weight_product_of_layers_of_its_own(kind):
   assert len(found) - len(fp8) == 6 * ulm.LAYERS, found
   assert len(report.not_fp8) == 6 * ulm.LAYERS, str(report)
   assert all(p.lhs_dtype == jnp.bfloat16 and p.rhs_dtype == jnp.bfloat16 for p in report.not_fp8), str(report)
+
+
+def _site_states(kind: str, state) -> dict:
+  """The FP8 site states of a step's state (arrays), by site name."""
+  if kind == "nnx":
+    return nnx.to_pure_dict(state.model_state["autocast_sites"])
+  return state.model_state["fp8_meta"]["autocast_sites"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_products_keep_delayed_scaling_state_by_site(kind):
+  # Transformer Engine's delayed scaling for every FP8 product, whatever layer
+  # it sits in: nnx.Einsum projections, einsums of parameters, the tied head.
+  step, state = _built(kind, "mixed_float8")
+  states = _site_states(kind, state)
+  fp8 = [p for p in _mlir_findings(step.lower(state, BATCH).as_text(), "bf16")["products"] if p.startswith("f8")]
+  assert 3 * len(states) == len(fp8), (sorted(states), len(fp8))  # forward and both gradients, each site
+  assert all(not np.any(np.asarray(v)) for s in states.values() for k, v in s.items() if "history" in k)
+  state = jax.tree.map(jnp.copy, state)  # the step donates its state; _built's is shared
+  if kind == "nnx":
+    kernel = np.asarray(state.params["blocks"][0]["down"]["kernel"])
+  else:
+    kernel = np.asarray(state.params["Block_0"]["Dense_1"]["kernel"])
+  new_state, metrics = step(state, BATCH)
+  assert np.isfinite(float(metrics["loss"]))
+  new = _site_states(kind, new_state)
+  assert sorted(new) == sorted(states)
+  for name, s in new.items():
+    for operand in ("input", "kernel", "output_grad"):
+      history = np.asarray(s[f"{operand}_amax_history"])
+      assert history[0] > 0 and not np.any(history[1:]), (name, operand, history)
+  # The kernel's amax is the weight's own (bfloat16) max |w| before the step.
+  (site,) = [n for n in new if n.startswith("blocks/0/down/") or "Block_0/Dense_1/" in n]
+  expected = np.max(np.abs(np.asarray(jnp.asarray(kernel, jnp.bfloat16), np.float32)))
+  assert float(new[site]["kernel_amax_history"][0]) == expected
+
+
+def _scanned_stack(variables, x):
+  """A plain function: an input projection, a scanned stack of layers, a head."""
+  p = variables["params"]
+  h = x @ p["w_in"]
+  h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["stack"])
+  return h @ p["head"]
+
+
+def _mse(outputs, targets):
+  return jnp.mean(jnp.square(outputs.astype(jnp.float32) - targets))
+
+
+def test_fp8_sites_in_a_scan_keep_current_scaling_and_replicas_agree_on_the_rest():
+  rng = np.random.default_rng(0)
+  params = {
+    "w_in": jnp.asarray(rng.normal(size=(16, 32)) / 4, jnp.float32),
+    "stack": jnp.asarray(rng.normal(size=(3, 32, 32)) / 6, jnp.float32),
+    "head": jnp.asarray(rng.normal(size=(32, 4)) / 6, jnp.float32),
+  }
+  # Each replica's share of the batch has its own max |x|.
+  x = (rng.normal(size=(16, 16)) * np.arange(1, 17)[:, None]).astype(np.float32)
+  batch = (x, np.zeros((16, 4), np.float32))
+  step = jmp_train.make_train_step(_scanned_stack, _mse, optax.sgd(0.1), policy="mixed_float8", mode="shard_map")
+  with pytest.raises(ValueError, match=r"inputs="):
+    step.init(params)
+  state = step.init(params, inputs=x[:2])
+  states = state.model_state["fp8_meta"]["autocast_sites"]
+  # The two products outside the loop keep a state; the scanned one none.
+  assert len(states) == 2 and not any("scan" in n for n in states), sorted(states)
+  report = diag.fp8_products(step, state, step.shard_batch(batch))
+  assert report.products and not report.not_fp8, str(report)
+  state, _ = step(state, step.shard_batch(batch))
+  first = step.unreplicate(state.model_state)["fp8_meta"]["autocast_sites"][min(states)]
+  # The global batch's max |x| (in bfloat16), whichever replica saw it.
+  expected = np.max(np.abs(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)))
+  assert float(np.asarray(first["input_amax_history"])[0]) == expected
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -8,8 +8,8 @@ half-precision operands, for linen modules (``functools.partial(model.apply,
 train=True)``) and NNX modules (the module itself), with synchronized
 BatchNorm, ``nn.scan``/``nnx.scan`` over remat blocks, tied embeddings and
 dropout (the corpus: ``helpers/corpus_models.py``). Each model also trains under
-a narrow policy (float16 for two, bfloat16 for the other two) about as well
-as under float32, from the same start on the same batches. ``model_policy="inputs"`` keeps the old behaviour.
+``mixed_bfloat16``, ``mixed_float16`` and ``mixed_float8`` about as well as
+under float32, from the same start on the same batches. ``model_policy="inputs"`` keeps the old behaviour.
 """
 
 from __future__ import annotations
@@ -103,10 +103,12 @@ def _step(name: str, policy: str, model_policy: str | None = None):
 def _build(name: str, policy: str, model_policy: str | None = None):
   """``(step, a fresh initial state)``: the state's buffers are donated by a step."""
   step = _step(name, policy, model_policy)
+  # Example inputs: under mixed_float8 the step finds the FP8 products on them.
+  inputs = _batches(name)[0][0]
   if corpus.CORPUS[name].kind == "linen":
     _, params, model_state = _initial(name)
-    return step, step.init(params, model_state=model_state or None, rng=0)
-  return step, step.init(nnx.merge(*_initial(name)))
+    return step, step.init(params, model_state=model_state or None, rng=0, inputs=inputs)
+  return step, step.init(nnx.merge(*_initial(name)), inputs=inputs)
 
 
 # ---------------------------------------------------------------------------
@@ -171,9 +173,10 @@ def _train(step, state, name: str):
   return state, np.array(losses)
 
 
-# One test per model runs float32 and both narrow policies (float16 with its
-# dynamic loss scale): the float32 run (a compilation) is then shared for
-# certain, also when pytest-xdist spreads the tests over processes.
+# One test per model runs float32 and the narrow policies (float16 with its
+# dynamic loss scale; FP8 with a delayed scaling state per product site): the
+# float32 run (a compilation) is then shared for certain, also when
+# pytest-xdist spreads the tests over processes.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_default_step_trains_like_float32(name):
@@ -181,7 +184,7 @@ def test_default_step_trains_like_float32(name):
   _, reference = _train(step, state, name)
   # The model itself trains: what the narrow runs are held to.
   assert np.all(np.isfinite(reference)) and reference[-1] < reference[0], reference
-  for policy in NARROW:
+  for policy in (*NARROW, "mixed_float8"):
     step, state = _build(name, policy)
     state, losses = _train(step, state, name)
     # Same initialisation, same batches, same dropout keys: the runs differ
@@ -227,11 +230,6 @@ def test_precision_audit_of_the_default_step_finds_nothing(name):
 
 @pytest.mark.parametrize("name", ["linen_resnet", "nnx_convnet"])
 def test_mixed_float8_runs_every_convolution_and_matmul_of_a_convnet_in_fp8(name):
-  step = _step(name, "mixed_float8")
-  if corpus.CORPUS[name].kind == "linen":  # the FP8 layers' scaling state, made from example inputs
-    _, params, model_state = _initial(name)
-    state = step.init(params, model_state=model_state or None, rng=0, inputs=_batches(name)[0][0])
-  else:
-    state = step.init(nnx.merge(*_initial(name)))
+  step, state = _build(name, "mixed_float8")
   report = diag.fp8_products(step, state, step.shard_batch(_batches(name)[0]))
   assert len(report.products) >= MIN_PRODUCTS and not report.not_fp8, str(report)

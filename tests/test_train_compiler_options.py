@@ -94,5 +94,5 @@ def test_pmap_keeps_xla_flags_without_options():
   # No options given: pmap compiles as before (the default options are empty on CPU).
   step = jmp_train.make_train_step(_apply, _loss, optax.sgd(0.1), mode="pmap", policy="mixed_float8")
   n = jax.local_device_count()
-  state, metrics = step(step.init(_params()), step.shard_batch(_batch(8 * n)))
+  state, metrics = step(step.init(_params(), inputs=_batch()[0]), step.shard_batch(_batch(8 * n)))
   assert np.isfinite(float(metrics["loss"]))

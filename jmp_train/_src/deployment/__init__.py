@@ -5,6 +5,8 @@
 * ``quantized``: :func:`~jmp_train.int8.quantize`, int8 weights per channel
   and products on int8 codes with the static scales.
 * ``rules``: ``keep=`` rules, the weight products left in high precision.
+* ``smoothquant``: SmoothQuant's per-channel factors (``calibrate(...,
+  smoothquant=alpha)``), folded into the weights by ``quantize``.
 * ``sensitivity``: :func:`~jmp_train.int8.sensitivity`, each product
   quantized alone, and those to keep for a target.
 * ``report``: :func:`~jmp_train.int8.quantization_report`, per product the

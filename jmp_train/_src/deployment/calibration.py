@@ -20,11 +20,22 @@ statistics:
 
 The scale is :math:`\Delta = T / 127`.
 
+With ``smoothquant=alpha`` (SmoothQuant), the first pass also takes each
+``dot_general`` site's amax per input channel, the smoothing factors
+:math:`s` follow (``jmp_train._src.deployment.smoothquant``), and the
+statistics above are those of the smoothed activation :math:`X/s`: its amax
+from the per-channel ones, its histogram over :math:`X/s` in the second
+pass.
+
 References:
   Migacz, "8-bit Inference with TensorRT", GTC 2017.
 
   Wu et al., "Integer Quantization for Deep Learning Inference: Principles
   and Empirical Evaluation", 2020. https://arxiv.org/abs/2004.09602
+
+  Xiao et al., "SmoothQuant: Accurate and Efficient Post-Training
+  Quantization for Large Language Models", ICML 2023.
+  https://arxiv.org/abs/2211.10438
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import numpy as np
 
 from jmp_train._src.autocast import scaled
 from jmp_train._src.deployment import rules as keep_rules
+from jmp_train._src.deployment import smoothquant as smooth_lib
 from jmp_train._src.int8.recipe import Int8Recipe
 
 __all__ = ["CALIBRATION_METHODS", "Calibration", "calibrate", "observe", "site_table"]
@@ -54,10 +66,16 @@ class Calibration(NamedTuple):
     method: the calibration method.
     thresholds: site name -> the clip threshold :math:`T` (a float).
     scales: site name -> the scale :math:`\\Delta = T/127` (a float).
-    amax: site name -> the largest :math:`|x|` seen.
+    amax: site name -> the largest :math:`|x|` seen (of :math:`X/s` at a smoothed site).
     inputs: the shapes and dtypes of a batch (``jax.ShapeDtypeStruct``
       leaves), to trace the function with.
     kept: the sites kept in high precision (``keep=``), which have no scale.
+    smoothquant: SmoothQuant's migration strength :math:`\\alpha`, or ``None``
+      (no smoothing).
+    smoothing: site name -> its smoothing factors :math:`s` (float32, one per
+      input channel, in the order of the activation's contracting axes), for
+      the smoothed sites; their thresholds, scales and amax are those of
+      :math:`X/s`.
   """
 
   method: str
@@ -66,6 +84,8 @@ class Calibration(NamedTuple):
   amax: dict[str, float]
   inputs: Any = None
   kept: tuple[str, ...] = ()
+  smoothquant: float | None = None
+  smoothing: dict[str, np.ndarray] = {}
 
 
 def float_policy():
@@ -116,6 +136,44 @@ def site_table(apply_fn: Callable[..., Any], params: Any, inputs: Any) -> dict[s
 
   jax.eval_shape(run, params, inputs)
   return table
+
+
+class Smoothable(NamedTuple):
+  """A site SmoothQuant can smooth: the axes it contracts and its weight's leaf."""
+
+  activation_axes: tuple[int, ...]
+  weight_axes: tuple[int, ...]
+  leaf: int  # the weight's index in the params' leaves
+
+
+def smoothable_sites(apply_fn: Callable[..., Any], params: Any, inputs: Any, kept=frozenset()) -> dict[str, Smoothable]:
+  """The sites SmoothQuant can smooth: ``dot_general`` without batch axes, not kept, whose weight is
+  a parameter leaf used as stored by that product alone (no other equation reads it)."""
+  from jmp_train._src.autocast.transform import autocast
+
+  leaves, treedef = jax.tree.flatten(params)
+  found: dict[str, Smoothable] = {}
+  by_leaf: dict[int, int] = {}
+
+  def traced(flat, x):
+    ids = {id(leaf): i for i, leaf in enumerate(flat)}
+
+    def hook(site, vals, policy):
+      del policy
+      i = ids.get(id(vals[site.weight]))
+      if i is not None:
+        by_leaf[i] = by_leaf.get(i, 0) + 1
+        axes = smooth_lib.axes_of(site)
+        if axes is not None and site.name not in kept:
+          found[site.name] = Smoothable(*axes, i)
+      return bind(site, vals)
+
+    with scaled.hooked(hook):
+      return autocast(apply_fn, float_policy())(jax.tree.unflatten(treedef, flat), x)
+
+  jax.make_jaxpr(traced)(leaves, inputs)
+  uses = smooth_lib.leaf_uses(apply_fn, params, inputs)
+  return {s: v for s, v in found.items() if by_leaf[v.leaf] == 1 and uses[v.leaf] == 1}
 
 
 def _amax_stats(site, x):
@@ -208,6 +266,7 @@ def calibrate(
   *,
   percentile: float = 99.99,
   keep: Any = None,
+  smoothquant: float | None = None,
 ) -> Calibration:
   r"""Static activation scales for every weight product of ``apply_fn``.
 
@@ -219,6 +278,24 @@ def calibrate(
   activation operand's statistics give a clip threshold :math:`T` by
   ``method``, and the scale :math:`\Delta = T/127` that
   :func:`~jmp_train.int8.quantize` quantizes the activation with.
+
+  With ``smoothquant=alpha`` (SmoothQuant), each ``dot_general`` site whose
+  weight is a parameter used as stored by that product alone is smoothed:
+  per input channel :math:`j` (the weight's contracting axis),
+
+  .. math::
+
+    s_j = \frac{\max |X_j|^{\alpha}}{\max |W_j|^{1-\alpha}}
+
+  (:math:`s_j = 1` where either maximum is 0), the activation's amax per
+  channel taken over the batches and every axis but the contracting one.
+  :func:`~jmp_train.int8.quantize` folds :math:`s` into the weight,
+  :math:`W' = \mathrm{diag}(s) W`, and the model multiplies the activation
+  by :math:`1/s` before quantizing it, so :math:`X' W' = X W` in float; the
+  site's threshold is that of :math:`X' = X/s` (by ``method``). A larger
+  :math:`\alpha` moves more of the activation's range into the weight.
+  Convolutions, products with batch axes and shared weights are left
+  unsmoothed.
 
   Args:
     apply_fn: the function, ``apply_fn(params, batch)``.
@@ -232,6 +309,9 @@ def calibrate(
       leaves their products and weights in float32): a site name, a glob
       over site names, or a glob naming a scope the product runs in (a
       module's path such as ``"head"``), or a sequence of them.
+    smoothquant: SmoothQuant's migration strength :math:`\alpha` in
+      :math:`[0, 1]` (0.5, the paper's default, suits most Transformers), or
+      ``None`` (the default) for no smoothing.
 
   Returns:
     A :class:`~jmp_train.int8.Calibration`.
@@ -240,7 +320,9 @@ def calibrate(
     ValueError: for an unknown method, a percentile outside (0, 100), no
       batches, a batch with a non-finite activation (naming the batch's
       index and the site), a function with no weight product, or a
-      ``keep`` rule that matches no site (listing the sites).
+      ``keep`` rule that matches no site (listing the sites), a
+      ``smoothquant`` outside [0, 1], or a ``smoothquant`` with no site to
+      smooth.
     TypeError: for a ``keep`` that is not strings.
 
   Examples:
@@ -253,13 +335,26 @@ def calibrate(
     >>> calibrate(mlp, p, [jnp.ones((3, 4))], "entropy").method
     'entropy'
 
+    SmoothQuant: an outlier channel (50) gets the largest factor, and the
+    smoothed activation's amax is :math:`\max_j |x_j| / s_j`:
+
+    >>> x = jnp.array([[1.0, 50.0, -2.0, 0.5]])
+    >>> cal = calibrate(mlp, p, [x], smoothquant=0.5)
+    >>> [round(float(v), 3) for v in cal.smoothing["dot_general"]], round(cal.amax["dot_general"], 3)
+    ([1.0, 7.071, 1.414, 0.707], 7.071)
+
   References:
     Migacz, "8-bit Inference with TensorRT", GTC 2017.
 
     Wu et al., "Integer Quantization for Deep Learning Inference: Principles
     and Empirical Evaluation", 2020. https://arxiv.org/abs/2004.09602
+
+    Xiao et al., "SmoothQuant: Accurate and Efficient Post-Training
+    Quantization for Large Language Models", ICML 2023.
+    https://arxiv.org/abs/2211.10438
   """
   _check(method, percentile)
+  alpha = smooth_lib.check_alpha(smoothquant)
   rules = keep_rules.check_keep(keep)
   batches = _batches(batches)
   inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), batches[0])
@@ -270,11 +365,27 @@ def calibrate(
       "with a parameter operand (params are apply_fn's first argument)."
     )
   kept = keep_rules.resolve(rules, table)
-  first = jax.jit(lambda p, x: observe(apply_fn, _amax_stats)(p, x)[1])
+  smoothable = {} if alpha is None else smoothable_sites(apply_fn, params, inputs, kept)
+  if alpha is not None and not smoothable:
+    raise ValueError(
+      f"calibrate(smoothquant={smoothquant!r}) found no weight product to smooth among {sorted(table)}: "
+      "SmoothQuant smooths dot_general products without batch axes whose weight is a parameter used as "
+      "stored by that product alone (convolutions and shared weights are left unsmoothed); "
+      "calibrate without smoothquant."
+    )
+
+  def first_stat(site, x):
+    out = _amax_stats(site, x)
+    if site in smoothable:
+      out = (*out, smooth_lib.channel_amax(x, smoothable[site].activation_axes))
+    return out
+
+  first = jax.jit(lambda p, x: observe(apply_fn, first_stat)(p, x)[1])
   amax: dict[str, float] = {}
+  channel: dict[str, np.ndarray] = {}
   for index, batch in enumerate(batches):
     stats = jax.device_get(first(params, batch))
-    for site, (a, finite) in stats.items():
+    for site, (a, finite, *per_channel) in stats.items():
       if site in kept:
         continue
       if not finite:
@@ -283,13 +394,30 @@ def calibrate(
           "(NaN or inf inputs) or the parameters, and leave such batches out."
         )
       amax[site] = max(amax.get(site, 0.0), float(a))
+      if per_channel:
+        c = np.asarray(per_channel[0], np.float32)
+        channel[site] = np.maximum(channel[site], c) if site in channel else c
+  smoothing = {}
+  if alpha is not None:
+    leaves = jax.tree.leaves(params)
+    for site, info in smoothable.items():
+      w_amax = np.asarray(jax.device_get(smooth_lib.channel_amax(leaves[info.leaf], info.weight_axes)))
+      smoothing[site] = smooth_lib.factors(channel[site], w_amax, alpha)
+      # The amax of X/s, as the model computes it (x times 1/s, in float32).
+      amax[site] = float(np.max(channel[site] * smooth_lib.inverse(smoothing[site])))
   kept_names = tuple(s for s in table if s in kept)
   if method == "max":
-    return Calibration(method, dict(amax), {s: _scale(t) for s, t in amax.items()}, amax, inputs, kept_names)
+    return Calibration(
+      method, dict(amax), {s: _scale(t) for s, t in amax.items()}, amax, inputs, kept_names, alpha, smoothing
+    )
   ranges = {s: jnp.float32(a) for s, a in amax.items()}
+  inverses = {s: jnp.asarray(smooth_lib.inverse(v)) for s, v in smoothing.items()}
 
   def hist_stat(site, x):
-    x = jnp.abs(jnp.asarray(x, jnp.float32)).ravel()
+    x = jnp.asarray(x, jnp.float32)
+    if site in inverses:
+      x = x * smooth_lib.laid_out(inverses[site], x.ndim, smoothable[site].activation_axes)
+    x = jnp.abs(x).ravel()
     top = ranges.get(site, jnp.float32(0))
     idx = jnp.where(top > 0, jnp.floor(x / jnp.where(top > 0, top, 1.0) * NUM_BINS), 0)
     idx = jnp.clip(idx, 0, NUM_BINS - 1).astype(jnp.int32)
@@ -314,7 +442,7 @@ def calibrate(
     else:
       thresholds[site] = _mse(hist, edges)
   scales = {s: _scale(t) for s, t in thresholds.items()}
-  return Calibration(method, thresholds, scales, amax, inputs, kept_names)
+  return Calibration(method, thresholds, scales, amax, inputs, kept_names, alpha, smoothing)
 
 
 def _scale(threshold: float) -> float:

@@ -6,8 +6,10 @@ equation by equation and written with onnx's own builders (``onnx.helper``,
 TensorRT takes: ``QuantizeLinear`` -> ``DequantizeLinear`` on the
 activation (its calibrated scale, zero point 0), an int8 initializer for
 the weight with a per-channel ``DequantizeLinear``, and the float
-``MatMul`` / ``Conv``. Other supported primitives: elementwise arithmetic,
-``max`` / ``min`` (ReLU), ``exp``, ``tanh``, ``logistic``, ``neg``,
+``MatMul`` / ``Conv``; at a SmoothQuant site, a ``Mul`` by :math:`1/s` (a
+float initializer) before the ``QuantizeLinear``. Other supported
+primitives: elementwise arithmetic, ``max`` / ``min`` (ReLU), ``exp``,
+``tanh``, ``logistic``, ``neg``,
 ``rsqrt``, ``integer_pow``, ``reduce_sum``, ``reduce_max``, ``broadcast_in_dim``, ``reshape``, ``squeeze``,
 ``expand_dims``, ``transpose``, float casts; ``jit`` and ``custom_jvp`` calls
 are followed.
@@ -30,6 +32,7 @@ from jax.extend import core as jex_core
 
 from jmp_train._src.autocast import scaled
 from jmp_train._src.deployment import quantized as quantized_lib
+from jmp_train._src.deployment import smoothquant as smooth_lib
 
 __all__ = ["OPSET", "export_onnx"]
 
@@ -200,7 +203,12 @@ class _Graph:
       scale = self.model.scales[site]
       zero = self.const(np.int8(0), "zero_point")
       s_act = self.const(np.float32(scale), "act_scale")
-      x = self.node("QuantizeLinear", [self.read(act_v), s_act, zero])
+      x = self.read(act_v)
+      if site in self.model.smoothing:  # SmoothQuant: x / s, as x * (1/s)
+        axes = self._smoothed_axes(eqn, 1 - weight_side, site)
+        inv = smooth_lib.laid_out(smooth_lib.inverse(self.model.smoothing[site]), len(act_v.aval.shape), axes)
+        x = self.node("Mul", [x, self.const(inv, "smooth_inverse")])
+      x = self.node("QuantizeLinear", [x, s_act, zero])
       x = self.node("DequantizeLinear", [x, s_act, zero])
       codes, w_scale = np.asarray(w.codes), np.asarray(w.scale, np.float32)
     if eqn.primitive is lax.dot_general_p:
@@ -216,6 +224,12 @@ class _Graph:
       w_out = self.read(w_v) if w_scale is None else self._dequantized(codes, w_scale.reshape(-1), 1, site)
       return self.node("MatMul", [x, w_out])
     return self._conv(eqn, x, codes, w_scale, site)
+
+  def _smoothed_axes(self, eqn: Any, side: int, site: str) -> tuple[int, ...]:
+    if eqn.primitive is not lax.dot_general_p:
+      raise ValueError(f"export_onnx: the smoothed site {site!r} is not a dot_general.")
+    contract, _ = eqn.params["dimension_numbers"]
+    return tuple(int(a) for a in contract[side])
 
   def _dequantized(self, codes: np.ndarray, scale: np.ndarray, axis: int, site: str) -> str:
     q = self.const(codes.astype(np.int8), "weight_int8")
@@ -254,9 +268,12 @@ def export_onnx(quantized: quantized_lib.QuantizedModel, example_input: jax.Arra
   product as ``QuantizeLinear`` -> ``DequantizeLinear`` on the activation
   (the calibrated scale, zero point 0), the weight's int8 codes as an
   initializer with a per-channel ``DequantizeLinear``, and a float
-  ``MatMul`` / ``Conv``: the placement TensorRT accepts (opset 17). Run in
-  onnxruntime with ``graph_optimization_level = ORT_DISABLE_ALL`` on CPUs
-  without VNNI, whose fused u8s8 kernel saturates.
+  ``MatMul`` / ``Conv``: the placement TensorRT accepts (opset 17). A
+  SmoothQuant site's activation is first multiplied by :math:`1/s` (a
+  ``Mul`` by a float initializer); its weight's codes are those of
+  :math:`\\mathrm{diag}(s) W`. Run in onnxruntime with
+  ``graph_optimization_level = ORT_DISABLE_ALL`` on CPUs without VNNI, whose
+  fused u8s8 kernel saturates.
 
   Args:
     quantized: a :class:`~jmp_train.int8.QuantizedModel`.

@@ -12,7 +12,10 @@ dequantized weight requantizes to the same codes: its channel amax is
 :math:`127 \Delta_c`), int32 accumulation, float32 elsewhere. Tables the
 function looks rows up in (embeddings) are stored in int8 too, one scale per
 row, and dequantized where they are read. Sites kept in high precision
-(``keep=``) run in float32 on their float weights.
+(``keep=``) run in float32 on their float weights. At a site the
+calibration smoothed (SmoothQuant, ``calibrate(..., smoothquant=alpha)``),
+the stored weight is :math:`\mathrm{diag}(s) W` and the activation is
+multiplied by :math:`1/s` before it is quantized.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 
 from jmp_train._src.autocast import scaled
 from jmp_train._src.deployment import calibration as calib
 from jmp_train._src.int8 import products as int8_products
 from jmp_train._src.deployment import rules as keep_rules
+from jmp_train._src.deployment import smoothquant as smooth_lib
 
 __all__ = ["Int8Weight", "QuantizedModel", "dequantize_params", "quantize", "static_product"]
 
@@ -73,6 +78,10 @@ class QuantizedModel:
     scales: site name -> the activation scale :math:`\\Delta` (float32).
     weight_paths: the key paths of the quantized weights.
     kept: the sites kept in high precision (float32 products, float weights).
+    smoothing: site name -> the SmoothQuant factors :math:`s` (float32) of
+      the smoothed sites: their weights hold :math:`\\mathrm{diag}(s) W`, and
+      the activation is multiplied by :math:`1/s` before it is quantized
+      (constants of :meth:`inference_fn`).
   """
 
   def __init__(
@@ -82,12 +91,25 @@ class QuantizedModel:
     scales: dict[str, Any],
     weight_paths: tuple = (),
     kept: tuple[str, ...] = (),
+    smoothing: dict[str, Any] | None = None,
   ):
     self.apply_fn = apply_fn
     self.params = params
     self.scales = {k: jnp.float32(v) for k, v in scales.items()}
     self.weight_paths = tuple(weight_paths)
     self.kept = tuple(kept)
+    self.smoothing = {k: np.asarray(v, np.float32) for k, v in (smoothing or {}).items()}
+    for site, s in self.smoothing.items():
+      if site not in self.scales:
+        raise ValueError(
+          f"QuantizedModel got smoothing factors for site {site!r}, which has no activation scale "
+          f"(the sites with one: {sorted(self.scales)})."
+        )
+      if s.ndim == 0 or not np.all(np.isfinite(s) & (s > 0)):
+        raise ValueError(
+          f"QuantizedModel's smoothing factors at site {site!r} must be a positive, finite vector (one per "
+          f"input channel), got {s!r}."
+        )
     found = {
       jax.tree_util.keystr(path)
       for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_weight)[0]
@@ -104,6 +126,7 @@ class QuantizedModel:
   def inference_fn(self) -> Callable[[Any, dict[str, Any], Any], Any]:
     """The pure function ``f(params, scales, x)`` the model calls (for ``jax.export``)."""
     apply_fn, kept = self.apply_fn, frozenset(self.kept)
+    inverses = {site: smooth_lib.inverse(s) for site, s in self.smoothing.items()}
 
     def infer(params, scales, x):
       from jmp_train._src.autocast.transform import autocast
@@ -117,6 +140,8 @@ class QuantizedModel:
             f"The quantized model has no activation scale for the weight product at site {site.name!r} "
             f"(it has {sorted(scales)}): calibrate this function, with the same input structure."
           )
+        if site.name in inverses:
+          vals = smoothed(site, vals, inverses[site.name])
         return static_product(site, vals, scales[site.name])
 
       with scaled.hooked(hook):
@@ -126,6 +151,20 @@ class QuantizedModel:
 
   def __call__(self, x: Any) -> Any:
     return self._call(self.params, self.scales, x)
+
+
+def smoothed(site: scaled.Site, vals: Any, inverse: Any) -> list[Any]:
+  """``vals`` with the activation multiplied by ``inverse`` (``1/s``) along its contracting axes."""
+  axes = smooth_lib.axes_of(site)
+  a = vals[site.activation]
+  if axes is None or inverse.shape != tuple(a.shape[d] for d in axes[0]):
+    raise ValueError(
+      f"The smoothing factors of site {site.name!r} (shape {inverse.shape}) do not fit its product "
+      f"(a dot_general without batch axes contracting an activation of shape {a.shape}): calibrate this function."
+    )
+  out = list(vals)
+  out[site.activation] = jnp.asarray(a, jnp.float32) * smooth_lib.laid_out(jnp.asarray(inverse), a.ndim, axes[0])
+  return out
 
 
 def static_product(site: scaled.Site, vals: Any, scale: Any) -> jax.Array:
@@ -216,6 +255,13 @@ def quantize(
   precision (the calibration's ``kept`` and ``keep``) keep their float
   weights and run in float32.
 
+  At a site the calibration smoothed (``calibrate(..., smoothquant=alpha)``)
+  the factors :math:`s` are folded into the weight before it is quantized,
+  :math:`W' = \mathrm{diag}(s) W` (along its contracting axis), and the
+  model multiplies the activation by :math:`1/s` before quantizing it with
+  the site's scale (calibrated on :math:`X/s`): :math:`(X/s)\,W' = X W` in
+  float.
+
   Args:
     apply_fn: the function, ``apply_fn(params, x)``, as calibrated.
     params: its float parameters.
@@ -230,8 +276,10 @@ def quantize(
   Raises:
     TypeError: if ``calibration`` is not a :class:`~jmp_train.int8.Calibration`,
       or ``keep`` is not strings.
-    ValueError: if the calibration's sites are not this function's, or a
-      ``keep`` rule matches no site.
+    ValueError: if the calibration's sites are not this function's, a
+      ``keep`` rule matches no site, or a smoothed site's weight is not one
+      that can hold the factors here (a parameter used by that product alone,
+      one factor per input channel).
 
   Examples:
     >>> from jmp_train.int8 import calibrate
@@ -242,6 +290,13 @@ def quantize(
     >>> model = quantize(mlp, p, calibrate(mlp, p, [x]))
     >>> model.params["w1"].codes.dtype, model(x).shape
     (dtype('int8'), (3, 2))
+
+    SmoothQuant, with an outlier input channel:
+
+    >>> x = x.at[:, 1].multiply(50.0)
+    >>> smooth = quantize(mlp, p, calibrate(mlp, p, [x], smoothquant=0.5))
+    >>> sorted(smooth.smoothing), smooth(x).shape
+    (['dot_general', 'dot_general#1'], (3, 2))
   """
   if not isinstance(calibration, calib.Calibration):
     raise TypeError(
@@ -259,10 +314,14 @@ def quantize(
   found, by_kept = _weight_leaves(apply_fn, params, calibration.inputs, frozenset(kept))
   tables = _looked_up(apply_fn, params, calibration.inputs) - set(found) - by_kept
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  smoothing = {s: v for s, v in (calibration.smoothing or {}).items() if s in wanted}
+  folds = _folds(apply_fn, params, calibration.inputs, frozenset(kept), smoothing, [leaf for _, leaf in flat])
   leaves = []
   paths = []
   for i, (path, leaf) in enumerate(flat):
     axes = found.get(i, (1,) if i in tables else None)
+    if i in folds:
+      leaf = jnp.asarray(leaf, jnp.float32) * folds[i]
     if axes is not None:
       amax = jnp.max(jnp.abs(jnp.asarray(leaf, jnp.float32)), axis=axes, keepdims=True)
       scale = int8_products.int8_scale(amax)
@@ -272,7 +331,27 @@ def quantize(
       leaves.append(leaf)
   qparams = jax.tree.unflatten(treedef, leaves)
   scales = {s: v for s, v in calibration.scales.items() if s in wanted}
-  return QuantizedModel(apply_fn, qparams, scales, tuple(paths), tuple(s for s in table if s in kept))
+  return QuantizedModel(apply_fn, qparams, scales, tuple(paths), tuple(s for s in table if s in kept), smoothing)
+
+
+def _folds(apply_fn, params, inputs, kept, smoothing, leaves) -> dict[int, jax.Array]:
+  """Leaf index -> the smoothing factors laid out along its contracting axes, for each smoothed site."""
+  if not smoothing:
+    return {}
+  sites = calib.smoothable_sites(apply_fn, params, inputs, kept)
+  folds = {}
+  for site, s in smoothing.items():
+    info = sites.get(site)
+    s = np.asarray(s, np.float32)
+    want = None if info is None else tuple(jnp.shape(leaves[info.leaf])[a] for a in info.weight_axes)
+    if info is None or s.shape != want:
+      raise ValueError(
+        f"The calibration smoothed site {site!r}, but its weight here cannot hold the factors "
+        f"(shape {s.shape}; {'the site is not smoothable' if info is None else f'its input channels: {want}'}): "
+        "calibrate this function with the same parameters' structure."
+      )
+    folds[info.leaf] = jnp.asarray(smooth_lib.laid_out(s, jnp.ndim(leaves[info.leaf]), info.weight_axes))
+  return folds
 
 
 def _site_names(model: QuantizedModel, inputs: Any) -> list[str]:

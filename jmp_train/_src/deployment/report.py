@@ -11,6 +11,10 @@ channel) to measure, in isolation (the product's float result goes on):
   :math:`10 \log_{10} (\sum x^2 / \sum (x - \hat x)^2)`, of the activation,
   of the weight and of the product's output (int8 against float32).
 
+At a site the calibration smoothed (SmoothQuant), the activation and weight
+are those the quantized model quantizes, :math:`X/s` and
+:math:`\mathrm{diag}(s) W`.
+
 References:
   Wu et al., "Integer Quantization for Deep Learning Inference: Principles
   and Empirical Evaluation", 2020. https://arxiv.org/abs/2004.09602
@@ -29,6 +33,7 @@ from jmp_train._src.autocast import scaled
 from jmp_train._src.deployment import calibration as calib
 from jmp_train._src.int8 import products as int8_products
 from jmp_train._src.deployment import quantized as quantized_lib
+from jmp_train._src.deployment import smoothquant as smooth_lib
 
 __all__ = ["SiteQuantization", "quantization_report"]
 
@@ -111,6 +116,7 @@ def quantization_report(
   if not batches:
     raise ValueError("quantization_report needs batches: an iterable of at least one input batch.")
   scales = {s: jnp.float32(v) for s, v in calibration.scales.items()}
+  smoothing = {s: np.asarray(v, np.float32) for s, v in (calibration.smoothing or {}).items()}
 
   def run(p, x):
     from jmp_train._src.autocast.transform import autocast
@@ -122,6 +128,11 @@ def quantization_report(
       out = calib.bind(site, vals)
       if site.name not in scales:
         return out
+      if site.name in smoothing:  # as the quantized model: X/s and diag(s) W
+        s = smoothing[site.name]
+        vals = quantized_lib.smoothed(site, vals, smooth_lib.inverse(s))
+        w = vals[site.weight]
+        vals[site.weight] = w * smooth_lib.laid_out(jnp.asarray(s), w.ndim, smooth_lib.axes_of(site)[1])
       a, w = vals[site.activation], vals[site.weight]
       delta = scales[site.name]
       r = jnp.round(jnp.asarray(a, jnp.float32) / delta)

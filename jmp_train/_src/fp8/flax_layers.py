@@ -50,7 +50,8 @@ class Fp8Meta(nnx.Variable):
   """An NNX variable holding FP8 scaling state (scales, amax histories)."""
 
 
-def _to_meta(values: dict[str, jax.Array]) -> fp8_lib.Fp8DotMeta:
+def to_meta(values: dict[str, jax.Array]) -> fp8_lib.Fp8DotMeta:
+  """The :class:`~jmp_train.Fp8DotMeta` of an FP8 layer's six variables, by name."""
   return fp8_lib.Fp8DotMeta(*(fp8_lib.Fp8TensorMeta(values[f"{n}_scale"], values[f"{n}_amax_history"]) for n in _NAMES))
 
 
@@ -72,7 +73,7 @@ class _LinenFp8(nn.Module):
 
   def _meta(self) -> fp8_lib.Fp8DotMeta:
     init = _initial_values(self.recipe)
-    return _to_meta({k: self.variable(FP8_COLLECTION, k, lambda v=v: v).value for k, v in init.items()})
+    return to_meta({k: self.variable(FP8_COLLECTION, k, lambda v=v: v).value for k, v in init.items()})
 
 
 class Fp8DotGeneral(_LinenFp8):
@@ -109,7 +110,7 @@ class _NNXFp8(nnx.Module):
       setattr(self, name, Fp8Meta(value))
 
   def _meta(self) -> fp8_lib.Fp8DotMeta:
-    return _to_meta({k: getattr(self, k)[...] for k in _initial_values(self.recipe)})
+    return to_meta({k: getattr(self, k)[...] for k in _initial_values(self.recipe)})
 
 
 class NNXFp8DotGeneral(_NNXFp8):

@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jmp_train._src.autocast import sites
+
 __all__ = ["as_model", "LinenModel", "NnxModel"]
 
 
@@ -137,6 +139,31 @@ def _scope_errors() -> tuple[type[Exception], type[Exception]]:
   return errors.ScopeCollectionNotFound, errors.ModifyScopeVariableError
 
 
+def _split_sites(model_state: Any) -> tuple[dict[str, Any], Any]:
+  """``(site states, model_state without them)`` of a linen model (``autocast.sites``).
+
+  The site states sit under ``autocast.sites.SITES`` in the ``"fp8_meta"``
+  collection; the model itself never sees them.
+  """
+  name = fp8_meta_collection()
+  collection = model_state.get(name) if model_state else None
+  if not hasattr(collection, "get") or sites.SITES not in collection:
+    return {}, model_state
+  rest = {k: v for k, v in collection.items() if k != sites.SITES}
+  others = {k: v for k, v in model_state.items() if k != name}
+  return dict(collection[sites.SITES]), ({**others, name: rest} if rest else others)
+
+
+def _join_sites(model_state: Any, states: dict[str, Any]) -> Any:
+  """The inverse of :func:`_split_sites`."""
+  if not states:
+    return model_state
+  name = fp8_meta_collection()
+  model_state = dict(model_state)
+  model_state[name] = {**model_state.get(name, {}), sites.SITES: states}
+  return model_state
+
+
 @dataclasses.dataclass(frozen=True)
 class LinenModel:
   """A Flax linen-style ``apply_fn(variables, inputs, **kwargs)``."""
@@ -144,14 +171,16 @@ class LinenModel:
   apply_fn: Callable[..., Any]
   eval_apply_fn: Callable[..., Any] | None
   rng_collections: Sequence[str]
-  # "flax", "autocast" or "layers+autocast": the apply runs under the policy;
-  # "inputs": as given.
+  # "flax" or "autocast": the apply runs under the policy; "inputs": as given.
   mechanism: str = "inputs"
   # Trace the forward pass for products wider than the compute dtype.
   audit: bool = False
 
   # The policy of the "flax" mechanism (FP8 scaling state at init).
   policy: Any = None
+  # Whether the user's apply is a linen module's (it takes ``rngs`` and
+  # ``mutable``); a function of the user's is called as the step calls it.
+  linen: bool = True
 
   def initial(self, params: Any, model_state: Any, inputs: Any = None, axis_name: str | None = None) -> tuple[Any, Any]:
     """``(params, model_state)``, the latter with FP8 scaling state made if missing.
@@ -167,8 +196,8 @@ class LinenModel:
     name = fp8_meta_collection()
     if self.policy is not None and self.policy.fp8 is not None and name not in model_state:
       if inputs is None:
-        if self.mechanism not in ("flax", "layers+autocast"):  # a function of the user's
-          return params, model_state
+        if self.mechanism != "flax" and not (self.mechanism == "autocast" and sites.has_state(self.policy)):
+          return params, model_state  # current scaling: no state to make
         raise ValueError(
           f"Under the FP8 policy {self.policy} each product of the model keeps its "
           f"scaling state in the {name!r} collection, which model_state does not hold. "
@@ -188,11 +217,14 @@ class LinenModel:
     key = jax.random.key(0)
     rngs = {c: key for c in self.rng_collections}
     inputs = self.policy.cast_to_compute(inputs)
-    trace = lambda p, s, x: self.apply_fn({"params": p, **s}, x, rngs=rngs, mutable=[*s, name])[1]
+    if self.linen:
+      trace = lambda p, s, x: self.apply_fn({"params": p, **s}, x, rngs=rngs, mutable=[*s, name])[1]
+    else:
+      trace = lambda p, s, x: self.train_apply(p, s, x, None, None)[1]  # noqa: E731
     if axis_name is not None:  # the model's collectives (synchronized BatchNorm)
       trace = jax.vmap(trace, in_axes=None, out_axes=None, axis_size=1, axis_name=axis_name)
     try:
-      shapes = jax.eval_shape(trace, self.policy.cast_to_param(params), model_state, inputs)
+      shapes, names = sites.traced(trace, self.policy.cast_to_param(params), model_state, inputs)
     except _scope_errors() as e:
       raise _missing_collection_error(e, model_state) from None
     values = flax_layers.initial_fp8_values(self.policy.fp8)
@@ -204,7 +236,10 @@ class LinenModel:
       # A layer of another recipe (a model wrapped by hand): the same rule, its length.
       return jnp.full(shape.shape, value.reshape(-1)[0] if value.size else 0, shape.dtype)
 
-    return jax.tree_util.tree_map_with_path(initial, shapes.get(name, {}))
+    made = jax.tree_util.tree_map_with_path(initial, shapes.get(name, {}))
+    if self.mechanism == "autocast" and sites.has_state(self.policy) and names:
+      made = {**made, sites.SITES: sites.initial(self.policy.fp8, names)}
+    return made
 
   def train_apply(self, params, model_state, inputs, rng, replica):
     """Outputs and new model state in training mode.
@@ -215,19 +250,22 @@ class LinenModel:
         ``rng_collections``), saying which.
     """
     del replica  # Folded into ``rng`` by the step.
+    states, model_state = _split_sites(model_state)
     variables = {"params": params, **model_state}
     kwargs = {}
     if rng is not None:
       kwargs["rngs"] = {name: jax.random.fold_in(rng, i) for i, name in enumerate(self.rng_collections)}
     try:
-      if not model_state:
-        return self.apply_fn(variables, inputs, **kwargs), model_state
-      outputs, new_model_state = self.apply_fn(variables, inputs, mutable=list(model_state), **kwargs)
+      with sites.delayed(states):
+        if not model_state:
+          return self.apply_fn(variables, inputs, **kwargs), _join_sites(model_state, states)
+        outputs, new_model_state = self.apply_fn(variables, inputs, mutable=list(model_state), **kwargs)
     except _invalid_rng_error() as e:
       raise _linen_rng_error(e, rng, self.rng_collections) from None
     except _scope_errors()[0] as e:
       raise _missing_collection_error(e, model_state) from None
-    return outputs, dict(new_model_state)
+    # The sites' new states come back as their gradient.
+    return outputs, _join_sites(dict(new_model_state), states)
 
   def eval_apply(self, params, model_state, inputs):
     """Outputs in evaluation mode (no ``rngs``, nothing mutable).
@@ -236,8 +274,10 @@ class LinenModel:
       ValueError: if the model still draws random numbers, naming
         ``eval_apply_fn``.
     """
+    states, model_state = _split_sites(model_state)
     try:
-      return (self.eval_apply_fn or self.apply_fn)({"params": params, **model_state}, inputs)
+      with sites.delayed(states):
+        return (self.eval_apply_fn or self.apply_fn)({"params": params, **model_state}, inputs)
     except _scope_errors()[0] as e:
       raise _missing_collection_error(e, model_state) from None
     except _scope_errors()[1] as e:
@@ -339,8 +379,7 @@ class NnxModel:
   rest: Any
   # The policy the module's layers get ("flax"), or None (as given).
   policy: Any = None
-  # "flax": the layers carry the policy; "autocast": the call runs under it;
-  # "layers+autocast": both (FP8 layers with their state, autocast for the rest).
+  # "flax": the layers carry the policy; "autocast": the call runs under it.
   mechanism: str = "inputs"
   # The caller's graph definition, for to_module (None: ``graphdef``).
   user_graphdef: Any = None
@@ -352,7 +391,7 @@ class NnxModel:
     from jmp_train._src.flax import nnx_modules
 
     user_graphdef = None
-    if mechanism in ("flax", "layers+autocast"):
+    if mechanism == "flax":
       user_graphdef = nnx.graphdef(module)
       module = nnx_modules.configured_copy(module, policy)
       if policy.fp8 is not None:
@@ -361,21 +400,62 @@ class NnxModel:
     return cls(graphdef, params, _key_to_data(rest), policy, mechanism, user_graphdef, audit)
 
   def initial(self, params: Any, model_state: Any, inputs: Any = None, axis_name: str | None = None) -> tuple[Any, Any]:
-    del inputs, axis_name  # An NNX module holds all of its state already.
+    """``(params, model_state)``, the latter with autocast's FP8 site states made if missing.
+
+    An NNX module holds its state itself; under an FP8 policy with delayed
+    scaling, the step traces the module once on ``inputs`` to find the FP8
+    products autocast makes, and adds their states (``autocast.sites``).
+
+    Raises:
+      ValueError: if ``params`` is a module of another structure, or the
+        site states are needed and ``inputs`` is not given.
+    """
     if params is None:
-      return self.params, self.rest if model_state is None else model_state
-    if _is_nnx_module(params):
+      params, rest = self.params, self.rest
+    elif _is_nnx_module(params):
       other = NnxModel.from_module(params, self.policy, self.mechanism)
       if jax.tree.structure(other.params) != jax.tree.structure(self.params):
         raise ValueError(
           "init got an nnx.Module whose parameters differ in structure from the module the step was built from."
         )
-      return other.params, other.rest if model_state is None else model_state
-    return params, self.rest if model_state is None else model_state
+      params, rest = other.params, other.rest
+    else:
+      rest = self.rest
+    if model_state is not None:
+      return params, model_state
+    if self.mechanism == "autocast" and sites.has_state(self.policy):
+      rest = self._with_sites(params, rest, inputs, axis_name)
+    return params, rest
+
+  def _with_sites(self, params: Any, rest: Any, inputs: Any, axis_name: str | None) -> Any:
+    """``rest`` with the site states of the FP8 products autocast makes."""
+    from flax import nnx
+    from jmp_train._src.fp8 import flax_layers
+
+    if inputs is None:
+      raise ValueError(
+        f"Under the FP8 policy {self.policy} each FP8 product of the module keeps its "
+        "scaling state (amax histories) in the model state, which the step makes by "
+        "tracing the module once. Pass example inputs (one batch's inputs, or arrays of "
+        "their shapes): step.init(module, inputs=example_inputs)."
+      )
+
+    def trace(p, s, x):
+      model = self._merge(p, s, None)
+      model.train()
+      return self._call(model, x)
+
+    if axis_name is not None:  # the model's collectives (synchronized BatchNorm)
+      trace = jax.vmap(trace, in_axes=None, out_axes=None, axis_size=1, axis_name=axis_name)
+    _, names = sites.traced(trace, params, rest, self.policy.cast_to_compute(inputs))
+    if not names:
+      return rest
+    return nnx.State({**rest.raw_mapping, sites.SITES: sites.initial(self.policy.fp8, names, flax_layers.Fp8Meta)})
 
   def _merge(self, params, model_state, replica):
     from flax import nnx
 
+    model_state = _without_sites(model_state)
     return nnx.merge(self.graphdef, params, _data_to_key(model_state, replica))
 
   def to_module(self, params, model_state):
@@ -389,20 +469,17 @@ class NnxModel:
 
     if self.user_graphdef is None:
       return self._merge(params, model_state, None)
-    return nnx.merge(self.user_graphdef, params, _data_to_key(model_state, None))
+    return nnx.merge(self.user_graphdef, params, _data_to_key(_without_sites(model_state), None))
 
   def _call(self, model, inputs):
     """``model(inputs)`` as the mechanism runs it."""
     from jmp_train._src.train import model_policy
 
-    if self.mechanism in ("flax", "layers+autocast"):
+    if self.mechanism == "flax":
       from jmp_train._src.flax import nnx_modules
 
       # The recompute of apply_policy's wrapper; inputs are cast by the step.
-      wrapper = nnx_modules.NNXPolicyWrapper(model, self.policy, cast_inputs=False)
-      if self.mechanism == "flax":
-        return call_module(wrapper, inputs)
-      return model_policy.autocast_call(wrapper, inputs, self.policy)
+      return call_module(nnx_modules.NNXPolicyWrapper(model, self.policy, cast_inputs=False), inputs)
     if self.mechanism == "autocast":
       return model_policy.autocast_call(model, inputs, self.policy)
     return call_module(model, inputs)
@@ -420,7 +497,8 @@ class NnxModel:
     model = self._merge(params, model_state, replica)
     model.train()
     try:
-      outputs = self._call(model, inputs)
+      with sites.delayed(_nnx_sites(model_state)):
+        outputs = self._call(model, inputs)
     except (ValueError, TypeError) as e:
       error = _nnx_rng_error(e)
       if error is None:
@@ -431,21 +509,42 @@ class NnxModel:
     rest = jax.tree.map(
       lambda new, old: old if jnp.issubdtype(new.dtype, jax.dtypes.prng_key) else new,
       rest,
-      model_state,
+      _without_sites(model_state),
     )
+    if sites.SITES in model_state:  # new values come back as their gradient
+      rest = nnx.State({**rest.raw_mapping, sites.SITES: model_state.raw_mapping[sites.SITES]})
     return outputs, rest
 
   def eval_apply(self, params, model_state, inputs):
     model = self._merge(params, model_state, None)
     model.eval()
-    return self._call(model, inputs)
+    with sites.delayed(_nnx_sites(model_state)):
+      return self._call(model, inputs)
+
+
+def _without_sites(model_state: Any) -> Any:
+  """An NNX model state without autocast's site states (``autocast.sites``)."""
+  from flax import nnx
+
+  if isinstance(model_state, nnx.State) and sites.SITES in model_state:
+    return nnx.State({k: v for k, v in model_state.raw_mapping.items() if k != sites.SITES})
+  return model_state
+
+
+def _nnx_sites(model_state: Any) -> dict[str, Any]:
+  """The site states of an NNX model state, as arrays."""
+  from flax import nnx
+
+  if not isinstance(model_state, nnx.State) or sites.SITES not in model_state:
+    return {}
+  return nnx.to_pure_dict(model_state[sites.SITES])
 
 
 def _linen_apply_fn(fn: Any, policy: Any, mechanism: str) -> Any:
   """``fn`` with the policy applied by ``mechanism`` (``"flax"`` falls back to autocast)."""
   from jmp_train._src.train import model_policy
 
-  if mechanism in ("flax", "layers+autocast") and model_policy.linen_parts(fn) is None:
+  if mechanism == "flax" and model_policy.linen_parts(fn) is None:
     mechanism = "autocast"  # an evaluation function that is no linen apply
   return model_policy.linen_apply(fn, policy, mechanism)
 
@@ -507,9 +606,8 @@ def as_model(
   if eval_apply_fn is not None and not callable(eval_apply_fn):
     raise TypeError(f"eval_apply_fn must be callable or None, got {type(eval_apply_fn).__name__}: {eval_apply_fn!r}.")
   rng_collections = tuple(rng_collections)
-  if mechanism == "layers+autocast" and mp.linen_parts(apply_fn) is None:
-    mechanism = "autocast"  # no layers to configure: a function of the user's
+  linen = mp.linen_parts(apply_fn) is not None
   if mechanism != "inputs":
     apply_fn = mp.linen_apply(apply_fn, policy, mechanism)
     eval_apply_fn = None if eval_apply_fn is None else _linen_apply_fn(eval_apply_fn, policy, mechanism)
-  return LinenModel(apply_fn, eval_apply_fn, rng_collections, mechanism, audit, policy)
+  return LinenModel(apply_fn, eval_apply_fn, rng_collections, mechanism, audit, policy, linen)

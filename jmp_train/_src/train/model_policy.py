@@ -14,10 +14,9 @@ products instead (``model_policy``):
   function): matrix products and convolutions in the compute dtype (FP8
   under an FP8 policy), exp, log, softmax, normalization statistics and
   reductions in float32, parameter gradients summed in the parameters'
-  dtype. Under an FP8 policy with delayed scaling, a Flax module's own Dense
-  / Conv layers also become FP8 layers that keep their amax
-  histories (``"fp8_meta"``); autocast runs the other products in FP8 with
-  current scaling;
+  dtype. Under an FP8 policy with delayed scaling each FP8 product keeps
+  its amax histories in the model state, keyed by its site in the model
+  (``autocast.sites``); products inside loops use current scaling;
 * ``"flax"``: :func:`jmp_train.flax.apply_policy` (Flax modules only);
 * ``"autocast"``: :func:`jmp_train.autocast` for any model;
 * ``"inputs"``: parameters and inputs cast, nothing else (the layers'
@@ -126,17 +125,15 @@ def applies_policy(fn: Any) -> bool:
 
 
 def default_mechanism(fn: Any, policy: Policy) -> str:
-  """How ``model_policy="auto"`` applies ``policy`` to ``fn``.
+  """How ``model_policy="auto"`` applies ``policy`` to ``fn``: ``"autocast"``.
 
-  ``"autocast"``: every operation decided by :func:`jmp_train.autocast`,
-  whatever layers the model is built from. Under an FP8 policy with delayed
-  scaling, Flax modules also get their Dense / Conv layers as FP8
-  layers (``"layers+autocast"``): those keep their amax histories in the
-  ``"fp8_meta"`` collection, and autocast runs every product they do not
-  reach in FP8 with current scaling.
+  Every operation is decided by :func:`jmp_train.autocast`, whatever layers
+  the model is built from. Under an FP8 policy with delayed scaling each
+  weight product autocast runs in FP8 keeps its scaling state in the
+  model state, keyed by its site (``autocast.sites``); products inside
+  loops and conditionals use current scaling.
   """
-  if policy.fp8 is not None and policy.fp8.scaling == "delayed":
-    return "layers+autocast"
+  del fn, policy
   return "autocast"
 
 
@@ -151,7 +148,7 @@ def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str) -
   if fn is None or mechanism == "inputs" or applies_policy(fn):
     return fn
   parts = linen_parts(fn)
-  if mechanism in ("flax", "layers+autocast"):
+  if mechanism == "flax":
     if parts is None:
       raise TypeError(
         f"model_policy='flax' applies jmp_train.flax.apply_policy, which needs a "
@@ -162,8 +159,7 @@ def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str) -
     from jmp_train._src.flax import policy as flax_policy
 
     module, args, kwargs = parts
-    applied = functools.partial(flax_policy.apply_policy(module, policy).apply, *args, **kwargs)
-    return applied if mechanism == "flax" else _autocast(applied, policy)
+    return functools.partial(flax_policy.apply_policy(module, policy).apply, *args, **kwargs)
   return _autocast(fn, policy)
 
 

@@ -138,12 +138,13 @@ def make_train_step(
       decides each operation: matrix products and convolutions in the
       compute dtype, exp, log, softmax, norm statistics, sums and embedding
       gradients in float32, forward and backward; under an FP8 policy every
-      weight product in FP8 (Flax's Dense / Conv layers as FP8
-      layers with delayed scaling, the others with current scaling).
+      weight product in FP8, each with its own delayed scaling state
+      keyed by its site in the model (``step.init(..., inputs=...)``
+      makes it; products inside loops use current scaling).
       ``"flax"``: :func:`jmp_train.flax.apply_policy`, the Flax layers'
       fields (Flax modules only; :meth:`TrainStep.to_nnx` returns the
       caller's module class and fields); ``"autocast"``:
-      :func:`jmp_train.autocast` alone, FP8 products with current scaling;
+      :func:`jmp_train.autocast`, as ``"auto"`` does;
       ``"inputs"``: parameters and inputs cast, nothing else (the layers'
       declared dtypes win). A model that applies a policy itself (made with
       :func:`jmp_train.flax.apply_policy` or :func:`jmp_train.autocast`) is
