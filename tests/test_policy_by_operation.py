@@ -198,6 +198,51 @@ def test_fp8_products_keep_delayed_scaling_state_by_site(kind):
   assert float(new[site]["kernel_amax_history"][0]) == expected
 
 
+def test_fp8_site_states_survive_a_checkpoint_and_resume_bit_for_bit(tmp_path):
+  step, state = _built("nnx", "mixed_float8")
+  state, _ = step(jax.tree.map(jnp.copy, state), BATCH)
+  jmp_train.save_checkpoint(tmp_path / "step_1", state)
+  restored = jmp_train.restore_checkpoint(tmp_path / "step_1", state)
+  saved = _site_states("nnx", restored)
+  assert saved and all(np.asarray(s["input_amax_history"])[0] > 0 for s in saved.values())
+  after, _ = step(jax.tree.map(jnp.copy, state), BATCH)
+  resumed, _ = step(restored, BATCH)
+  jax.tree.map(np.testing.assert_array_equal, _site_states("nnx", resumed), _site_states("nnx", after))
+  jax.tree.map(np.testing.assert_array_equal, resumed.params, after.params)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_keep_leaves_the_chosen_weight_products_in_the_compute_dtype(kind):
+  # The first block out of FP8 (as one keeps a first layer or a head), by its
+  # path; every other weight product stays FP8, and no site state is made
+  # for the kept ones.
+  block = "blocks/0" if kind == "nnx" else "Block_0"
+  model = ulm.NnxUserLayersLM(nnx.Rngs(0)) if kind == "nnx" else ulm.LinenUserLayersLM()
+  step = jmp_train.make_train_step(model, _loss, optax.adam(1e-3), policy="mixed_float8", keep=block)
+  if kind == "nnx":
+    state = step.init(inputs=BATCH[0])
+  else:
+    state = step.init(_linen_variables()["params"], inputs=BATCH[0])
+  found = _mlir_findings(step.lower(state, BATCH).as_text(), "bf16")["products"]
+  base_step, base_state = _built(kind, "mixed_float8")
+  base = _mlir_findings(base_step.lower(base_state, BATCH).as_text(), "bf16")["products"]
+  kept_sites = [n for n in _site_states(kind, base_state) if block in n]
+  assert kept_sites and len(found) == len(base)
+  fp8 = [p for p in found if p.startswith("f8")]
+  assert len(fp8) == len([p for p in base if p.startswith("f8")]) - 3 * len(kept_sites)
+  assert sorted(_site_states(kind, state)) == sorted(set(_site_states(kind, base_state)) - set(kept_sites))
+
+
+def test_keep_rules_that_match_nothing_or_cannot_apply_name_the_fix():
+  step = jmp_train.make_train_step(ulm.LinenUserLayersLM(), _loss, optax.adam(1e-3), policy="mixed_int8", keep="hed")
+  with pytest.raises(ValueError, match=r"keep rule\(s\) \['hed'\] match no weight product.*Block_0"):
+    step.lower(step.init(_linen_variables()["params"]), BATCH)
+  with pytest.raises(ValueError, match=r"model_policy='flax' does not run the model under autocast"):
+    jmp_train.make_train_step(ulm.LinenUserLayersLM(), _loss, optax.sgd(0.1), keep="head", model_policy="flax")
+  with pytest.raises(TypeError, match=r"keep must be a site name or glob pattern"):
+    jmp_train.make_train_step(ulm.LinenUserLayersLM(), _loss, optax.sgd(0.1), keep=[3])
+
+
 def _scanned_stack(variables, x):
   """A plain function: an input projection, a scanned stack of layers, a head."""
   p = variables["params"]

@@ -73,8 +73,14 @@ class _Rules:
   half_scopes: tuple[str, ...]
   float32_scopes: tuple[str, ...]
   lookup_prims: frozenset[str] = frozenset()
-  # Scopes whose weight products stay in the compute dtype (not the policy's FP8).
+  # Scopes whose weight products stay in the compute dtype (not the policy's
+  # FP8 or INT8): the ``keep`` rules.
   unscaled_scopes: tuple[str, ...] = ()
+  # Per evaluation: the keep rules that matched a weight product, and the
+  # scopes of the weight products seen (for the error naming a rule that
+  # matched none).
+  matched: set = dataclasses.field(default_factory=set, compare=False, hash=False)
+  seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
 
   def scales(self, name: str, tags: Sequence[int], scope: tuple[str, ...]) -> bool:
     """Whether a product runs in the policy's scaled format (FP8 or INT8).
@@ -87,7 +93,25 @@ class _Rules:
     """
     if self.policy.product_format is None or name not in scaled.PRODUCTS or _PARAM not in tags[:2]:
       return False
-    return not any(_matches(scope, p) for p in self.unscaled_scopes)
+    site = "/".join((*scope, name))
+    kept = {p for p in self.unscaled_scopes if _matches(scope, p) or fnmatch.fnmatchcase(site, p)}
+    self.matched.update(kept)
+    self.seen.append("/".join(scope))
+    return not kept
+
+  def check_kept(self) -> None:
+    """After an evaluation: a ValueError for a keep rule that matched no weight product."""
+    if self.policy.product_format is None:
+      return
+    missing = [p for p in self.unscaled_scopes if p not in self.matched]
+    if missing:
+      scopes = sorted({s for s in self.seen if s})
+      raise ValueError(
+        f"The keep rule(s) {missing} match no weight product of the function: a rule is a "
+        "glob over the scope a product runs in (a linen module's path, an NNX attribute "
+        "path, a jax.named_scope), matched against each name and each run of names; the "
+        f"weight products run in {scopes[:20]}{' ...' if len(scopes) > 20 else ''}."
+      )
 
   def scope_mode(self, scope: tuple[str, ...]) -> int | None:
     """``_HALF``/``_FLOAT32`` if a scope entry names ``scope``; innermost wins."""

@@ -46,6 +46,7 @@ __all__ = [
   "DEFAULT_LOOKUP_OPS",
   "SCOPE_PREFIX",
   "known_primitives",
+  "check_keep",
   "check_op_list",
 ]
 
@@ -172,3 +173,26 @@ def split_op_list(entries: Iterable[str]) -> tuple[frozenset[str], tuple[str, ..
     else:
       prims.add(entry)
   return frozenset(prims), tuple(scopes)
+
+
+def check_keep(keep: Any) -> tuple[str, ...]:
+  """``keep`` (products kept out of the narrow format) as a tuple of rules.
+
+  ``None``: none; one string: one rule.
+
+  Raises:
+    TypeError: for anything but a string or a sequence of non-empty strings.
+  """
+  if keep is None:
+    return ()
+  if isinstance(keep, str):
+    return (keep,)
+  try:
+    rules = tuple(keep)
+  except TypeError:
+    rules = None
+  if rules is None or not all(isinstance(r, str) and r for r in rules):
+    raise TypeError(
+      f"keep must be a site name or glob pattern, or a sequence of them (e.g. ['head', 'stem/*']), got {keep!r}."
+    )
+  return rules

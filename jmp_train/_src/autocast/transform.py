@@ -17,6 +17,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
@@ -81,6 +82,7 @@ def autocast(
   half_ops: Sequence[str] = autocast_lists.DEFAULT_HALF_OPS,
   lookup_ops: Sequence[str] = autocast_lists.DEFAULT_LOOKUP_OPS,
   params_argnums: int | Sequence[int] | None = 0,
+  keep: Sequence[str] | str | None = None,
 ) -> Callable[..., Any]:
   r"""Runs ``fun`` under a mixed-precision policy by transforming its jaxpr.
 
@@ -95,8 +97,10 @@ def autocast(
     make the backward pass a mixed-dtype matmul). Under a policy with an FP8
     recipe (``"mixed_float8"``), a weight product (one operand a parameter,
     or computed from parameters alone) is an FP8 product with current
-    scaling (:func:`jmp_train.fp8_dot_general` with ``meta=None``); products
-    of two activations (attention's) stay in ``compute_dtype``;
+    scaling (:func:`jmp_train.fp8_dot_general` with ``meta=None``; a train
+    step gives each its delayed scaling state), and under an INT8 recipe an
+    int8 product; products of two activations (attention's) and the weight
+    products in the ``keep`` scopes stay in ``compute_dtype``;
   * ``float32_ops`` (deny list, default :data:`DEFAULT_FLOAT32_OPS`: exp,
     log, log1p, logistic, pow, rsqrt, erf, ..., reduce_sum, reduce_prod,
     cumsum, ...): floating operands cast to float32, result in float32. An
@@ -168,6 +172,9 @@ def autocast(
       ``param_dtype``).
     params_argnums: positions of the parameter arguments (``None`` or ``()``
       for none).
+    keep: under an FP8 or INT8 policy, the scopes whose weight products stay
+      in ``compute_dtype`` (a first convolution, an LM head): shell globs
+      matched as ``"scope:"`` entries are (``"head"``, ``"blocks/0/*"``).
 
   Returns:
     The transformed function.
@@ -177,7 +184,9 @@ def autocast(
       is malformed; at a call, if ``fun`` returns an NNX module or changes
       the structure of one it was given.
     ValueError: if ``policy`` is not a policy or a valid spec, or a list
-      entry is not a primitive name nor a ``"scope:"`` entry.
+      entry is not a primitive name nor a ``"scope:"`` entry; at a call
+      under an FP8 or INT8 policy, if a ``keep`` rule matches no weight
+      product (naming the scopes they run in).
 
   Examples:
     >>> def mlp(params, x):
@@ -221,11 +230,13 @@ def autocast(
     )
   f32_prims, f32_scopes = autocast_lists.split_op_list(f32)
   half_prims, half_scopes = autocast_lists.split_op_list(half)
-  rules = _Rules(policy, half_prims, f32_prims, half_scopes, f32_scopes, lookup_prims)
+  kept = autocast_lists.check_keep(keep)
+  base_rules = _Rules(policy, half_prims, f32_prims, half_scopes, f32_scopes, lookup_prims, kept)
   argnums = _check_argnums(params_argnums)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
+    rules = dataclasses.replace(base_rules, matched=set(), seen=[])
     bad = [n for n in argnums if not -len(args) <= n < len(args)]
     if bad:
       raise ValueError(f"params_argnums {bad} out of range for a call with {len(args)} positional arguments.")
@@ -237,7 +248,9 @@ def autocast(
     kw_flags = jax.tree.map(lambda _: False, kwargs, is_leaf=is_node)
     param_flags = jax.tree.leaves((is_param, kw_flags))
     if any(is_node(x) for x in leaves):
-      return _call_nnx(nnx, rules, fun, leaves, treedef, param_flags)
+      out = _call_nnx(nnx, rules, fun, leaves, treedef, param_flags)
+      rules.check_kept()
+      return out
 
     def call(full):
       a, k = jax.tree.unflatten(treedef, full)
@@ -245,6 +258,7 @@ def autocast(
 
     kinds = [_PARAMETER if p else _ACTIVATION for p in param_flags]
     outs, out_shape = _evaluate(rules, call, leaves, kinds)
+    rules.check_kept()
     outs = [_cast(o, policy.output_dtype) for o in outs]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -10,28 +10,12 @@ kept site's product runs in float32 on its float weight.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 from jmp_train._src.autocast import interpreter
+from jmp_train._src.autocast.lists import check_keep
 
 __all__ = ["check_keep", "matches", "resolve"]
-
-
-def check_keep(keep: Any) -> tuple[str, ...]:
-  """``keep`` as a tuple of rules (``None``: none; one string: one rule)."""
-  if keep is None:
-    return ()
-  if isinstance(keep, str):
-    return (keep,)
-  try:
-    rules = tuple(keep)
-  except TypeError:
-    rules = None
-  if rules is None or not all(isinstance(r, str) and r for r in rules):
-    raise TypeError(
-      f"keep must be a site name or glob pattern, or a sequence of them (e.g. ['head', 'stem/*']), got {keep!r}."
-    )
-  return rules
 
 
 def matches(name: str, scope: tuple[str, ...], rule: str) -> bool:

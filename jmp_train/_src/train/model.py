@@ -384,9 +384,13 @@ class NnxModel:
   # The caller's graph definition, for to_module (None: ``graphdef``).
   user_graphdef: Any = None
   audit: bool = False
+  # Scopes whose weight products autocast keeps in the compute dtype.
+  keep: tuple[str, ...] = ()
 
   @classmethod
-  def from_module(cls, module: Any, policy: Any = None, mechanism: str = "inputs", audit: bool = False) -> "NnxModel":
+  def from_module(
+    cls, module: Any, policy: Any = None, mechanism: str = "inputs", audit: bool = False, keep: tuple[str, ...] = ()
+  ) -> "NnxModel":
     from flax import nnx
     from jmp_train._src.flax import nnx_modules
 
@@ -397,7 +401,7 @@ class NnxModel:
       if policy.fp8 is not None:
         user_graphdef = None  # FP8 scaling state: only the configured module holds it
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    return cls(graphdef, params, _key_to_data(rest), policy, mechanism, user_graphdef, audit)
+    return cls(graphdef, params, _key_to_data(rest), policy, mechanism, user_graphdef, audit, keep)
 
   def initial(self, params: Any, model_state: Any, inputs: Any = None, axis_name: str | None = None) -> tuple[Any, Any]:
     """``(params, model_state)``, the latter with autocast's FP8 site states made if missing.
@@ -413,7 +417,7 @@ class NnxModel:
     if params is None:
       params, rest = self.params, self.rest
     elif _is_nnx_module(params):
-      other = NnxModel.from_module(params, self.policy, self.mechanism)
+      other = NnxModel.from_module(params, self.policy, self.mechanism, keep=self.keep)
       if jax.tree.structure(other.params) != jax.tree.structure(self.params):
         raise ValueError(
           "init got an nnx.Module whose parameters differ in structure from the module the step was built from."
@@ -481,7 +485,7 @@ class NnxModel:
       # The recompute of apply_policy's wrapper; inputs are cast by the step.
       return call_module(nnx_modules.NNXPolicyWrapper(model, self.policy, cast_inputs=False), inputs)
     if self.mechanism == "autocast":
-      return model_policy.autocast_call(model, inputs, self.policy)
+      return model_policy.autocast_call(model, inputs, self.policy, self.keep)
     return call_module(model, inputs)
 
   def train_apply(self, params, model_state, inputs, rng, replica):
@@ -540,13 +544,13 @@ def _nnx_sites(model_state: Any) -> dict[str, Any]:
   return nnx.to_pure_dict(model_state[sites.SITES])
 
 
-def _linen_apply_fn(fn: Any, policy: Any, mechanism: str) -> Any:
+def _linen_apply_fn(fn: Any, policy: Any, mechanism: str, keep: tuple[str, ...] = ()) -> Any:
   """``fn`` with the policy applied by ``mechanism`` (``"flax"`` falls back to autocast)."""
   from jmp_train._src.train import model_policy
 
   if mechanism == "flax" and model_policy.linen_parts(fn) is None:
     mechanism = "autocast"  # an evaluation function that is no linen apply
-  return model_policy.linen_apply(fn, policy, mechanism)
+  return model_policy.linen_apply(fn, policy, mechanism, keep)
 
 
 def as_model(
@@ -555,6 +559,7 @@ def as_model(
   rng_collections: Sequence[str],
   policy: Any = None,
   model_policy: str = "inputs",
+  keep: tuple[str, ...] = (),
 ) -> LinenModel | NnxModel:
   """The model interface for what was passed as ``apply_fn``.
 
@@ -567,6 +572,7 @@ def as_model(
     model_policy: how the policy reaches the model's products (see
       ``train.model_policy``): ``"auto"``, ``"flax"``, ``"autocast"`` or
       ``"inputs"``.
+    keep: scopes whose weight products autocast keeps in the compute dtype.
 
   Returns:
     A :class:`LinenModel` or :class:`NnxModel`.
@@ -593,7 +599,7 @@ def as_model(
       raise TypeError(
         "eval_apply_fn is not used with an nnx.Module: evaluation calls module.eval() on a copy of the module."
       )
-    return NnxModel.from_module(apply_fn, policy, mechanism, audit)
+    return NnxModel.from_module(apply_fn, policy, mechanism, audit, keep)
   if _is_linen_module(apply_fn):
     apply_fn = apply_fn.apply
   if _is_linen_module(eval_apply_fn):
@@ -608,6 +614,6 @@ def as_model(
   rng_collections = tuple(rng_collections)
   linen = mp.linen_parts(apply_fn) is not None
   if mechanism != "inputs":
-    apply_fn = mp.linen_apply(apply_fn, policy, mechanism)
-    eval_apply_fn = None if eval_apply_fn is None else _linen_apply_fn(eval_apply_fn, policy, mechanism)
+    apply_fn = mp.linen_apply(apply_fn, policy, mechanism, keep)
+    eval_apply_fn = None if eval_apply_fn is None else _linen_apply_fn(eval_apply_fn, policy, mechanism, keep)
   return LinenModel(apply_fn, eval_apply_fn, rng_collections, mechanism, audit, policy, linen)

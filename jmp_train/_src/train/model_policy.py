@@ -137,13 +137,15 @@ def default_mechanism(fn: Any, policy: Policy) -> str:
   return "autocast"
 
 
-def _autocast(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+def _autocast(fn: Callable[..., Any], policy: Policy, keep: tuple[str, ...] = ()) -> Callable[..., Any]:
   from jmp_train._src.autocast.transform import autocast
 
-  return autocast(fn, policy, params_argnums=0)
+  return autocast(fn, policy, params_argnums=0, keep=keep)
 
 
-def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str) -> Callable[..., Any] | None:
+def linen_apply(
+  fn: Callable[..., Any] | None, policy: Policy, mechanism: str, keep: tuple[str, ...] = ()
+) -> Callable[..., Any] | None:
   """``fn`` (a linen-style apply) with ``policy`` applied by ``mechanism``."""
   if fn is None or mechanism == "inputs" or applies_policy(fn):
     return fn
@@ -160,7 +162,7 @@ def linen_apply(fn: Callable[..., Any] | None, policy: Policy, mechanism: str) -
 
     module, args, kwargs = parts
     return functools.partial(flax_policy.apply_policy(module, policy).apply, *args, **kwargs)
-  return _autocast(fn, policy)
+  return _autocast(fn, policy, keep)
 
 
 # ---------------------------------------------------------------------------
@@ -255,11 +257,31 @@ def audited(
   return model
 
 
-def autocast_call(module: Any, inputs: Any, policy: Policy) -> Any:
+def autocast_call(module: Any, inputs: Any, policy: Policy, keep: tuple[str, ...] = ()) -> Any:
   """``module(inputs)`` for an NNX module, under :func:`jmp_train.autocast`.
 
   ``inputs`` splatted as the module's signature needs (``train.model.call_module``).
   """
   from jmp_train._src.train.model import call_module
 
-  return _autocast(call_module, policy)(module, inputs)
+  return _autocast(call_module, policy, keep)(module, inputs)
+
+
+def check_keep(keep: Any, model_policy: str) -> tuple[str, ...]:
+  """``keep`` as rules, if the model policy applies them.
+
+  Raises:
+    TypeError: for rules that are not strings.
+    ValueError: for rules with ``model_policy="flax"`` or ``"inputs"``.
+  """
+  from jmp_train._src.autocast.lists import check_keep as check_rules
+
+  rules = check_rules(keep)
+  if rules and model_policy not in ("auto", "autocast"):
+    raise ValueError(
+      f"keep={rules!r} names products that autocast keeps in the compute dtype, but "
+      f"model_policy={model_policy!r} does not run the model under autocast. Use "
+      "model_policy='auto' (the default), or with 'flax' keep a layer out of FP8 by "
+      "jmp_train.flax.apply_policy(model, policy, float32_paths=(...))."
+    )
+  return rules

@@ -30,6 +30,7 @@ from jmp_train._src.train.setup import compose
 from jmp_train._src.train.setup import layout
 from jmp_train._src.train.setup import warn_float16_without_loss_scale
 from jmp_train._src.train.setup import warn_half_weights_without_narrow_rule
+from jmp_train._src.train.model_policy import check_keep
 from jmp_train._src.train.model_policy import check_model_policy
 from jmp_train._src.train.state import TrainStep
 
@@ -49,6 +50,7 @@ def make_train_step(
   mesh: Mesh | None = None,
   has_aux: bool = False,
   model_policy: str = "auto",
+  keep: Sequence[str] | str | None = None,
   cast_params: bool | None = None,
   regularizer: Callable[[Any], Any] | None = None,
   rng_collections: Sequence[str] = ("dropout",),
@@ -153,6 +155,13 @@ def make_train_step(
       ``UserWarning`` names the products still wider than the compute dtype
       (inside a ``custom_vjp`` rule or a kernel, which autocast runs as
       traced).
+    keep: under an FP8 or INT8 policy, the weight products that stay in the
+      compute dtype (a first convolution, an LM head), by the scope they
+      run in (a linen module's path, an NNX attribute path, a
+      ``jax.named_scope``; shell globs: ``"head"``, ``"blocks/0/*"``) or by
+      the site names :func:`jmp_train.int8.sensitivity` proposes. A rule
+      that matches no weight product raises a ``ValueError`` at the first
+      trace; with ``model_policy="flax"`` or ``"inputs"``, at once.
     cast_params: cast parameters to the compute dtype before ``apply_fn``
       (the jmp way). Default (``None``): ``True`` when the model receives its
       parameters as stored (``model_policy="inputs"``, a model that applies
@@ -289,6 +298,7 @@ def make_train_step(
     remat_policy=remat_policy,
   )
   model_policy = check_model_policy(model_policy)
+  keep = check_keep(keep, model_policy)
   if regularizer is not None and not callable(regularizer):
     raise TypeError(
       f"regularizer must be None or a function of the parameters returning a scalar, "
@@ -298,7 +308,7 @@ def make_train_step(
   policy = get_policy(policy)
   warn_float16_without_loss_scale(policy, loss_scale)
   warn_half_weights_without_narrow_rule(policy, optimizer, compression)
-  model = train_model.as_model(apply_fn, eval_apply_fn, rng_collections, policy, model_policy)
+  model = train_model.as_model(apply_fn, eval_apply_fn, rng_collections, policy, model_policy, keep)
   if cast_params is None:
     cast_params = model.mechanism == "inputs"
   mesh, num_replicas = layout(mode, axis_name, mesh)
