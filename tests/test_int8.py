@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jmp_train
+from jmp_train._src.int8 import products as int8_products
 import jmp_train.int8
 from helpers.int8 import ConvNet
 
@@ -239,3 +240,60 @@ def test_mixed_int8_training_tracks_mixed_bfloat16():
   # The step's own lowered HLO multiplies int8 codes.
   x, y = _task()
   assert ("i8", "i8", "i32") in _products(step.lower(state, (x[:64], y[:64])).as_text())
+
+
+# ---------------------------------------------------------------------------
+# The opt-in int8 backward: stochastically rounded gradients, int8 codes.
+
+
+def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_loses_the_value():
+  x = jnp.full((20000,), 0.3)
+  q = jmp_train.int8.int8_quantize(x, jnp.float32(1.0))
+  sr = int8_products.stochastic_quantize(x, jnp.float32(1.0), jax.random.key(3))
+  assert not np.any(np.asarray(q))  # nearest: every 0.3 step is lost
+  assert sorted(set(np.asarray(sr).tolist())) == [0, 1] and abs(float(sr.astype(jnp.float32).mean()) - 0.3) < 0.02
+  # The gradient's own bits seed the rounding: another gradient, other noise.
+  g1, g2 = jnp.full((8, 8), 0.3), jnp.full((8, 8), 0.31)
+  assert not np.array_equal(
+    jax.random.key_data(int8_products._gradient_key(g1)), jax.random.key_data(int8_products._gradient_key(g2))
+  )
+
+
+@pytest.mark.parametrize("product", ["dot", "conv"])
+def test_int8_backward_runs_every_gradient_product_on_int8_codes(product):
+  recipe = jmp_train.int8.Int8Recipe(backward="int8")
+  rng = np.random.default_rng(0)
+  if product == "dot":
+    x, w = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32), jnp.asarray(rng.normal(size=(32, 16)) / 6, jnp.float32)
+    f = lambda a, b, r: jmp_train.int8.int8_dot_general(a, b, DN, recipe=r)  # noqa: E731
+    ref = lambda a, b: a @ b  # noqa: E731
+  else:
+    x, w = (
+      jnp.asarray(rng.normal(size=(4, 8, 8, 8)), jnp.float32),
+      jnp.asarray(rng.normal(size=(3, 3, 8, 8)) / 8, jnp.float32),
+    )
+    kw = dict(dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    f = lambda a, b, r: jmp_train.int8.int8_conv_general_dilated(a, b, (1, 1), "SAME", recipe=r, **kw)  # noqa: E731
+    ref = lambda a, b: jax.lax.conv_general_dilated(a, b, (1, 1), "SAME", **kw)  # noqa: E731
+  grad = jax.jit(jax.grad(lambda a, b, r: jnp.sum(jnp.sin(f(a, b, r))), (0, 1)), static_argnums=2)
+  types = _products(grad.lower(x, w, recipe).as_text())
+  assert len(types) == 3 and all(t == ("i8", "i8", "i32") for t in types), types
+  # The float backward keeps float gradient products (the default).
+  assert _products(grad.lower(x, w, jmp_train.int8.Int8Recipe()).as_text())[1][0] == "f32"
+  want = jax.grad(lambda a, b: jnp.sum(jnp.sin(ref(a, b))), (0, 1))(x, w)
+  assert _rel_err(dict(enumerate(grad(x, w, recipe))), dict(enumerate(want))) < 0.05
+
+
+def test_mixed_int8_with_an_int8_backward_trains_and_its_step_multiplies_int8_codes_only():
+  policy = jmp_train.get_policy("p=f32,c=bf16,o=f32,matmul=int8,int8_backward=int8")
+  assert policy.int8.backward == "int8" and jmp_train.get_policy(str(policy)) == policy
+  losses, step, state = _train(policy)
+  bf16, _, _ = _train("mixed_bfloat16")
+  assert losses[-1] < 0.5 * losses[0]
+  assert abs(losses[-5:].mean() - bf16[-5:].mean()) < 0.1 * bf16[-5:].mean() + 0.02, (losses[-5:], bf16[-5:])
+  x, y = _task()
+  types = _products(step.lower(state, (x[:64], y[:64])).as_text())
+  # Two forward products, both weight gradients and the hidden activation's: all on int8 codes.
+  assert len(types) == 5 and all(t == ("i8", "i8", "i32") for t in types), types
+  with pytest.raises(ValueError, match=r"backward must be one of \('float', 'int8'\)"):
+    jmp_train.int8.Int8Recipe(backward="fp8")

@@ -137,7 +137,7 @@ def product(policy: Any, eqn: Any, vals: Sequence[Any], weight: int = 1, scope: 
   out_dtype = policy.compute_dtype
   if policy.int8 is not None:
     fine = int8_fine(policy.int8, eqn, weight)
-    return int8_products.int8_product(op_of(eqn), lhs, rhs, fine, None, out_dtype)
+    return int8_products.int8_product(op_of(eqn), lhs, rhs, fine, None, out_dtype, policy.int8.backward)
   recipe = dataclasses.replace(policy.fp8, scaling="current")
   fmt = fp8_products.Fp8Format(recipe)
   return narrow.narrow_product(op_of(eqn), fmt, lhs.dtype, rhs.dtype, out_dtype)(lhs, rhs, None)

@@ -247,8 +247,9 @@ def _conv(lhs: jax.Array, rhs: jax.Array, **params: Any) -> jax.Array:
 
 def _replay(jaxpr: Any, *args: jax.Array) -> jax.Array:
   """Evaluates a transposed product's jaxpr, traced on float32 stand-ins,
-  on the backward operands: its product takes them as they are, the data
-  movement around it (transpose, reverse, reshape) works in any dtype."""
+  on the backward operands: its product takes them as they are (integer
+  codes with int32 accumulation), the data movement around it (transpose,
+  reverse, reshape) works in any dtype."""
   env = dict(zip(jaxpr.jaxpr.invars, args))
   env.update(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
   read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
@@ -257,7 +258,13 @@ def _replay(jaxpr: Any, *args: jax.Array) -> jax.Array:
     # Under shard_map, operands must vary over the same mesh axes.
     axes = frozenset().union(*map(varying_axes, invals))
     invals = [pvary(x, axes) for x in invals]
-    if eqn.primitive is lax.conv_general_dilated_p:
+    if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p) and all(
+      jnp.issubdtype(x.dtype, jnp.integer) for x in invals
+    ):
+      # Integer codes (an INT8 backward): int32 accumulation, as the forward's.
+      params = {**eqn.params, "preferred_element_type": jnp.int32}
+      outs = [eqn.primitive.bind(*invals, **params).astype(jnp.float32)]
+    elif eqn.primitive is lax.conv_general_dilated_p:
       outs = [_conv(*invals, **eqn.params)]
     else:
       outs = eqn.primitive.bind(*invals, **eqn.params)

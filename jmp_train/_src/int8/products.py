@@ -47,6 +47,7 @@ __all__ = [
   "int8_product",
   "int8_quantize",
   "int8_scale",
+  "stochastic_quantize",
 ]
 
 # The name scope of the INT8 products (diagnostics find them by it).
@@ -115,11 +116,16 @@ class Int8Format:
     fine: per operand (left, right), whether its current scale is fine (per
       row of an activation, per output channel of a weight: the amax over
       the contracting axes) rather than per tensor.
+    backward: ``"float"``: the backward products on the output gradient
+      and the dequantized operands in the compute dtype; ``"int8"``: on
+      int8 codes, the gradient stochastically rounded, all three per tensor.
   """
 
   fine: tuple[bool, bool] = (True, True)
   scope: str = INT8_SCOPE
   accumulate: Any = jnp.int32
+  # The backward products' operands: "float" or "int8" (Int8Recipe.backward).
+  backward: str = "float"
 
   def quantize(self, x, meta, side, op):
     given = None if meta is None else meta[side]
@@ -135,10 +141,17 @@ class Int8Format:
 
   def gradient(self, g, meta):
     del meta
+    if self.backward == "int8":
+      scale = int8_scale(jnp.max(jnp.abs(g)))
+      return Quantized(stochastic_quantize(g, scale, _gradient_key(g)), scale)
     return Quantized(g.astype(_backward_dtype(g.dtype)), None)
 
   def backward_operand(self, q, dtype):
-    return Quantized((q.codes.astype(jnp.float32) * q.scale).astype(_backward_dtype(dtype)), None)
+    values = q.codes.astype(jnp.float32) * q.scale
+    if self.backward == "int8":  # per tensor: a fine scale lies on the backward's contracting axis
+      scale = int8_scale(jnp.max(jnp.abs(values)))
+      return Quantized(int8_quantize(values, scale), scale)
+    return Quantized(values.astype(_backward_dtype(dtype)), None)
 
   def rescale(self, out, s_a, s_b):
     for s in (s_a, s_b):
@@ -149,6 +162,33 @@ class Int8Format:
   def new_meta(self, meta, lhs, rhs, grad):
     del lhs, rhs, grad
     return None if meta is None else jax.tree.map(jnp.zeros_like, meta)
+
+
+def stochastic_quantize(x: jax.Array, scale: jax.Array, key: jax.Array) -> jax.Array:
+  r"""``clip(floor(x / scale + u), -128, 127)`` as ``int8``, :math:`u \sim U[0, 1)` drawn from ``key``.
+
+  Stochastic rounding: :math:`E[q] = x / \Delta` inside the range, so a
+  value far below one step still contributes its share on average.
+
+  Examples:
+    >>> q = stochastic_quantize(jnp.full((10000,), 0.1), jnp.float32(1.0), jax.random.key(0))
+    >>> sorted(set(q.tolist())), round(float(q.mean()), 1)
+    ([0, 1], 0.1)
+  """
+  r = jnp.asarray(x, jnp.float32) / scale
+  u = jax.random.uniform(key, r.shape, jnp.float32)
+  return jnp.clip(jnp.floor(r + u), _QMIN, _QMAX).astype(jnp.int8)
+
+
+def _gradient_key(g: jax.Array) -> jax.Array:
+  """A PRNG key for rounding ``g``, from its own bits (a backward pass has no key to hand).
+
+  The sum of ``|g|``, bitcast to an integer, differs from step to step and
+  from replica to replica, so the rounding noise does too; it is drawn
+  independently of each element's own fraction.
+  """
+  total = jnp.sum(jnp.abs(g.astype(jnp.float32)))
+  return jax.random.key(jax.lax.bitcast_convert_type(total, jnp.uint32))
 
 
 def _backward_dtype(dtype: Any) -> Any:
@@ -177,10 +217,17 @@ def _scales(lhs_scale: Any, rhs_scale: Any) -> Int8Scales | None:
 
 
 def int8_product(
-  op: narrow.ProductOp, lhs: jax.Array, rhs: jax.Array, fine: tuple[bool, bool], scales: Int8Scales | None, out_dtype
+  op: narrow.ProductOp,
+  lhs: jax.Array,
+  rhs: jax.Array,
+  fine: tuple[bool, bool],
+  scales: Int8Scales | None,
+  out_dtype,
+  backward: str = "float",
 ) -> jax.Array:
   """``op(lhs, rhs)`` on int8 codes, int32 accumulation, in ``out_dtype`` (the shared entry)."""
-  product = narrow.narrow_product(op, Int8Format(tuple(fine)), lhs.dtype, rhs.dtype, out_dtype)
+  fmt = Int8Format(tuple(fine), backward=backward)
+  product = narrow.narrow_product(op, fmt, lhs.dtype, rhs.dtype, out_dtype)
   return product(lhs, rhs, scales)
 
 
@@ -205,7 +252,8 @@ def int8_dot_general(
   :math:`(q_a \cdot q_b) \Delta_a \Delta_b`, in ``preferred_element_type``
   (default: the operands' dtype). Gradients: the straight-through
   estimator, zero where a given scale clipped, products in the operands'
-  dtype. ``precision`` is ignored.
+  dtype (on int8 codes with ``recipe.backward="int8"``). ``precision`` is
+  ignored.
 
   Args:
     lhs, rhs, dimension_numbers, precision, preferred_element_type: as for
@@ -236,7 +284,7 @@ def int8_dot_general(
   out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
   fine = (recipe.activation == "per_row", recipe.weight == "per_channel")
   op = narrow.dot_op(dimension_numbers, out_sharding)
-  return int8_product(op, lhs, rhs, fine, _scales(lhs_scale, rhs_scale), out_dtype)
+  return int8_product(op, lhs, rhs, fine, _scales(lhs_scale, rhs_scale), out_dtype, recipe.backward)
 
 
 def int8_conv_general_dilated(
@@ -265,4 +313,5 @@ def int8_conv_general_dilated(
   recipe = _check_recipe(recipe, "int8_conv_general_dilated")
   out_dtype = kwargs.pop("preferred_element_type", None) or jnp.result_type(lhs, rhs)
   op = narrow.conv_op(*args, **kwargs)
-  return int8_product(op, lhs, rhs, (False, recipe.weight == "per_channel"), _scales(lhs_scale, rhs_scale), out_dtype)
+  fine = (False, recipe.weight == "per_channel")
+  return int8_product(op, lhs, rhs, fine, _scales(lhs_scale, rhs_scale), out_dtype, recipe.backward)

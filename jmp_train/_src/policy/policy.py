@@ -47,7 +47,7 @@ _FP8_PRESETS: dict[str, Fp8Recipe | Int8Recipe] = {
 }
 # Keys of a spec that choose narrow (FP8, INT8) matmuls and their scaling recipe.
 _MATMUL_VALUES = {"fp8": "delayed", "fp8_delayed": "delayed", "fp8_current": "current", "int8": "int8"}
-_INT8_KEYS = {"int8_activation": "activation", "int8_weight": "weight"}
+_INT8_KEYS = {"int8_activation": "activation", "int8_weight": "weight", "int8_backward": "backward"}
 _FP8_KEYS = ("matmul", "fp8_history", "fp8_margin", "fp8_amax", *_INT8_KEYS)
 _ACCEPTED_DTYPES = sorted(set(_DTYPE_ALIASES) | {"half"})
 _ACCEPTED_KEYS = sorted(set(_KEY_ALIASES) | set(_FP8_KEYS))
@@ -251,9 +251,9 @@ def get_policy(spec: str | Policy) -> Policy:
     :class:`~jmp_train.Fp8Recipe`), e.g.
     ``"p=f32,c=bf16,o=f32,matmul=fp8_current"``;
   * INT8 matmuls: ``matmul=int8``, with optional
-    ``int8_activation=per_row|per_tensor`` and
-    ``int8_weight=per_channel|per_tensor`` (the fields of
-    :class:`~jmp_train.int8.Int8Recipe`).
+    ``int8_activation=per_row|per_tensor``,
+    ``int8_weight=per_channel|per_tensor`` and ``int8_backward=float|int8``
+    (the fields of :class:`~jmp_train.int8.Int8Recipe`).
 
   Args:
     spec: the string, or a :class:`Policy` (returned as is).
