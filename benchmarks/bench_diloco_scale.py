@@ -23,9 +23,7 @@ yielded as they finish. On a GPU by the GPU probe (:mod:`benchmarks._probe`;
 ``BENCH_DILOCO_SCALE_STEPS``, default 2,000); ``--quick`` (any backend):
 width 32, 32 steps, sequences of 16, one Adam and the 1-bit row (a smoke
 test). A full run elsewhere is skipped. A row whose optimizer cannot run
-under ``vmap`` records its ``error`` instead (with JAX 0.10,
-:func:`jmp_train.sign_compression`'s ``all_gather(..., to="invarying")``
-fails under ``vmap``: its collectives are written for ``shard_map``).
+under ``vmap`` records its ``error`` instead.
 """
 
 from __future__ import annotations

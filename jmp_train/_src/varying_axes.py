@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["cond", "pvary", "varying_axes"]
+__all__ = ["all_gather_invariant", "cond", "pvary", "varying_axes"]
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -61,6 +61,24 @@ def pvary(x: Any, axes: frozenset[str]) -> Any:
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, missing, to="varying")
   return jax.lax.pvary(x, missing)
+
+
+def all_gather_invariant(x: Any, axis_name: Any) -> Any:
+  """``lax.all_gather(x, axis_name)``, typed the same on every replica.
+
+  Under ``shard_map`` a gathered value that varies over ``axis_name`` is
+  gathered ``to="invarying"`` (every replica holds the whole); under
+  ``vmap`` or ``pmap``, or where the value carries no varying axes, the
+  plain gather is the same value (``to="invarying"`` is refused there).
+
+  Examples:
+    >>> jax.vmap(lambda v: all_gather_invariant(v, "i"), axis_name="i")(jnp.arange(2.0)).tolist()
+    [[0.0, 1.0], [0.0, 1.0]]
+  """
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  if set(names) & varying_axes(x):
+    return jax.lax.all_gather(x, axis_name, to="invarying")
+  return jax.lax.all_gather(x, axis_name)
 
 
 def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:

@@ -59,6 +59,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jmp_train._src.varying_axes import all_gather_invariant
 from jmp_train._src import buckets as buckets_lib
 from jmp_train._src.hyperparams import check_int
 from jmp_train._src.leaf_checks import check_leaves
@@ -182,9 +183,9 @@ def _exchange(q, scale, e, axis_name: str, k: int, wire: str):
   if e is not None:
     e = _keep_if_finite(u - _dequantize(o_q, o_s, wire), e, u, o_s, wire)
   if wire == "bfloat16":
-    all_q, all_s = lax.all_gather(o_q, axis_name, to="invarying"), o_s
+    all_q, all_s = all_gather_invariant(o_q, axis_name), o_s
   else:
-    gathered = lax.all_gather(append_floats(o_q, o_s), axis_name, to="invarying")
+    gathered = all_gather_invariant(append_floats(o_q, o_s), axis_name)
     all_q, all_s = split_floats(gathered, o_q.shape[-1], o_s.shape[-1:])
   return _dequantize(all_q, all_s, wire).reshape(-1), e
 

@@ -72,6 +72,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jmp_train._src.varying_axes import all_gather_invariant
 from jmp_train._src import varying_axes
 from jmp_train._src.compression import sign_codec
 from jmp_train._src.buckets import bucket_sizes, check_bucket_bytes
@@ -210,7 +211,7 @@ def _compress_bucket(leaves, r, e, layout: Layout, cfg: _Config):
   )
   e = e if new_e is None else new_e
   # Phase 2: everyone gathers the owners' packed chunks and pairs.
-  gathered = lax.all_gather(append_floats(o_bits, o_pairs), axis, to="invarying")
+  gathered = all_gather_invariant(append_floats(o_bits, o_pairs), axis)
   all_bits, all_pairs = split_floats(gathered, s // 8, o_pairs.shape)
   out = sign_codec.final_decode(all_bits, all_pairs, layout, [jnp.float32] * len(leaves))
   return out, r, e
