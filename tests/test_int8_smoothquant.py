@@ -170,3 +170,18 @@ def test_convolutions_shared_and_kept_weights_stay_unsmoothed(outliers):
   np.testing.assert_array_equal(model.params["w1"], p["w1"])
   ref = _mlp(p, batches[0])
   assert float(jnp.abs(model(batches[0]) - ref).max()) < 0.05 * float(jnp.abs(ref).max())
+
+
+def test_models_of_one_function_share_their_compiled_inference(outliers, smoothed):
+  # One model per calibration method: the same function with other scales
+  # and codes, compiled once per input shape; a smoothed model (its factors
+  # are constants of its function) has its own.
+  p, batches, x = outliers
+  models = [int8.quantize(_mlp, p, int8.calibrate(_mlp, p, batches, method=m)) for m in ("max", "mse")]
+  assert models[0]._call is models[1]._call
+  before = models[0]._call._cache_size()
+  outs = [np.asarray(m(x)) for m in models]
+  assert models[0]._call._cache_size() <= before + 1  # one compilation for both
+  # Each model's own scales: the outputs differ as the scales do.
+  assert models[0].scales != models[1].scales and not np.array_equal(outs[0], outs[1])
+  assert smoothed[1]._call is not models[0]._call

@@ -20,6 +20,7 @@ multiplied by :math:`1/s` before it is quantized.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -121,36 +122,54 @@ class QuantizedModel:
         f"QuantizedModel got float weights at {floats}: a quantized model holds them as "
         "jmp_train.int8.Int8Weight (int8 codes, float32 scales). Build it with jmp_train.int8.quantize."
       )
-    self._call = jax.jit(self.inference_fn())
+    if self.smoothing:  # the factors are constants of the function
+      self._call = jax.jit(self.inference_fn())
+    else:  # models of one function and kept sites share one jitted function (and its compilations)
+      self._call = _shared_inference(self.apply_fn, frozenset(self.kept))
 
   def inference_fn(self) -> Callable[[Any, dict[str, Any], Any], Any]:
     """The pure function ``f(params, scales, x)`` the model calls (for ``jax.export``)."""
-    apply_fn, kept = self.apply_fn, frozenset(self.kept)
     inverses = {site: smooth_lib.inverse(s) for site, s in self.smoothing.items()}
-
-    def infer(params, scales, x):
-      from jmp_train._src.autocast.transform import autocast
-
-      def hook(site, vals, policy):
-        del policy
-        if site.name in kept:
-          return calib.bind(site, vals)
-        if site.name not in scales:
-          raise ValueError(
-            f"The quantized model has no activation scale for the weight product at site {site.name!r} "
-            f"(it has {sorted(scales)}): calibrate this function, with the same input structure."
-          )
-        if site.name in inverses:
-          vals = smoothed(site, vals, inverses[site.name])
-        return static_product(site, vals, scales[site.name])
-
-      with scaled.hooked(hook):
-        return autocast(apply_fn, calib.float_policy())(dequantize_params(params), x)
-
-    return infer
+    return _inference(self.apply_fn, frozenset(self.kept), inverses)
 
   def __call__(self, x: Any) -> Any:
     return self._call(self.params, self.scales, x)
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_inference(apply_fn: Callable[..., Any], kept: frozenset[str]) -> Callable[..., Any]:
+  """The jitted inference of ``apply_fn`` with ``kept`` sites (scales and weights are arguments).
+
+  Quantized models that differ only in their scales and codes (one per
+  calibration method) call the same function, so XLA compiles it once per
+  input shape.
+  """
+  return jax.jit(_inference(apply_fn, kept, {}))
+
+
+def _inference(apply_fn: Callable[..., Any], kept: frozenset[str], inverses: dict[str, Any]) -> Callable[..., Any]:
+  """``f(params, scales, x)``: ``apply_fn`` with its weight products on int8 codes."""
+
+  def infer(params, scales, x):
+    from jmp_train._src.autocast.transform import autocast
+
+    def hook(site, vals, policy):
+      del policy
+      if site.name in kept:
+        return calib.bind(site, vals)
+      if site.name not in scales:
+        raise ValueError(
+          f"The quantized model has no activation scale for the weight product at site {site.name!r} "
+          f"(it has {sorted(scales)}): calibrate this function, with the same input structure."
+        )
+      if site.name in inverses:
+        vals = smoothed(site, vals, inverses[site.name])
+      return static_product(site, vals, scales[site.name])
+
+    with scaled.hooked(hook):
+      return autocast(apply_fn, calib.float_policy())(dequantize_params(params), x)
+
+  return infer
 
 
 def smoothed(site: scaled.Site, vals: Any, inverse: Any) -> list[Any]:
