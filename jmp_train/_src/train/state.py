@@ -294,10 +294,11 @@ class TrainStep:
       rng: a PRNG key or an int seed for dropout-style randomness, or None.
         (An ``nnx.Module`` draws from its own ``nnx.Rngs`` streams instead.)
       inputs: example inputs (one batch's inputs, or ``jax.ShapeDtypeStruct``
-        s of their shapes), or None. Only a linen model under an FP8 policy
-        that the step applies needs them: the model is traced on them (not
-        run) to make each product's scaling state, the ``"fp8_meta"``
-        collection, when ``model_state`` does not hold it.
+        s of their shapes), or None. Only a model under an FP8 policy with
+        delayed scaling (``"mixed_float8"``) needs them, a linen or NNX
+        module or a function: the model is traced on them (not run) to find
+        its FP8 products and make each one's scaling state, keyed by its
+        site, when ``model_state`` does not hold it.
 
     Returns:
       The state: plain arrays in ``"single"`` mode; one copy per device (a
@@ -306,7 +307,9 @@ class TrainStep:
     Raises:
       ValueError: if a parameter holds inf or NaN, as given or once cast to
         ``policy.param_dtype`` (a float32 value beyond float16's 65504),
-        naming its path (checked once, on the host).
+        naming its path (checked once, on the host); under an FP8 policy
+        with delayed scaling, if ``inputs`` is missing where the scaling
+        state must be made.
     """
     params, model_state = self._model.initial(params, model_state, inputs, self.axis_name)
     _check_finite(params, "")
