@@ -17,9 +17,9 @@ per window), each trained in float32 (Adam, cosine decay), then:
 * ``qat``: ``"mixed_int8"`` fine-tuning of the float32 weights for 10% of the
   float run's steps (a tenth of its peak learning rate), then PTQ with the
   best method;
-* ``qwix_<method>``: Qwix's static-range PTQ of the same model (int8 weights
-  and activations, its ``absmax`` / ``minmax`` calibration over the same
-  batches), where Qwix installs;
+* ``qwix_<method>``: Qwix's static-range PTQ of the same model's weight
+  products (int8 weights and activations, its ``absmax`` / ``minmax``
+  calibration over the same batches), where Qwix installs;
 * ``scratch_mixed_int8`` against ``scratch_mixed_bfloat16``: both policies'
   training from the same initial weights on the same batches (final
   validation metric and loss, median step time);
@@ -261,37 +261,59 @@ def _ort_session(path: pathlib.Path):
 
 
 def _qwix(task: _Task, params, model_state, method: str) -> tuple[float | None, str]:
-  """Qwix's static-range int8 PTQ on the same model and calibration batches: (metric, note)."""
+  """Qwix's static-range int8 PTQ on the same model and calibration batches: (metric, note).
+
+  Qwix's documented linen flow: a ``QtProvider`` model collects ``quant_stats`` over the
+  calibration batches, then ``quantize_params`` turns them and the float weights into a
+  ``PtqProvider`` model's parameters. Like ours, only weight products are quantized
+  (``op_names``: Flax's ``Dense``/``DenseGeneral``/``Conv`` go through ``dot_general`` and
+  ``conv_general_dilated``; its attention's two ``einsum`` products of activations stay in
+  float, where Qwix's static ranges fail: ``QtProvider`` records an einsum's statistics for
+  ``jnp.einsum``'s inner ``dot_general`` operands (there swapped and transposed) while
+  ``PtqProvider`` expects them for the einsum's own operands (``ScopeParamShapeError``), and
+  ``minmax`` would make both operands asymmetric, which Qwix refuses). The text model's activations are
+  ``[batch, sequence, ...]``: both leading axes are batch axes (``act_batch_axes``), one
+  static scale per tensor as ours, not one per sequence position. Calibration runs without
+  ``jax.jit``, as in Qwix's documentation: its ``conv_general_qt`` writes ``quant_stats``
+  inside a ``jax.custom_vjp`` function, which a ``jit`` without differentiation traces on
+  its own, so the write leaks a tracer (``UnexpectedTracerError``).
+  """
   try:
     import qwix
   except ImportError as e:
     return None, f"qwix not installed ({e}): pip install qwix"
+  batch_axes = (0,) if task.classifier else (0, 1)
   try:
     rules = [
       qwix.QtRule(
         module_path=".*",
+        op_names=("dot_general", "conv_general_dilated"),
         weight_qtype=jnp.int8,
         act_qtype=jnp.int8,
         act_static_scale=True,
         act_calibration_method=method,
+        act_batch_axes=batch_axes,
       )
     ]
     example = jnp.asarray(task.calib[0])
     qt = qwix.quantize_model(task.model, qwix.QtProvider(rules))
     stats = jax.eval_shape(qt.init, jax.random.key(0), example).get("quant_stats", {})
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
-    observe = jax.jit(
-      lambda s, x: qt.apply({"params": params, **model_state, "quant_stats": s}, x, mutable=["quant_stats"])[1][
-        "quant_stats"
-      ]
-    )
-    for x in task.calib:
-      stats = observe(stats, jnp.asarray(x))
+    for x in task.calib:  # eagerly: see the docstring
+      variables = {"params": params, **model_state, "quant_stats": stats}
+      stats = qt.apply(variables, jnp.asarray(x), mutable=["quant_stats"])[1]["quant_stats"]
     ptq = qwix.quantize_model(task.model, qwix.PtqProvider(rules))
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), example)
     qparams = qwix.quantize_params(params, abstract["params"], stats)
     out = jax.jit(lambda x: ptq.apply({"params": qparams, **model_state}, x))(jnp.asarray(task.test_x))
-    return task.score(out), "qwix " + getattr(qwix, "__version__", "") + ": all dot_general/einsum/conv ops int8"
+    sites = sum(path[-1].key == "count" for path, _ in jax.tree_util.tree_leaves_with_path(stats))
+    if not sites:
+      return None, f"qwix quantized no product of {task.name} (no dot_general/conv_general_dilated intercepted)"
+    note = (
+      f"qwix {getattr(qwix, '__version__', '')}: {sites} dot_general/conv weight products int8 (weights per channel, "
+      f"activations one static scale per tensor, act_batch_axes {batch_axes}); activation-activation einsums float"
+    )
+    return task.score(out), note
   except Exception as e:  # Qwix's failure is a row, not a crash.
     return None, f"qwix failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
 

@@ -375,4 +375,4 @@ def _folds(apply_fn, params, inputs, kept, smoothing, leaves) -> dict[int, jax.A
 
 def _site_names(model: QuantizedModel, inputs: Any) -> list[str]:
   """The function's sites, in evaluation order."""
-  return list(calib.site_table(model.apply_fn, dequantize_params(model.params), inputs))
+  return list(calib.site_table(model.apply_fn, jax.eval_shape(dequantize_params, model.params), inputs))
