@@ -109,10 +109,18 @@ def non_finite_leaves(tree: Any) -> list[tuple[str, int, int]]:
   leaves = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if is_floating_array(x)]
   if any(isinstance(x, jax.core.Tracer) for _, x in leaves):
     return []
-  counts = jax.device_get(
-    [jnp.sum(~jnp.isfinite(x)) if isinstance(x, jax.Array) else np.sum(~np.isfinite(x)) for _, x in leaves]
-  )
+  on_device = [x for _, x in leaves if isinstance(x, jax.Array)]
+  try:  # one program for the device leaves (not one small compilation per shape)
+    device_counts = iter(jax.device_get(_non_finite_counts(on_device)))
+  except ValueError:  # leaves committed to different devices: one reduction each
+    device_counts = iter(jax.device_get([jnp.sum(~jnp.isfinite(x)) for x in on_device]))
+  counts = [next(device_counts) if isinstance(x, jax.Array) else np.sum(~np.isfinite(x)) for _, x in leaves]
   return [(jax.tree_util.keystr(p), int(c), int(np.size(x))) for (p, x), c in zip(leaves, counts) if c]
+
+
+@jax.jit
+def _non_finite_counts(xs: list[jax.Array]) -> list[jax.Array]:
+  return [jnp.sum(~jnp.isfinite(x)) for x in xs]
 
 
 def all_finite(tree: Any, axis_name: str | Sequence[str] | None = None) -> jax.Array:
