@@ -61,6 +61,7 @@ __all__ = [
   "relative_gap",
   "run_all",
   "train_digits",
+  "train_digits_together",
   "train_text",
   "with_float32_state",
 ]
@@ -102,35 +103,45 @@ def _loss(params, x, y, compute_dtype):
 
 
 @functools.lru_cache(maxsize=64)
-def _digits_run(optimizer: optax.GradientTransformation, compute_dtype: np.dtype, log_every: int):
-  """The jitted training run of one setup; the data are arguments, so seeds share it."""
+def _digits_run(optimizers: tuple[optax.GradientTransformation, ...], compute_dtype: np.dtype, log_every: int):
+  """The jitted training run of several setups, stepped side by side in one loop.
+
+  The data are arguments, so seeds share the compiled program; each setup
+  sees the same minibatches.
+  """
 
   @jax.jit
-  def run(params, idx, data):
+  def run(inits, idx, data):
     x_train, y_train, x_test, y_test = data
-    opt_state = optimizer.init(params)
+    opt_states = tuple(opt.init(p) for opt, p in zip(optimizers, inits))
 
     def step(carry, batch_idx):
-      params, opt_state, i = carry
-      grads = jax.grad(_loss)(params, x_train[batch_idx], y_train[batch_idx], compute_dtype)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      params, opt_states, i = carry
+      new_params, new_states = [], []
+      for optimizer, p, s in zip(optimizers, params, opt_states):
+        grads = jax.grad(_loss)(p, x_train[batch_idx], y_train[batch_idx], compute_dtype)
+        updates, s = optimizer.update(grads, s, p)
+        new_params.append(optax.apply_updates(p, updates))
+        new_states.append(s)
+      params, opt_states = tuple(new_params), tuple(new_states)
       if log_every:
         test_loss = jax.lax.cond(
           (i + 1) % log_every == 0,
-          lambda: _loss(params, x_test, y_test, compute_dtype),
-          lambda: jnp.full((), jnp.nan, jnp.float32),
+          lambda: jnp.stack([_loss(p, x_test, y_test, compute_dtype) for p in params]),
+          lambda: jnp.full((len(params),), jnp.nan, jnp.float32),
         )
       else:
-        test_loss = jnp.zeros((), jnp.float32)
-      return (params, opt_state, i + 1), test_loss
+        test_loss = jnp.zeros((len(params),), jnp.float32)
+      return (params, opt_states, i + 1), test_loss
 
-    (params, _, _), curve = jax.lax.scan(step, (params, opt_state, jnp.zeros([], jnp.int32)), idx)
-    logits = _logits(params, x_test, compute_dtype)
-    test_loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
-    accuracy = (logits.argmax(-1) == y_test).mean()
-    train_loss = _loss(params, x_train, y_train, compute_dtype)
-    return test_loss, accuracy, train_loss, curve
+    (params, _, _), curves = jax.lax.scan(step, (tuple(inits), opt_states, jnp.zeros([], jnp.int32)), idx)
+    results = []
+    for k, p in enumerate(params):
+      logits = _logits(p, x_test, compute_dtype)
+      test_loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
+      accuracy = (logits.argmax(-1) == y_test).mean()
+      results.append((test_loss, accuracy, _loss(p, x_train, y_train, compute_dtype), curves[:, k]))
+    return results
 
   return run
 
@@ -164,19 +175,61 @@ def train_digits(
     ``(result, curve)``: the final :class:`DigitsResult` and the test losses
     recorded every ``log_every`` steps (empty when ``log_every`` is 0).
   """
+  setups = {"": (param_dtype, optimizer)}
+  kwargs = dict(steps=steps, batch_size=batch_size, hidden=hidden, seed=seed, dataset=dataset, log_every=log_every)
+  return train_digits_together(setups, compute_dtype, **kwargs)[""]
+
+
+def train_digits_together(
+  setups: dict[str, tuple[Any, optax.GradientTransformation]],
+  compute_dtype: Any = jnp.bfloat16,
+  *,
+  steps: int = 1000,
+  batch_size: int = 64,
+  hidden: int = 64,
+  seed: int = 0,
+  dataset: data_lib.Dataset | None = None,
+  log_every: int = 0,
+) -> dict[str, tuple[DigitsResult, np.ndarray]]:
+  """Trains several setups as :func:`train_digits` does, in one compiled program.
+
+  Every setup starts from the same initial values and sees the same
+  minibatches; one loop steps them side by side, so XLA compiles one program
+  for all of them (compiling is most of the cost of these small runs). The
+  program is cached by the setups' optimizers: calling again with another
+  ``seed`` reuses it.
+
+  Args:
+    setups: name -> ``(param_dtype, optimizer)``, as :func:`make_setups` returns.
+    compute_dtype: dtype of the forward and backward pass.
+    steps: minibatch steps.
+    batch_size: examples per minibatch.
+    hidden: hidden units.
+    seed: seed of the initialisation and of the minibatch order.
+    dataset: the data (``load_digits()`` when ``None``).
+    log_every: record the test loss every this many steps (0: never).
+
+  Returns:
+    name -> ``(result, curve)``, as :func:`train_digits` returns for each setup.
+  """
   ds = dataset if dataset is not None else data_lib.load_digits()
   data = tuple(jnp.asarray(a) for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
   rng = np.random.default_rng(seed)
   idx = np.stack([rng.choice(len(ds.x_train), batch_size, replace=False) for _ in range(steps)])
   # Same starting point for every setup: drawn in float32, rounded to half.
   init = init_mlp(jax.random.key(seed), (ds.x_train.shape[1], hidden, 10))
-  init = jax.tree.map(lambda p: p.astype(compute_dtype).astype(param_dtype), init)
+  inits = tuple(
+    jax.tree.map(lambda p, d=dtype: p.astype(compute_dtype).astype(d), init) for dtype, _ in setups.values()
+  )
   log_every = int(log_every)
-  run = _digits_run(optimizer, np.dtype(compute_dtype), log_every)
-  test_loss, accuracy, train_loss, curve = run(init, jnp.asarray(idx), data)
-  curve = np.asarray(curve)
-  curve = curve[log_every - 1 :: log_every] if log_every else curve[:0]
-  return DigitsResult(float(test_loss), float(accuracy), float(train_loss)), curve
+  run = _digits_run(tuple(opt for _, opt in setups.values()), np.dtype(compute_dtype), log_every)
+  out = {}
+  trained = jax.device_get(run(inits, jnp.asarray(idx), data))
+  for name, (test_loss, accuracy, train_loss, curve) in zip(setups, trained):
+    curve = np.asarray(curve)
+    curve = curve[log_every - 1 :: log_every] if log_every else curve[:0]
+    out[name] = DigitsResult(float(test_loss), float(accuracy), float(train_loss)), curve
+  return out
 
 
 def relative_gap(value: float, reference: float) -> float:
