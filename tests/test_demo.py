@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import processes
+from helpers.fill import fill
 from jmp_train_examples import cli
 from jmp_train_examples import demo
 from jmp_train_examples import demo_configs
@@ -258,7 +259,8 @@ def test_gpt2_init_draws_small_weights_and_scales_residual_projections():
   from jmp_train_examples import demo, models
 
   model = models.TransformerBlock(d_model=64, num_layers=4)
-  params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+  # The model's parameter shapes, filled by NumPy (an eager init compiles each op).
+  params = fill(jax.eval_shape(model.init, jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"])
   new = demo.gpt2_init(params, jax.random.PRNGKey(1), num_layers=4)
   assert np.std(new["head"]["kernel"]) == pytest.approx(0.02, rel=0.05)
   assert np.std(new["embed"]["embedding"]) == pytest.approx(0.02, rel=0.05)

@@ -9,11 +9,14 @@
 * a resume under another ``--num-processes`` is refused.
 
 The two multi-process runs (real ``jmp-train`` processes on 127.0.0.1, the
-digits MLP, ``--quick``) start together and share the machine's two cores.
+digits MLP, ``--quick``) overlap: the second starts while the first waits
+for its stopped worker's heartbeats, and reads the programs the first
+compiled from a compilation cache.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -193,10 +196,6 @@ def test_results_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
 # --- two real --num-processes 2 runs --------------------------------------------------
 
 
-def _jmp_train(tmp: pathlib.Path, *flags: str) -> subprocess.Popen:
-  return processes.start_demo(*flags, tmp=tmp)
-
-
 def _alive(pid: int) -> bool:
   """Whether ``pid`` runs: a zombie whose threads have all ended does not."""
   try:
@@ -218,55 +217,56 @@ def _wait_for_gone(pids, timeout: float) -> float | None:
   return time.monotonic() - start
 
 
+def _wait_for_launcher(launcher: subprocess.Popen, since: float):
+  """``(stderr, exit status, seconds since since)`` once ``launcher`` ends; ``("", None, None)`` after 90 s."""
+  try:
+    err = launcher.communicate(timeout=90)[1]
+  except subprocess.TimeoutExpired:
+    return "", None, None
+  return err, launcher.returncode, time.monotonic() - since
+
+
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
-  """Two ``--num-processes 2`` runs started together, then their faults, at the same moment.
+  """Two ``--num-processes 2`` runs and their faults, the second while the first winds down.
 
   ``stopped``: a second run is started on its checkpoint folder, then its
-  worker 1 is stopped (SIGSTOP). ``killed``: its launcher is killed
-  (SIGKILL). Returns what was seen; every process started here ends.
+  worker 1 is stopped (SIGSTOP). While its worker 0 waits out its
+  heartbeat timeout, ``killed`` starts (reading the programs ``stopped``
+  compiled from the cache) and its launcher is killed (SIGKILL) once it
+  trains. Returns what was seen; every process started here ends.
   """
   if not os.path.isdir("/proc"):
     pytest.skip("finds the workers in /proc")
+  cache = processes.demo_cache(tmp_path_factory)
   runs, seen = {}, {}
+
+  def start(name, every):
+    tmp = tmp_path_factory.mktemp(name)
+    flags = ["--steps", "3000", "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", every]
+    runs[name] = (tmp, processes.start_demo(*flags, "--out", str(tmp / "out"), tmp=tmp, cache=cache))
+    return processes.wait_for_training(runs[name][1], tmp / "ckpt")
+
   try:
-    for name, every in (("stopped", "2"), ("killed", "5")):
-      tmp = tmp_path_factory.mktemp(name)
-      runs[name] = (
-        tmp,
-        _jmp_train(
-          tmp,
-          "--steps",
-          "3000",
-          "--checkpoint-dir",
-          str(tmp / "ckpt"),
-          "--checkpoint-every",
-          every,
-          "--out",
-          str(tmp / "out"),
-        ),
-      )
-    workers = {name: processes.wait_for_training(launcher, tmp / "ckpt") for name, (tmp, launcher) in runs.items()}
+    stopped_workers = start("stopped", "2")
     tmp, launcher = runs["stopped"]
-    second = _jmp_train(tmp, "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out2"))
+    second = processes.start_demo("--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out2"), tmp=tmp)
     try:
       seen["second"] = (second.communicate(timeout=30)[1], second.returncode)
     except subprocess.TimeoutExpired:
       second.kill()
       seen["second"] = (second.communicate()[1], None)
-    seen["killed_folders"] = list((runs["killed"][0] / "tmp").glob("jmp_train_mp_*"))
 
-    os.kill(workers["stopped"][1], signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    runs["killed"][1].kill()
-    runs["killed"][1].wait()
-    seen["killed_workers_gone_s"] = _wait_for_gone(workers["killed"].values(), 40)
-    try:
-      err = launcher.communicate(timeout=90)[1]
-      seen["stopped"] = (err, launcher.returncode, time.monotonic() - stopped_at)
-    except subprocess.TimeoutExpired:
-      seen["stopped"] = ("", None, None)
-    seen["stopped_workers_gone_s"] = _wait_for_gone(workers["stopped"].values(), 5)
+    os.kill(stopped_workers[1], signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      stopped = pool.submit(_wait_for_launcher, launcher, time.monotonic())
+      killed_workers = start("killed", "5")
+      seen["killed_folders"] = list((runs["killed"][0] / "tmp").glob("jmp_train_mp_*"))
+      runs["killed"][1].kill()
+      runs["killed"][1].wait()
+      seen["killed_workers_gone_s"] = _wait_for_gone(killed_workers.values(), 40)
+      seen["stopped"] = stopped.result()
+    seen["stopped_workers_gone_s"] = _wait_for_gone(stopped_workers.values(), 5)
     yield runs, seen
   finally:
     for tmp, launcher in runs.values():

@@ -32,10 +32,20 @@ def test_a_worker_that_failed_on_its_own_is_reported_with_its_error(monkeypatch)
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers in /proc")
-def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path):
+def test_kill_9_of_a_worker_ends_the_run_within_a_minute(tmp_path, tmp_path_factory):
   ckpt = tmp_path / "ckpt"
+  # Far more steps than run before the kill; as many as test_demo_faults.py's runs
+  # take, so that the compiled step comes from the cache they share.
   launcher = processes.start_demo(
-    "--steps", "100000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--out", str(tmp_path / "out")
+    "--steps",
+    "3000",
+    "--checkpoint-dir",
+    str(ckpt),
+    "--checkpoint-every",
+    "1",
+    "--out",
+    str(tmp_path / "out"),
+    cache=processes.demo_cache(tmp_path_factory),
   )
   workers = {}
   try:

@@ -48,9 +48,9 @@ def _steps_saved(directory: pathlib.Path) -> list[int]:
   return sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
 
 
-def _interrupt(command, directory, after, sig):
+def _interrupt(command, directory, after, sig, env):
   """Runs ``command`` until a checkpoint past step ``after`` is written, then sends ``sig``."""
-  proc = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.monotonic() + 240
     while not [n for n in _steps_saved(directory) if n > after]:
@@ -66,8 +66,9 @@ def _interrupt(command, directory, after, sig):
   return proc.returncode, err
 
 
-def _env():
-  env = processes.worker_env()
+def _env(cache):
+  # The runs of one command compile the same programs: the later ones read them from the cache.
+  env = processes.with_cache(processes.worker_env(), cache)
   env["JAX_PLATFORMS"] = "cpu"
   return env
 
@@ -99,8 +100,9 @@ def test_jmp_train_stopped_by_sigterm_then_sigkill_resumes_to_the_uninterrupted_
     str(tmp_path / "out"),
   ]
   directory = tmp_path / "ckpt" / name
+  env = _env(tmp_path / "jax_cache")
 
-  code, err = _interrupt(command, directory, 10, signal.SIGTERM)
+  code, err = _interrupt(command, directory, 10, signal.SIGTERM, env)
   assert code == 128 + signal.SIGTERM, err[-3000:]
   assert err.strip().splitlines()[-1] == (
     "jmp-train: terminated (SIGTERM); run the same command again to resume from the latest checkpoint"
@@ -110,10 +112,10 @@ def test_jmp_train_stopped_by_sigterm_then_sigkill_resumes_to_the_uninterrupted_
   resumed_from = _steps_saved(directory)[-1]
   assert 10 < resumed_from < 100
 
-  code, err = _interrupt(command, directory, resumed_from + 10, signal.SIGKILL)
+  code, err = _interrupt(command, directory, resumed_from + 10, signal.SIGKILL, env)
   assert code == -signal.SIGKILL, err[-3000:]
 
-  done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240, check=False)
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
   payload = json.loads((tmp_path / "out" / "results.json").read_text())
   (row,) = payload["rows"]

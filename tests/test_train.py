@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import sys
 import textwrap
@@ -20,60 +19,14 @@ from jmp_train._src.compression.sign_compression import sign_compression
 from jmp_train_examples.processes import run_processes
 
 from helpers import processes
-from helpers.flax_policy import fill
+from helpers.train_net import batch as _batch
+from helpers.train_net import cached as _cached
+from helpers.train_net import init as _init
+from helpers.train_net import make as _make
+from helpers.train_net import xent as _xent
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-class _Net(nn.Module):
-  """Dense -> BatchNorm -> ReLU -> Dropout -> Dense: params, state and rng."""
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    x = nn.Dense(16)(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
-    x = nn.relu(x)
-    x = nn.Dropout(0.25, deterministic=not train)(x)
-    return nn.Dense(4)(x)
-
-
-_NET = _Net()
-# NumPy-filled variables: an eager init compiles each op, in this process and
-# in each worker of the multi-process test.
-_VARS = fill(
-  jax.eval_shape(_NET.init, {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, jnp.ones((2, 6)))
-)
-
-
-def _xent(logits, labels):
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-  return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
-
-
-def _batch(i, n=16):
-  rng = np.random.default_rng(i)
-  y = rng.integers(0, 4, n).astype(np.int32)
-  x = rng.normal(size=(n, 6)).astype(np.float32) + np.eye(4, 6, dtype=np.float32)[y]
-  return x, y
-
-
-def _make(mode="single", policy="float32", **kwargs):
-  kwargs.setdefault("optimizer", optax.sgd(0.1, momentum=0.9))
-  return jmp_train.make_train_step(
-    _NET.apply,
-    _xent,
-    kwargs.pop("optimizer"),
-    policy=policy,
-    mode=mode,
-    has_aux=True,
-    eval_apply_fn=functools.partial(_NET.apply, train=False),
-    **kwargs,
-  )
-
-
-def _init(step, rng=0):
-  return step.init(_VARS["params"], model_state={"batch_stats": _VARS["batch_stats"]}, rng=rng)
 
 
 def _run(step, state, steps, start=0):
@@ -82,21 +35,6 @@ def _run(step, state, steps, start=0):
     state, metrics = step(state, step.shard_batch(_batch(i)))
     history.append(jax.device_get(metrics))
   return state, history
-
-
-@functools.lru_cache(maxsize=None)
-def _cached(mode, policy, loss_scale_name=None, compression=False):
-  loss_scale = {
-    None: None,
-    "dynamic": jmp_train.DynamicLossScale(2.0**10, growth_interval=3),
-    "huge": jmp_train.StaticLossScale(2.0**24),
-  }[loss_scale_name]
-  return _make(
-    mode,
-    policy,
-    loss_scale=loss_scale,
-    compression=sign_compression("batch") if compression else None,
-  )
 
 
 def _dtypes(tree):
@@ -279,12 +217,12 @@ _WORKER = textwrap.dedent("""
       jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid)
     import numpy as np
     sys.path.insert(0, sys.argv[5])
-    import test_train as t
-    step = t._cached("shard_map", "mixed_float16", "dynamic", True)
-    state = t._init(step)
+    from helpers import train_net as t
+    step = t.cached("shard_map", "mixed_float16", "dynamic", True)
+    state = t.init(step)
     per = 16 // n
     for i in range(3):
-      x, y = t._batch(i)
+      x, y = t.batch(i)
       state, metrics = step(state, step.shard_batch((x[pid * per:(pid + 1) * per],
                                                      y[pid * per:(pid + 1) * per])))
     kernel = np.asarray(step.unreplicate(state.params)["Dense_0"]["kernel"])
@@ -292,8 +230,8 @@ _WORKER = textwrap.dedent("""
     np.save(f"{out}/loss{pid}.npy", np.asarray(metrics["loss"]))
     # Every process writes its shards of one checkpoint; resume and go on.
     path = t.jmp_train.save_checkpoint(f"{out}/ckpt", state)
-    state = t.jmp_train.restore_checkpoint(path, t._init(step, rng=7))
-    x, y = t._batch(3)
+    state = t.jmp_train.restore_checkpoint(path, t.init(step, rng=7))
+    x, y = t.batch(3)
     state, _ = step(state, step.shard_batch((x[pid * per:(pid + 1) * per],
                                              y[pid * per:(pid + 1) * per])))
     kernel = np.asarray(step.unreplicate(state.params)["Dense_0"]["kernel"])

@@ -6,6 +6,11 @@ queued faster than they run made an all-reduce's rendezvous time out
 ``make_train_step`` returns waits for itself on that backend. This test
 runs in a process of its own whose ``XLA_FLAGS`` holds only the device
 count: none of the test suite's settings (``conftest.py``) apply.
+
+The number of steps matters: without the wait, 300 queued steps of this
+model (the one ``jmp-train --quick`` trains) abort the process in most runs
+(the rendezvous's 40-second termination timeout), while 100 usually run
+through.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ ROOT = pathlib.Path(__file__).parent.parent
 _LOOP = textwrap.dedent("""
     import jax
     from jmp_train_examples import demo_configs, demo_tasks, demo_training
-    settings = demo_configs.DemoSettings(task="text", steps={steps})
+    # The model `jmp-train --quick` trains: its steps take milliseconds (unwaited,
+    # they would queue far ahead of their collectives).
+    settings = demo_configs.DemoSettings(task="text", steps={steps}, batch=16, seq_len=16, d_model=16, eval_batches=1)
     task = demo_tasks.TASKS["text"](settings)
     step = demo_training._build_step(demo_configs.CONFIGS["8dev-f32"], task, settings)
     assert step.num_replicas == 8, step.num_replicas

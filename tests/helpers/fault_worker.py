@@ -24,6 +24,9 @@ there; ``--die-in-save N`` sends SIGKILL to this process right after it
 has started the (asynchronous) save of step ``N``. ``--dump`` writes this
 process's replica of every leaf of the final state to ``DIR/state<pid>.npz``;
 ``--compilation-cache DIR`` turns on JAX's persistent compilation cache.
+``--then DIR2 CHECKPOINTER`` (repeatable) does the same, afterwards, in
+``DIR2`` with that checkpointer: one job resumes several folders with one
+compiled step.
 """
 
 from __future__ import annotations
@@ -52,7 +55,12 @@ def _args(argv):
   p.add_argument("--die-in-save", type=int)
   p.add_argument("--dump", action="store_true")
   p.add_argument("--compilation-cache", type=pathlib.Path)
-  return p.parse_args(argv)
+  p.add_argument("--then", nargs=2, action="append", default=[], metavar=("DIR", "CHECKPOINTER"))
+  a = p.parse_args(argv)
+  for _, checkpointer in a.then:
+    if checkpointer not in ("files", "manager"):
+      p.error(f"--then: checkpointer {checkpointer!r} is not 'files' or 'manager'")
+  return a
 
 
 def batch(i, pid, n, per_process=8):
@@ -114,6 +122,59 @@ def _mark(path: pathlib.Path) -> None:
   path.write_text("")
 
 
+def _run(a, step, folder: pathlib.Path, checkpointer: str) -> None:
+  """Resumes from the latest complete checkpoint in ``folder/ckpt`` (if any), trains to ``a.steps``."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  import jmp_train
+
+  state = step.init(params())
+  ckpt = folder / "ckpt"
+  manager = None
+  begin = 0
+  if checkpointer == "manager":
+    manager = ocp.CheckpointManager(
+      ckpt, options=ocp.CheckpointManagerOptions(save_interval_steps=a.every, enable_async_checkpointing=True)
+    )
+    latest = manager.latest_step()
+    if latest is not None:
+      state = manager.restore(latest, args=ocp.args.StandardRestore(state))
+      begin = latest
+  elif ckpt.is_dir():
+    done = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
+    if done:
+      begin = max(done)
+      state = jmp_train.restore_checkpoint(ckpt / str(begin), state)
+  print(f"process {a.pid}: {folder.name}: starting at step {begin}", flush=True)
+  assert int(step.unreplicate(state.step)) == begin
+
+  for i in range(begin, a.steps):
+    state, metrics = step(state, step.shard_batch(batch(i, a.pid, a.n)))
+    n = i + 1
+    if manager is not None:
+      manager.save(n, args=ocp.args.StandardSave(state))
+    elif n % a.every == 0:
+      jax.block_until_ready(state)
+      jmp_train.save_checkpoint(ckpt / str(n), state)
+    if n == a.die_in_save:
+      os.kill(os.getpid(), signal.SIGKILL)
+    if n == a.stop_after:
+      jax.block_until_ready(state)
+      _mark(folder / f"at{n}.{a.pid}")
+      while True:  # the test kills this process here
+        time.sleep(1)
+  if manager is not None:
+    manager.wait_until_finished()
+    manager.close()
+  jax.block_until_ready(metrics)
+  if a.dump:
+    np.savez(folder / f"state{a.pid}.npz", **local_replicas(state))
+    print(
+      f"process {a.pid}: loss scale {float(metrics['loss_scale'])}, skipped {int(metrics['skipped_steps'])}", flush=True
+    )
+
+
 def main(argv) -> int:
   a = _args(argv)
   import jax
@@ -134,55 +195,9 @@ def main(argv) -> int:
     heartbeat_timeout_seconds=HEARTBEAT_S,
     shutdown_timeout_seconds=HEARTBEAT_S,
   )
-  import numpy as np
-  import orbax.checkpoint as ocp
-  import jmp_train
-
   step = make_step()
-  state = step.init(params())
-  ckpt = a.dir / "ckpt"
-  manager = None
-  begin = 0
-  if a.checkpointer == "manager":
-    manager = ocp.CheckpointManager(
-      ckpt, options=ocp.CheckpointManagerOptions(save_interval_steps=a.every, enable_async_checkpointing=True)
-    )
-    latest = manager.latest_step()
-    if latest is not None:
-      state = manager.restore(latest, args=ocp.args.StandardRestore(state))
-      begin = latest
-  elif ckpt.is_dir():
-    done = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
-    if done:
-      begin = max(done)
-      state = jmp_train.restore_checkpoint(ckpt / str(begin), state)
-  print(f"process {a.pid}: starting at step {begin}", flush=True)
-  assert int(step.unreplicate(state.step)) == begin
-
-  for i in range(begin, a.steps):
-    state, metrics = step(state, step.shard_batch(batch(i, a.pid, a.n)))
-    n = i + 1
-    if manager is not None:
-      manager.save(n, args=ocp.args.StandardSave(state))
-    elif n % a.every == 0:
-      jax.block_until_ready(state)
-      jmp_train.save_checkpoint(ckpt / str(n), state)
-    if n == a.die_in_save:
-      os.kill(os.getpid(), signal.SIGKILL)
-    if n == a.stop_after:
-      jax.block_until_ready(state)
-      _mark(a.dir / f"at{n}.{a.pid}")
-      while True:  # the test kills this process here
-        time.sleep(1)
-  if manager is not None:
-    manager.wait_until_finished()
-    manager.close()
-  jax.block_until_ready(metrics)
-  if a.dump:
-    np.savez(a.dir / f"state{a.pid}.npz", **local_replicas(state))
-    print(
-      f"process {a.pid}: loss scale {float(metrics['loss_scale'])}, skipped {int(metrics['skipped_steps'])}", flush=True
-    )
+  for folder, checkpointer in [(a.dir, a.checkpointer), *((pathlib.Path(d), c) for d, c in a.then)]:
+    _run(a, step, folder, checkpointer)
   jax.distributed.shutdown()
   return 0
 

@@ -58,14 +58,39 @@ def worker_pids(marker: str) -> dict[int, int]:
   return pids
 
 
-def start_demo(*flags: str, tmp: pathlib.Path | None = None) -> subprocess.Popen:
+def demo_cache(tmp_path_factory) -> pathlib.Path:
+  """A JAX compilation cache for the demo's processes, shared by the tests of one pytest process.
+
+  The ``jmp-train`` runs the tests start compile the same programs (the
+  digits MLP's 8-device step in each worker, its initialization in each
+  launcher): each later run reads them from the cache. One cache per pytest
+  process (per pytest-xdist worker): its tests run one after another, so
+  that no run reads an entry another is still writing (JAX writes them in
+  place).
+  """
+  return tmp_path_factory.getbasetemp() / "jmp_train_demo_jax_cache"
+
+
+def with_cache(env: dict[str, str], cache: pathlib.Path | None) -> dict[str, str]:
+  """``env`` with JAX's persistent compilation cache in ``cache`` (every program, however quick to compile).
+
+  A cache the user set (``JAX_COMPILATION_CACHE_DIR``) is kept.
+  """
+  if cache is not None and not env.get("JAX_COMPILATION_CACHE_DIR"):
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  return env
+
+
+def start_demo(*flags: str, tmp: pathlib.Path | None = None, cache: pathlib.Path | None = None) -> subprocess.Popen:
   """``jmp-train --quick --task digits --configs 8dev-f32 --num-processes 2 FLAGS``, started.
 
   As a user starts it (``python -m jmp_train_examples``, from the repository
   root, on the CPU), its output piped. With ``tmp``, the launcher's folder
-  for its workers goes under ``tmp/tmp``.
+  for its workers goes under ``tmp/tmp``; with ``cache``, its processes
+  share that compilation cache (:func:`with_cache`).
   """
-  env = worker_env()
+  env = with_cache(worker_env(), cache)
   env["JAX_PLATFORMS"] = "cpu"
   if tmp is not None:
     env["TMPDIR"] = str(tmp / "tmp")
@@ -87,7 +112,7 @@ def wait_for_training(launcher: subprocess.Popen, ckpt: pathlib.Path, timeout: f
   while not any(p.name.isdigit() for p in ckpt.glob("8dev-f32/*")):
     assert launcher.poll() is None, launcher.communicate()
     assert time.monotonic() < deadline, "no checkpoint written"
-    time.sleep(0.2)
+    time.sleep(0.05)
   workers = worker_pids(str(ckpt))
   assert len(workers) == 2, workers
   return workers

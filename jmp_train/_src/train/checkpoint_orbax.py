@@ -42,6 +42,8 @@ def _is_orbax_noise(unraisable: Any) -> bool:
 
 
 def _orbax_coroutines_alive() -> bool:
+  # Objects frozen before the block (gc.freeze) are not listed: only the
+  # block's own, so the scan does not grow with the process's heap.
   return any(
     inspect.iscoroutine(o) and o.cr_frame is not None and "orbax" in o.cr_code.co_filename for o in gc.get_objects()
   )
@@ -51,7 +53,10 @@ class QuietOrbax:
   """Holds back orbax's log records and the complaints of its abandoned reads.
 
   After a failure they are dropped, once they have settled; after a success,
-  the held log records are passed on (less those ``drop`` selects).
+  the held log records are passed on (less those ``drop`` selects). The
+  objects alive before the block are frozen (``gc.freeze``) while it runs,
+  unless something froze objects already: settling collects and scans only
+  what the block made, however large the process's heap.
 
   Args:
     drop: selects the log records to drop even after a success.
@@ -63,6 +68,9 @@ class QuietOrbax:
     self._drop = drop
 
   def __enter__(self) -> "QuietOrbax":
+    self._froze = gc.get_freeze_count() == 0
+    if self._froze:
+      gc.freeze()
     self._records: list[logging.LogRecord] = []
     self._previous_hook = sys.unraisablehook
     self._hook: Callable[[Any], None] = self._filter_unraisable
@@ -99,8 +107,12 @@ class QuietOrbax:
     gc.collect()
 
   def __exit__(self, exc_type, exc, tb) -> bool:
-    if isinstance(exc, Exception):
-      self._settle(exc)
+    try:
+      if isinstance(exc, Exception):
+        self._settle(exc)
+    finally:
+      if self._froze:
+        gc.unfreeze()
     for name in self._LOGGERS:
       logging.getLogger(name).removeFilter(self._hold)
     if sys.unraisablehook == self._hook:
