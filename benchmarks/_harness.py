@@ -23,6 +23,23 @@ import numpy as np
 from jmp_train.diagnostics import format_table as format_table  # re-exported for benchmarks
 
 RESULTS_DIR = pathlib.Path(__file__).parent / "results"
+# XLA's options for the compilations of a ``--quick`` run: a smoke test of the
+# code, whose figures mean nothing and whose time is mostly compilation. LLVM's
+# optimizations off and, on CPU, XLA's loop emitters instead of its fusion
+# emitters (quicker to compile). ``jax.jit(..., compiler_options=...)``, or
+# ``.lower(...).compile(compiler_options=...)``; the same as ``XLA_FLAGS`` for
+# a quick run's worker processes: ``QUICK_XLA_FLAGS``.
+QUICK_COMPILE = {
+  "xla_backend_optimization_level": 0,
+  "xla_llvm_disable_expensive_passes": True,
+  "xla_cpu_use_fusion_emitters": False,
+}
+QUICK_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in QUICK_COMPILE.items())
+
+
+def compile_options(quick: bool) -> dict[str, Any] | None:
+  """:data:`QUICK_COMPILE` for a ``--quick`` run on CPU, else ``None`` (the options a full run compiles with)."""
+  return dict(QUICK_COMPILE) if quick and jax.default_backend() == "cpu" else None
 
 
 def block(tree: Any) -> Any:

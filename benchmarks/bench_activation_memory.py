@@ -157,7 +157,9 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
-def measure(case: _Case, policy: Policy, remat: str = "none", *, compile_step: bool = True) -> dict[str, Any]:
+def measure(
+  case: _Case, policy: Policy, remat: str = "none", *, compile_step: bool = True, compiler_options=None
+) -> dict[str, Any]:
   """The figures for one model under one policy (see the module docstring).
 
   Args:
@@ -172,6 +174,7 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *, compile_step: b
       ``jax.checkpoint(policy=half_precision_saveable)``).
     compile_step: also compile the train step for ``memory_analysis()``
       (XLA's ``*_bytes`` are ``None`` otherwise).
+    compiler_options: the XLA options of that compilation (``None``: XLA's).
 
   Returns:
     One record.
@@ -225,7 +228,8 @@ def measure(case: _Case, policy: Policy, remat: str = "none", *, compile_step: b
       params = jax.tree.map(lambda p, g: p - 0.01 * g.astype(p.dtype), params, grads)
       return params, state, loss
 
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x, labels).compile()
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x, labels)
+    compiled = lowered.compile(compiler_options)
     memory = _harness.compiled_memory(compiled)
   for key in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes"):
     record[key] = memory[key]
@@ -269,7 +273,8 @@ def run(quick: bool) -> list[dict[str, Any]]:
       # (and apply_policy's default recomputes nothing under float32): the
       # "default" and "half" rows compare with float32 as JAX runs it.
       names = POLICIES[1:] if remat in ("default", "half") else POLICIES
-      rows = [measure(case, get_policy(name), remat, compile_step=compile_step) for name in names]
+      kw = dict(compile_step=compile_step, compiler_options=_harness.compile_options(quick))
+      rows = [measure(case, get_policy(name), remat, **kw) for name in names]
       if remat in ("default", "half"):
         base = base_by_remat["none"]
       else:

@@ -141,7 +141,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
       traced = step.trace(params, x, y)
       trace_s = time.perf_counter() - start
       start = time.perf_counter()
-      compiled = traced.lower().compile()
+      compiled = traced.lower().compile(_harness.compile_options(quick))
       compile_s = time.perf_counter() - start
       compiled_steps[variant] = compiled  # timed below: compiled once
       text = compiled.as_text()

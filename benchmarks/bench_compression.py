@@ -42,8 +42,8 @@ and a call its launch cost: a 16384 x 16384 gradient and a
 4096-16384-4096-1000 MLP's. GB/s counts the gradient's float32 bytes once;
 ``vs_copy`` is the copy's time over the codec's, in the same run.
 
-``--quick`` (a smoke test, figures meaningless): a 64-128-10 MLP, K = 2,
-a 64 x 64 gradient, everything compiled without LLVM optimizations.
+``--quick`` (a smoke test, figures meaningless): a 64-10 MLP, K = 2,
+a 64 x 64 gradient, everything compiled with ``_harness.QUICK_COMPILE``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _throughput_shapes(mlp) -> dict[str, list[tuple[int, ...]]]:
   return {"": [(16384, 16384)], "_mlp": list(big.values())}
 
 
-def _bytes_records(shapes, ks, all_devices) -> list[dict]:
+def _bytes_records(shapes, ks, all_devices, compiler_options=_INSPECT_ONLY) -> list[dict]:
   from jmp_train import sign_compression
   from jmp_train.diagnostics import collective_bytes
   from jmp_train import compressed_mean
@@ -126,7 +126,7 @@ def _bytes_records(shapes, ks, all_devices) -> list[dict]:
     base = None
     for scheme, (fn, state) in programs.items():
       args = (grads,) if state is None else (grads, state)
-      compiled = fn.lower(*args).compile(compiler_options=_INSPECT_ONLY)
+      compiled = fn.lower(*args).compile(compiler_options=compiler_options)
       operand = collective_bytes(compiled)["total"]
       wire = collective_bytes(compiled, wire=True)["total"]
       if scheme == "pmean_f32":
@@ -228,11 +228,11 @@ def throughput_records(quick: bool = False) -> list[dict]:
   """Part 2 alone (the codecs' whole updates against an elementwise pass), at the backend's sizes.
 
   The GPU probe's share of this benchmark: part 1's bytes do not depend on
-  the device. ``quick``: a 64 x 64 gradient, compiled without LLVM's
-  optimizations.
+  the device. ``quick``: a 64 x 64 gradient, compiled with
+  ``_harness.QUICK_COMPILE``.
   """
   if quick:
-    return _throughput_records({"": [(64, 64)]}, repeats=3, compiler_options=_INSPECT_ONLY)
+    return _throughput_records({"": [(64, 64)]}, repeats=3, compiler_options=dict(_harness.QUICK_COMPILE))
   return _throughput_records(_throughput_shapes(_mlp_shapes((784, 1024, 256, 10))), repeats=15)
 
 
@@ -245,7 +245,8 @@ def run(quick: bool) -> list[dict]:
       "XLA_FLAGS=--xla_force_host_platform_device_count=8."
     )
   ks = (2,) if quick else tuple(range(2, min(8, len(devices)) + 1))
-  mlp = _mlp_shapes((64, 128, 10) if quick else (784, 1024, 256, 10))
-  records = _bytes_records(mlp, ks, devices)
-  # --quick: a smoke test, its figures mean nothing, so LLVM's optimizations are skipped too.
+  # --quick: a smoke test, its figures mean nothing: one layer (every
+  # codec's program grows with the leaves), compiled as quickly as XLA can.
+  mlp = _mlp_shapes((64, 10) if quick else (784, 1024, 256, 10))
+  records = _bytes_records(mlp, ks, devices, dict(_harness.QUICK_COMPILE) if quick else _INSPECT_ONLY)
   return records + throughput_records(quick)

@@ -67,7 +67,14 @@ def run(quick: bool) -> list[dict[str, Any]]:
     for variant in VARIANTS:
       seconds = []
       for _ in range(compiles):  # a fresh step each time: no trace is reused
-        step = make_train_step(model, _loss, optax.adam(1e-3), policy=policy, model_policy=variant)
+        step = make_train_step(
+          model,
+          _loss,
+          optax.adam(1e-3),
+          policy=policy,
+          model_policy=variant,
+          compiler_options=_harness.compile_options(quick),
+        )
         state = step.init(params, model_state=model_state, rng=0)
         start = time.perf_counter()
         compiled = step.lower(state, batch).compile()

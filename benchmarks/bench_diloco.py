@@ -111,10 +111,12 @@ def train_local(
   batch: int = BATCH,
   eval_batches: int = 16,
   replicas: int = REPLICAS,
+  compiler_options=None,
 ) -> dict:
   """Trains the text Transformer with ``tx`` on local gradients, one parameter copy per replica.
 
-  ``batch`` sequences per step in all, ``batch / replicas`` on each replica.
+  ``batch`` sequences per step in all, ``batch / replicas`` on each replica;
+  the programs compiled with ``compiler_options`` (``jax.jit``'s).
   """
   if jax.device_count() < replicas:
     raise ValueError(
@@ -123,7 +125,7 @@ def train_local(
     )
   if batch % replicas:
     raise ValueError(f"batch {batch} is not a multiple of replicas {replicas}.")
-  model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, batch, eval_batches)
+  model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, batch, eval_batches, compiler_options)
   mesh = jax.make_mesh((replicas,), (AXIS,), devices=jax.devices()[:replicas])
   spec, data = P(AXIS), P(None, AXIS)
   xs = jax.device_put(xs, NamedSharding(mesh, data))
@@ -138,7 +140,10 @@ def train_local(
     logits = model.apply({"params": p}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-  init = jax.jit(jax.shard_map(lambda p: expand(tx.init(first(p))), mesh=mesh, in_specs=spec, out_specs=spec))
+  init = jax.jit(
+    jax.shard_map(lambda p: expand(tx.init(first(p))), mesh=mesh, in_specs=spec, out_specs=spec),
+    compiler_options=compiler_options,
+  )
 
   def train(p, s, xs, ys):
     def body(carry, b):
@@ -149,9 +154,12 @@ def train_local(
     (p, s), _ = jax.lax.scan(body, (first(p), first(s)), (xs, ys))
     return expand(p), expand(s)
 
-  run = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(spec, spec, data, data), out_specs=(spec, spec)))
+  run = jax.jit(
+    jax.shard_map(train, mesh=mesh, in_specs=(spec, spec, data, data), out_specs=(spec, spec)),
+    compiler_options=compiler_options,
+  )
   stacked, _ = jax.block_until_ready(run(stacked, init(stacked), xs, ys))
-  return eval_losses(loss_fn, first(jax.device_get(stacked)), evals, batch)
+  return eval_losses(loss_fn, first(jax.device_get(stacked)), evals, batch, compiler_options)
 
 
 def _rows(steps: int, quick: bool):
@@ -233,6 +241,7 @@ def run(quick: bool) -> list[dict]:
     if steps % h:
       raise ValueError(f"BENCH_DILOCO_STEPS={steps} is not a multiple of {mode}'s sync_every {h}.")
   params = {} if quick else {d: _task(0, 1, d, 64, BATCH, 1)[1] for d in {row[2] for row in rows}}
+  size["compiler_options"] = _harness.compile_options(quick)
   records = []
   for group, mode, d_model, lr, outer, h, replicas, make in rows:
     runs = [train_local(make(), steps=steps, seed=s, d_model=d_model, replicas=replicas, **size) for s in seeds]

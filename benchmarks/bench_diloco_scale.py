@@ -21,9 +21,9 @@ step, 16 held-out batches), ``rel_to_adam`` (over ``adam_float32``'s, minus
 1), ``seconds`` (the run's wall time, its compilation included). Rows are
 yielded as they finish. On a GPU by the GPU probe (:mod:`benchmarks._probe`;
 ``BENCH_DILOCO_SCALE_STEPS``, default 2,000); ``--quick`` (any backend):
-width 32, 32 steps, sequences of 16, one Adam and the 1-bit row (a smoke
-test). A full run elsewhere is skipped. A row whose optimizer cannot run
-under ``vmap`` records its ``error`` instead.
+width 32, 32 steps, sequences of 16, 2 replicas, one Adam and the 1-bit row
+(a smoke test). A full run elsewhere is skipped. A row whose optimizer
+cannot run under ``vmap`` records its ``error`` instead.
 """
 
 from __future__ import annotations
@@ -55,9 +55,13 @@ def train_mapped(
   seq_len: int = 64,
   eval_batches: int = 16,
   replicas: int = REPLICAS,
+  compiler_options=None,
 ) -> dict[str, float]:
-  """Trains the text Transformer with ``tx`` on local gradients, the replicas a ``vmap`` axis ``AXIS`` on one device."""
-  model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, BATCH, eval_batches)
+  """Trains the text Transformer with ``tx`` on local gradients, the replicas a ``vmap`` axis ``AXIS`` on one device.
+
+  The programs are compiled with ``compiler_options`` (``jax.jit``'s).
+  """
+  model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, BATCH, eval_batches, compiler_options)
   split = lambda a: a.reshape(steps, replicas, BATCH // replicas, seq_len).swapaxes(0, 1)
   xs, ys = split(xs), split(ys)
   stacked = jax.tree.map(lambda p: np.broadcast_to(p, (replicas,) + p.shape).copy(), params)
@@ -75,9 +79,9 @@ def train_mapped(
     (p, _), _ = jax.lax.scan(body, (p, tx.init(p)), (xs, ys))
     return p
 
-  run = jax.jit(jax.vmap(train, axis_name=AXIS))
+  run = jax.jit(jax.vmap(train, axis_name=AXIS), compiler_options=compiler_options)
   trained = jax.block_until_ready(run(stacked, xs, ys))
-  return eval_losses(loss_fn, jax.tree.map(lambda x: x[0], jax.device_get(trained)), evals, BATCH)
+  return eval_losses(loss_fn, jax.tree.map(lambda x: x[0], jax.device_get(trained)), evals, BATCH, compiler_options)
 
 
 def _optimizer(mode: str, lr: float, steps: int) -> optax.GradientTransformation:
@@ -97,8 +101,12 @@ def records(quick: bool = False) -> Iterator[dict[str, Any]]:
   steps = 32 if quick else _harness.env_int("BENCH_DILOCO_SCALE_STEPS", 2000)
   if steps % SYNC_EVERY:
     raise ValueError(f"BENCH_DILOCO_SCALE_STEPS={steps} is not a multiple of sync_every {SYNC_EVERY}.")
-  size = dict(d_model=32, seq_len=16, eval_batches=2) if quick else {}
-  d_model = size.get("d_model", D_MODEL)
+  size = (
+    dict(d_model=32, seq_len=16, eval_batches=2, replicas=2, compiler_options=_harness.compile_options(quick))
+    if quick
+    else {}
+  )
+  d_model, replicas = size.get("d_model", D_MODEL), size.get("replicas", REPLICAS)
 
   def row(mode: str, lr: float, h: int) -> dict[str, Any]:
     t0 = time.perf_counter()
@@ -108,7 +116,7 @@ def records(quick: bool = False) -> Iterator[dict[str, Any]]:
       "d_model": d_model,
       "learning_rate": lr,
       "sync_every": h,
-      "replicas": REPLICAS,
+      "replicas": replicas,
       "steps": steps,
       "batch": BATCH,
       **losses,

@@ -28,6 +28,7 @@ GEMMs (:data:`FP8_GPU_OPTIONS`). ``bench_fp8_first_call`` times the FP8 step's f
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -64,20 +65,23 @@ def _cross_entropy(logits, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
 
 
-def make_step(model: Any, tx: optax.GradientTransformation):
-  """A jitted Adam step that also stores the FP8 products' new state."""
+def make_step(model: Any, tx: optax.GradientTransformation, compiler_options: dict[str, Any] | None = None):
+  """A jitted Adam step that also stores the FP8 products' new state, and the jitted loss.
+
+  Both are compiled with ``compiler_options`` (``jax.jit``'s).
+  """
 
   def loss_fn(params, meta, x, y):
     return _cross_entropy(model.apply({"params": params, **meta}, x), y)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=compiler_options)
   def step(params, meta, opt_state, x, y):
     loss, (g, g_meta) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, meta, x, y)
     updates, opt_state = tx.update(g, opt_state, params)
     meta = jmp_train.update_fp8_meta(meta, g_meta)
     return optax.apply_updates(params, updates), meta, opt_state, loss
 
-  evaluate = jax.jit(loss_fn)
+  evaluate = jax.jit(loss_fn, compiler_options=compiler_options)
   return step, evaluate
 
 
@@ -127,9 +131,10 @@ def train_once(task: str, policy: str, seed: int, quick: bool) -> dict[str, floa
   """Final held-out loss and steps/s of one run."""
   model, example, batch, held_out, steps, lr = TASKS[task](seed, quick)
   model = jmp_train.flax.apply_policy(model, policy)
-  params, meta = _split(jax.jit(model.init)(jax.random.key(seed), example))  # not op by op
+  options = _harness.compile_options(quick)
+  params, meta = _split(jax.jit(model.init, compiler_options=options)(jax.random.key(seed), example))  # not op by op
   tx = optax.adam(lr)
-  step, evaluate = make_step(model, tx)
+  step, evaluate = make_step(model, tx, options)
   opt_state = tx.init(params)
   params, meta, opt_state, _ = step(params, meta, opt_state, *batch(0))  # compile
   start = time.perf_counter()

@@ -136,6 +136,7 @@ def _sizes(quick: bool, on_gpu: bool) -> dict[str, Any]:
       tfm_vocab=8192,
       matmul_n=16384,
       repeats=20,
+      compiler_options=None,
     )
   if on_gpu:
     return dict(
@@ -150,8 +151,10 @@ def _sizes(quick: bool, on_gpu: bool) -> dict[str, Any]:
       tfm_vocab=512,
       matmul_n=1024,
       repeats=5,
+      compiler_options=None,
     )
-  # The same code on CPU, tiny (used by the test suite to keep it working).
+  # The same code on CPU, tiny (used by the test suite to keep it working),
+  # compiled as a --quick run compiles.
   return dict(
     mlp_batch=8,
     mlp_width=32,
@@ -164,6 +167,7 @@ def _sizes(quick: bool, on_gpu: bool) -> dict[str, Any]:
     tfm_vocab=64,
     matmul_n=64,
     repeats=2,
+    compiler_options=dict(_harness.QUICK_COMPILE),
   )
 
 
@@ -227,7 +231,7 @@ def _step_rows(sizes: dict[str, Any], models: tuple[str, ...], setups: tuple[str
     for setup in setups:
       policy, precision, _ = _SETUPS[setup]
       with _precision(precision):
-        compiled = jax.jit(_step_fn(module, policy)).lower(params, x, y).compile()
+        compiled = jax.jit(_step_fn(module, policy)).lower(params, x, y).compile(sizes["compiler_options"])
         # The matmuls' FLOPs, counted on the jaxpr: XLA:GPU's cost analysis
         # counts none for cuBLAS calls (0.07 TFLOP/s was reported for the
         # MLP step on an H100), and the lowered module has no cost analysis
@@ -294,9 +298,8 @@ def _matmul_rows(sizes: dict[str, Any], device_kind: str) -> list[dict[str, Any]
     a = jax.random.normal(key_a, (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(key_b, (n, n), jnp.float32).astype(dtype)
     with _precision(precision):
-      compiled = (
-        jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)).lower(a, b).compile()
-      )
+      matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+      compiled = matmul.lower(a, b).compile(sizes["compiler_options"])
     fns[name] = lambda c=compiled, a=a, b=b: c(a, b)
   times = _harness.interleaved_median_seconds(fns, warmup=3, repeats=sizes["repeats"])
   for name, t in times.items():

@@ -32,6 +32,7 @@ the code).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ import optax
 
 import jmp_train
 import jmp_train.flax
+from benchmarks import _harness
 from jmp_train_examples import demo_configs
 from jmp_train_examples import demo_tasks
 
@@ -59,10 +61,10 @@ SCALE = 2.0**15
 _SKIP = ("query", "key")  # attention biases whose exact gradient is zero
 
 
-def _gradients(model):
+def _gradients(model, compiler_options=None):
   """``(params, batch, scale) ->`` the gradients of ``scale * loss``, divided by ``scale``."""
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=compiler_options)
   def grads(params, batch, scale):
     inputs, targets = batch
     loss = lambda p: scale * demo_tasks.loss_fn(model.apply({"params": p}, inputs), targets)[0]
@@ -71,10 +73,10 @@ def _gradients(model):
   return grads
 
 
-def _float32_gradients(model):
+def _float32_gradients(model, compiler_options=None):
   """The float32 gradients and the share of logit gradients that flush in float16."""
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=compiler_options)
   def grads(params, batch):
     inputs, targets = batch
     logits, vjp = jax.vjp(lambda p: model.apply({"params": p}, inputs), params)
@@ -100,17 +102,17 @@ def _worst_leaf(g16, g32) -> tuple[str, float]:
   return name, err
 
 
-def _train(task, params, s: demo_configs.DemoSettings, steps: int):
+def _train(task, params, s: demo_configs.DemoSettings, steps: int, compiler_options=None):
   tx = demo_configs.single_device_optimizer(demo_configs.CONFIGS["f32"], s)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=compiler_options)
   def step(params, opt_state, batch):
     inputs, targets = batch
     loss = lambda p: demo_tasks.loss_fn(task.model.apply({"params": p}, inputs), targets)[0]
     updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  opt_state = jax.jit(tx.init)(params)
+  opt_state = jax.jit(tx.init, compiler_options=compiler_options)(params)
   for i in range(steps):
     params, opt_state = step(params, opt_state, task.train_batch(i))
   return jax.device_get(params)
@@ -120,12 +122,13 @@ def run(quick: bool) -> list[dict]:
   s = demo_configs.DemoSettings(steps=TRAIN_STEPS, progress=False, plot=False)
   if quick:
     s = dataclasses.replace(s, d_model=16, seq_len=16, steps=1)
+  options = _harness.compile_options(quick)
   task = demo_tasks.TASKS["text"](s)
   initial = demo_tasks.init_params(task, s)
-  weights = {"initial": initial, f"after {s.steps} float32 steps": _train(task, initial, s, s.steps)}
+  weights = {"initial": initial, f"after {s.steps} float32 steps": _train(task, initial, s, s.steps, options)}
   half = jmp_train.flax.apply_policy(task.model, "mixed_float16")
-  g32, g16 = _float32_gradients(task.model), _gradients(half)
-  gbf16 = _gradients(jmp_train.flax.apply_policy(task.model, "mixed_bfloat16"))
+  g32, g16 = _float32_gradients(task.model, options), _gradients(half, options)
+  gbf16 = _gradients(jmp_train.flax.apply_policy(task.model, "mixed_bfloat16"), options)
   tokens = (64,) if quick else (2048, 16384, 131072)
   records = []
   for label, params in weights.items():

@@ -154,8 +154,11 @@ def _loss(outputs, targets):
   return optax.softmax_cross_entropy_with_integer_labels(outputs, targets).mean()
 
 
-def _train(task: _Task, policy: str, params, model_state, steps: int, schedule, first: int = 0):
-  """``(params, model_state, losses, median step seconds)`` after ``steps`` steps of ``policy``."""
+def _train(task: _Task, policy: str, params, model_state, steps: int, schedule, first: int = 0, compiler_options=None):
+  """``(params, model_state, losses, median step seconds)`` after ``steps`` steps of ``policy``.
+
+  The step is compiled with ``compiler_options`` (``make_train_step``'s).
+  """
   apply = functools.partial(task.model.apply, train=True) if task.state_keys else task.model.apply
   step = jmp_train.make_train_step(
     apply,
@@ -164,6 +167,7 @@ def _train(task: _Task, policy: str, params, model_state, steps: int, schedule, 
     policy=policy,
     model_policy="flax" if policy == "float32" else "autocast",
     eval_apply_fn=task.model.apply,
+    compiler_options=compiler_options,
   )
   state = step.init(params, model_state=model_state or None)
   losses, times = [], []
@@ -329,8 +333,9 @@ def _run_task(task: _Task, quick: bool, tmp: pathlib.Path) -> list[dict[str, Any
   init_params = variables["params"]
   init_state = {k: variables[k] for k in task.state_keys}
   steps = task.steps
+  options = _harness.compile_options(quick)
   params, model_state, losses, f32_step = _train(
-    task, "float32", init_params, init_state, steps, _schedule(task, steps, task.lr)
+    task, "float32", init_params, init_state, steps, _schedule(task, steps, task.lr), compiler_options=options
   )
   apply_fn = task.apply_fn(model_state)
   test_x = jnp.asarray(task.test_x)
@@ -381,7 +386,14 @@ def _run_task(task: _Task, quick: bool, tmp: pathlib.Path) -> list[dict[str, Any
   # QAT: mixed_int8 fine-tuning for 10% of the float run's steps.
   qat_steps = max(2, steps // 10)
   qat_params, qat_state, _, _ = _train(
-    task, "mixed_int8", params, model_state, qat_steps, optax.constant_schedule(task.lr * 0.1), first=steps
+    task,
+    "mixed_int8",
+    params,
+    model_state,
+    qat_steps,
+    optax.constant_schedule(task.lr * 0.1),
+    first=steps,
+    compiler_options=options,
   )
   qat_fn = task.apply_fn(qat_state)
   kw = dict(_METHODS)[best]

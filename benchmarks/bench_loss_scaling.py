@@ -301,9 +301,9 @@ def _apply(tx, carry, grads):
   return optax.apply_updates(params, updates), opt_state
 
 
-def _runner(step, carry, *args):
+def _runner(step, carry, *args, compiler_options=None):
   """A zero-argument callable running one donated step on a held carry."""
-  jitted = jax.jit(step, donate_argnums=0)
+  jitted = jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
   holder = [carry]
 
   def run():
@@ -363,9 +363,12 @@ def run(quick: bool) -> list[dict[str, Any]]:
   # --quick counts flax and optax only: each counted update is one more
   # compile, and tests/test_loss_scaling_steps.py counts adamw, jmp_train
   # and skip_floor.
-  records = compiled_profiles(steps=steps, **({"variants": ("flax", "optax")} if quick else {}))
+  options = _harness.compile_options(quick)
+  records = compiled_profiles(
+    steps=steps, compiler_options=options, **({"variants": ("flax", "optax")} if quick else {})
+  )
   for sizes, plan in _plans(quick, jax.default_backend() == "gpu"):
-    records += _run_plan(sizes, plan, data, warmup, steps)
+    records += _run_plan(sizes, plan, data, warmup, steps, options)
   return records
 
 
@@ -382,7 +385,7 @@ def kernel_records(quick: bool = False) -> list[dict[str, Any]]:
   return records + _run_plan((64, 1024, 1024, 10), [("step", 128, repeats)], load_digits(), 1 if quick else 10, steps)
 
 
-def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
+def _run_plan(sizes, plan, data, warmup, steps, compiler_options=None) -> list[dict[str, Any]]:
   params = _init_mlp(sizes)
   n_params = sum(int(p.size) for p in jax.tree.leaves(params))
   copy = lambda: jax.tree.map(jnp.copy, params)
@@ -396,12 +399,12 @@ def _run_plan(sizes, plan, data, warmup, steps) -> list[dict[str, Any]]:
     candidates = {}
     if part == "step":
       for name, (step, init) in steps.items():
-        candidates[name] = _runner(step, init(copy()), x, y)
+        candidates[name] = _runner(step, init(copy()), x, y, compiler_options=compiler_options)
     else:
       grads = jax.tree.map(lambda g: g * _STATIC_SCALE, jax.grad(_loss)(params, x, y))
       for name in _variants():
         upd, init = _update_only(name)
-        candidates[name] = _runner(upd, init(copy()), grads)
+        candidates[name] = _runner(upd, init(copy()), grads, compiler_options=compiler_options)
     load_before = _load_average()
     times = _harness.interleaved_seconds(candidates, warmup=warmup, repeats=repeats)
     queued = None
@@ -542,6 +545,7 @@ def compiled_profiles(
   batch: int = 128,
   variants: tuple[str, ...] = tuple(v for v in VARIANTS if v != "jmp"),
   steps: dict[str, tuple[Callable[..., Any], Any]] | None = None,
+  compiler_options: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
   """:func:`finite_step_profile` of each variant's step and update.
 
@@ -549,8 +553,8 @@ def compiled_profiles(
   zeros of the timed shapes; nothing is run. ``jmp`` is left out: its loss
   scale validates its leaves when JAX rebuilds it, which fails on the
   placeholders of ``jax.jit(...).lower``. ``steps``: the step functions
-  (:func:`_steps` by default); pass the timed ones to share their
-  compilations.
+  (:func:`_steps` by default); pass the timed ones, and the options they
+  are compiled with (``compiler_options``), to share their compilations.
   """
   params = _init_mlp(sizes)
   x = jnp.zeros((batch, sizes[0]), jnp.float32)
@@ -566,7 +570,8 @@ def compiled_profiles(
       else:
         fn, init = _update_only(name)
         args = (grads,)
-      compiled = jax.jit(fn, donate_argnums=0).lower(init(params), *args).compile()
+      jitted = jax.jit(fn, donate_argnums=0, compiler_options=compiler_options)
+      compiled = jitted.lower(init(params), *args).compile()
       records.append(
         {
           "part": f"hlo_{part}",

@@ -192,6 +192,7 @@ def launch(
   donate: bool | str = False,
   pin: bool = False,
   keep_freed: bool = False,
+  xla_flags: str = "",
 ) -> list[dict]:
   """Runs the step in ``processes`` processes; returns process 0's records.
 
@@ -199,7 +200,7 @@ def launch(
   same steps without donation timed beside them). ``pin``: process ``i``
   runs on core ``i mod cores`` alone (XLA then runs it on one thread).
   ``keep_freed``: the processes' malloc keeps the memory it frees
-  (``KEEP_FREED_ENV``).
+  (``KEEP_FREED_ENV``). ``xla_flags``: more ``XLA_FLAGS`` for the processes.
   """
   if pin and not _CAN_PIN:
     raise ValueError("pin=True needs os.sched_setaffinity (Linux); this platform has none.")
@@ -214,7 +215,7 @@ def launch(
     pin=pin,
     env=KEEP_FREED_ENV if keep_freed else {},
     timeout=timeout,
-    xla_flags="--xla_cpu_collective_call_terminate_timeout_seconds=900",
+    xla_flags=f"--xla_cpu_collective_call_terminate_timeout_seconds=900 {xla_flags}".strip(),
   )
 
 
@@ -293,9 +294,12 @@ def _env_names(variable: str, default, valid) -> tuple[str, ...]:
 
 def run(quick: bool) -> list[dict]:
   schemes = SCHEMES
+  xla_flags = ""
   if quick:  # a smoke test of the code: float32, a compressed_mean and a 1-bit scheme
+    from benchmarks import _harness
+
     plan, links, rounds, schemes = [(2, "tiny")], (None,), 1, ("float32", "bfloat16", "1bit_l1")
-    donate, pin, keep_freed = True, _CAN_PIN, _GLIBC
+    donate, pin, keep_freed, xla_flags = True, _CAN_PIN, _GLIBC, _harness.QUICK_XLA_FLAGS
   else:
     sizes = _env_names("BENCH_MULTIPROCESS_SIZES", ("1M", "8M", "32M"), tuple(SIZES))
     procs = [int(p) for p in os.environ.get("BENCH_MULTIPROCESS_PROCESSES", "2,4").split(",")]
@@ -313,7 +317,8 @@ def run(quick: bool) -> list[dict]:
   for rate in links:
     with loopback_cap(rate) as link:
       for processes, size in plan:
-        for r in launch(processes, size, rounds, schemes, donate=donate, pin=pin, keep_freed=keep_freed):
+        options = dict(donate=donate, pin=pin, keep_freed=keep_freed, xla_flags=xla_flags)
+        for r in launch(processes, size, rounds, schemes, **options):
           records.append({**link, **r, "pinned": pin, "keep_freed": keep_freed})
           print(json.dumps(records[-1]), flush=True)  # progress, if a later run fails
   return records

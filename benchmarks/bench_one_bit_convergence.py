@@ -35,6 +35,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import _harness
+
 NAME = "one_bit_convergence"
 COLUMNS = (
   "study",
@@ -103,6 +105,7 @@ def run_digits(
   learning_rate: float = 0.1,
   momentum: float = 0.9,
   seed: int = 0,
+  compiler_options=None,
 ) -> dict:
   """Trains the digits MLP data-parallel over ``replicas`` devices.
 
@@ -117,6 +120,7 @@ def run_digits(
     learning_rate: SGD learning rate.
     momentum: SGD momentum.
     seed: initialisation and batch-order seed.
+    compiler_options: the XLA options of the training program (``jax.jit``'s).
 
   Returns:
     A record: final training loss, test accuracy, residual norms (per step
@@ -139,6 +143,7 @@ def run_digits(
     per_replica_batch=per_replica_batch,
     hidden=hidden,
     seed=seed,
+    compiler_options=compiler_options,
   )
   return {"mode": mode, **record}
 
@@ -151,13 +156,15 @@ def train_digits(
   per_replica_batch: int = 16,
   hidden: int | None = 64,
   seed: int = 0,
+  compiler_options=None,
 ) -> dict:
   """Trains the digits MLP with ``tx`` (fed each replica's local gradients).
 
   ``tx`` must average the gradients itself (``_exact_mean`` in a chain,
   :func:`jmp_train.sign_compression`, :func:`jmp_train.one_bit_adam`, ...).
-  Same data, initialisation and batches for a given ``seed``. Returns the
-  record described in :func:`run_digits` (without ``mode``).
+  Same data, initialisation and batches for a given ``seed``; the programs
+  compiled with ``compiler_options`` (``jax.jit``'s). Returns the record
+  described in :func:`run_digits` (without ``mode``).
   """
   from jmp_train import sign_compression_specs
   from jmp_train_examples.data import load_digits
@@ -179,7 +186,8 @@ def train_digits(
 
   state_shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
   specs = sign_compression_specs(state_shapes, AXIS)
-  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  opt_state = jax.jit(init, compiler_options=compiler_options)(params)
 
   def residual_norm(state):
     found = [
@@ -210,7 +218,8 @@ def train_digits(
       mesh=mesh,
       in_specs=(P(), specs, P(None, AXIS), P(None, AXIS)),
       out_specs=(P(), specs, P()),
-    )
+    ),
+    compiler_options=compiler_options,
   )
   start = time.perf_counter()
   params, opt_state, norms = jax.block_until_ready(run(params, opt_state, xs, ys))
@@ -258,12 +267,18 @@ QUICK_STUDY_MODES = ("float32", "float32_delayed")
 
 
 def momentum_study(
-  learning_rates, *, steps: int = 300, seed: int = 0, modes=STUDY_MODES, hidden: int | None = 64
+  learning_rates,
+  *,
+  steps: int = 300,
+  seed: int = 0,
+  modes=STUDY_MODES,
+  hidden: int | None = 64,
+  compiler_options=None,
 ) -> list[dict]:
   """Gradient compression vs a pure delay vs momentum compression (see above).
 
   ``modes``: a subset of ``STUDY_MODES``, ``"float32"`` first (the reference
-  of ``rel_to_float32``).
+  of ``rel_to_float32``); ``compiler_options``: :func:`train_digits`'s.
   """
   from jmp_train import one_bit_momentum, sign_compression
 
@@ -281,7 +296,7 @@ def momentum_study(
     rows = []
     for mode in modes:
       tx = txs[mode]
-      r = train_digits(tx, steps=steps, seed=seed, hidden=hidden)
+      r = train_digits(tx, steps=steps, seed=seed, hidden=hidden, compiler_options=compiler_options)
       r.pop("residual_norms")
       rows.append({"study": "momentum_lr", "mode": mode, "learning_rate": lr, **r})
     for r in rows:
@@ -297,7 +312,9 @@ def run(quick: bool) -> list[dict]:
   # full run is what the tables report.
   steps = 20 if quick else 600
   hidden = None if quick else 64
-  records = [run_digits(mode, steps=steps, hidden=hidden) for mode in (QUICK_MODES if quick else MODES)]
+  options = _harness.compile_options(quick)
+  modes = QUICK_MODES if quick else MODES
+  records = [run_digits(mode, steps=steps, hidden=hidden, compiler_options=options) for mode in modes]
   base = records[0]["final_loss"]
   for r in records:
     r["study"] = "ef_on_off"
@@ -305,7 +322,7 @@ def run(quick: bool) -> list[dict]:
     r["rel_to_float32"] = r["final_loss"] / base - 1.0
     r.pop("residual_norms")
   if quick:
-    study = momentum_study((0.1,), steps=10, modes=QUICK_STUDY_MODES, hidden=None)
+    study = momentum_study((0.1,), steps=10, modes=QUICK_STUDY_MODES, hidden=None, compiler_options=options)
   else:
     study = momentum_study((0.1, 0.3, 0.6, 1.0))
   return records + study

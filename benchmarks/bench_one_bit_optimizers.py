@@ -210,14 +210,18 @@ def _optimizers(lr_momentum, adam_settings, steps: int, warmup_percent: int = 20
   return rows
 
 
-def wire_ratio(tx: optax.GradientTransformation, params, replicas: int) -> float:
-  """Bytes sent per device per step after warm-up over a float32 all-reduce's."""
+def wire_ratio(tx: optax.GradientTransformation, params, replicas: int, compiler_options=None) -> float:
+  """Bytes sent per device per step after warm-up over a float32 all-reduce's.
+
+  Read from the update's program, compiled with ``compiler_options``.
+  """
   from jmp_train.diagnostics import collective_ops, conditional_branches
 
   devices = jax.devices()[:replicas]
   stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), params)
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(stacked)
-  text = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(stacked, state, stacked).compile().as_text()
+  lowered = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(stacked, state, stacked)
+  text = lowered.compile(compiler_options).as_text()
   ops = collective_ops(text)
   # The exact (warm-up) branch: the conditional branch holding the float
   # all-reduce. Collectives outside any branch run every step.
@@ -256,19 +260,20 @@ def run(quick: bool) -> list[dict]:
   seeds = (0,) if quick else _seeds(os.environ.get("BENCH_ONE_BIT_OPTIMIZERS_SEEDS", ""))
   lr_momentum = (0.1,) if quick else (0.1, 0.3)
   adam = (("cosine", 3e-3),) if quick else (("constant", 3e-3), ("cosine", 3e-3), ("cosine", 1e-2))
-  params = digits._init_model(jax.random.key(0), hidden)
-  large = digits._init_mlp(jax.random.key(0), (784, 2048, 1024, 10))
-  records, wire = [], {}
   warmup_percent = 20 if quick else _harness.env_int("BENCH_ONE_BIT_OPTIMIZERS_WARMUP", 20)
   if warmup_percent >= 100:
     raise ValueError(f"BENCH_ONE_BIT_OPTIMIZERS_WARMUP must be below 100 (percent), got {warmup_percent}.")
+  params = digits._init_model(jax.random.key(0), hidden)
+  large = None if quick else digits._init_mlp(jax.random.key(0), (784, 2048, 1024, 10))
+  options = _harness.compile_options(quick)
+  records, wire = [], {}
   rows = _optimizers(lr_momentum, adam, steps, warmup_percent)
   if not quick:
     rows = _harness.selected_rows(rows, "BENCH_ONE_BIT_OPTIMIZERS_MODES")
   for optimizer, mode, lr, sched, make in rows:
     if quick and mode not in QUICK_MODES:
       continue
-    runs = [digits.train_digits(make(), steps=steps, seed=s, hidden=hidden) for s in seeds]
+    runs = [digits.train_digits(make(), steps=steps, seed=s, hidden=hidden, compiler_options=options) for s in seeds]
     losses = np.asarray([r["final_loss"] for r in runs])
     records.append(
       {
@@ -290,7 +295,7 @@ def run(quick: bool) -> list[dict]:
       }
     )
     if mode not in wire:  # the bytes do not depend on the learning rate
-      wire[mode] = (wire_ratio(make(), params, 8), None if quick else wire_ratio(make(), large, 8))
+      wire[mode] = (wire_ratio(make(), params, 8, options), None if quick else wire_ratio(make(), large, 8))
     records[-1]["wire_ratio"], records[-1]["wire_ratio_2m"] = wire[mode]
   for r in records:
     base = next(

@@ -78,7 +78,7 @@ def schedule(peak: float, steps: int) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 10), max(2, steps), peak * 0.01)
 
 
-def _task(seed: int, steps: int, d_model: int, seq_len: int, batch: int, eval_batches: int):
+def _task(seed: int, steps: int, d_model: int, seq_len: int, batch: int, eval_batches: int, compiler_options=None):
   from jmp_train_examples import data as data_lib
   from jmp_train_examples.models import TransformerBlock
 
@@ -106,7 +106,8 @@ def _task(seed: int, steps: int, d_model: int, seq_len: int, batch: int, eval_ba
     max_len=seq_len,
   )
   # One compiled init, not one compilation per operation (the same values).
-  params = jax.jit(model.init)(jax.random.key(seed), np.zeros((1, seq_len), np.int32))["params"]
+  init = jax.jit(model.init, compiler_options=compiler_options)
+  params = init(jax.random.key(seed), np.zeros((1, seq_len), np.int32))["params"]
   return model, params, batches, evals
 
 
@@ -119,10 +120,12 @@ def train_text(
   seq_len: int = 64,
   batch: int = 32,
   eval_batches: int = 16,
+  compiler_options=None,
 ) -> dict:
   """Trains the text Transformer with ``tx`` (fed each replica's local gradients).
 
-  ``tx`` averages the gradients itself (as in ``bench_one_bit_convergence``).
+  ``tx`` averages the gradients itself (as in ``bench_one_bit_convergence``);
+  the programs are compiled with ``compiler_options`` (``jax.jit``'s).
   Returns the final validation and training losses.
   """
   from jmp_train import sign_compression_specs
@@ -132,7 +135,7 @@ def train_text(
       f"needs {REPLICAS} devices, found {jax.device_count()}: set "
       f"XLA_FLAGS=--xla_force_host_platform_device_count={REPLICAS} before JAX starts."
     )
-  model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, batch, eval_batches)
+  model, params, (xs, ys), evals = _task(seed, steps, d_model, seq_len, batch, eval_batches, compiler_options)
   mesh = jax.make_mesh((REPLICAS,), (AXIS,), devices=jax.devices()[:REPLICAS])
   xs = jax.device_put(xs, NamedSharding(mesh, P(None, AXIS)))
   ys = jax.device_put(ys, NamedSharding(mesh, P(None, AXIS)))
@@ -143,7 +146,8 @@ def train_text(
 
   shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), params)
   specs = sign_compression_specs(shapes, AXIS)
-  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  opt_state = jax.jit(init, compiler_options=compiler_options)(params)
 
   def train(p, s, xs, ys):
     def body(carry, b):
@@ -157,15 +161,16 @@ def train_text(
     return p, s
 
   run = jax.jit(
-    jax.shard_map(train, mesh=mesh, in_specs=(P(), specs, P(None, AXIS), P(None, AXIS)), out_specs=(P(), specs))
+    jax.shard_map(train, mesh=mesh, in_specs=(P(), specs, P(None, AXIS), P(None, AXIS)), out_specs=(P(), specs)),
+    compiler_options=compiler_options,
   )
   params, _ = jax.block_until_ready(run(params, opt_state, xs, ys))
-  return eval_losses(loss_fn, params, evals, batch)
+  return eval_losses(loss_fn, params, evals, batch, compiler_options)
 
 
-def eval_losses(loss_fn, params, evals: dict, batch: int) -> dict[str, float]:
+def eval_losses(loss_fn, params, evals: dict, batch: int, compiler_options=None) -> dict[str, float]:
   """``{"val_loss", "train_loss"}``: the mean loss of ``params`` over each split, ``batch`` rows at a time."""
-  evaluate = jax.jit(loss_fn)
+  evaluate = jax.jit(loss_fn, compiler_options=compiler_options)
   losses = {}
   for split, (x, y) in evals.items():
     parts = [evaluate(params, x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
@@ -216,7 +221,7 @@ def run(quick: bool) -> list[dict]:
 
   steps = 4 if quick else _harness.env_int("BENCH_ONE_BIT_TEXT_STEPS", 200)
   seeds = (0,) if quick else (0, 1, 2)
-  size = dict(d_model=16, seq_len=16, eval_batches=2) if quick else {}
+  size = dict(d_model=16, seq_len=16, eval_batches=2, compiler_options=_harness.compile_options(quick)) if quick else {}
   params = None if quick else _task(0, 1, 64, 64, 32, 1)[1]
   rows = _optimizers(steps, quick)
   if not quick:

@@ -40,7 +40,8 @@ at 10, 100 and 400 Gbit/s per replica, K up to 1,024:
   not overlap with each other. ``one_bit_speedup``: ring over 1-bit.
 
 ``--quick``: K = 2 in the calling process (its first two devices), a
-64-128-10 MLP, one timed step; the projection as in a full run.
+16-10 MLP (one layer: the 1-bit steps' programs grow with the leaves), one
+timed step; the projection as in a full run.
 
 Environment (full runs): ``BENCH_REPLICA_SCALE_KS`` (comma-separated
 replica counts, default ``8,16,32,64``; the stored run adds 128 and 256: about 5
@@ -93,8 +94,8 @@ STEADY_STEPS = 5
 # --- Part 1: measured ------------------------------------------------------
 
 
-def _step(scheme: str, sizes: tuple[int, ...], mesh):
-  """``make_train_step`` of an MLP of ``sizes`` for ``scheme`` on ``mesh``."""
+def _step(scheme: str, sizes: tuple[int, ...], mesh, compiler_options=None):
+  """``make_train_step`` of an MLP of ``sizes`` for ``scheme`` on ``mesh`` (compiled with ``compiler_options``)."""
   import flax.linen as nn
   import optax
 
@@ -119,7 +120,14 @@ def _step(scheme: str, sizes: tuple[int, ...], mesh):
   }[scheme]
   model = Mlp()
   step = jmp_train.make_train_step(
-    model.apply, loss, optimizer, compression=compression, mode="shard_map", axis_name=AXIS, mesh=mesh
+    model.apply,
+    loss,
+    optimizer,
+    compression=compression,
+    mode="shard_map",
+    axis_name=AXIS,
+    mesh=mesh,
+    compiler_options=compiler_options,
   )
   import jax
   import jax.numpy as jnp
@@ -129,9 +137,18 @@ def _step(scheme: str, sizes: tuple[int, ...], mesh):
 
 
 def measure(
-  k: int, schemes, sizes=(784, 1024, 256, 10), steps: int = STEADY_STEPS, devices=None, emit=None
+  k: int,
+  schemes,
+  sizes=(784, 1024, 256, 10),
+  steps: int = STEADY_STEPS,
+  devices=None,
+  emit=None,
+  compiler_options=None,
 ) -> list[dict]:
-  """The measured records of ``schemes`` on ``k`` devices (``devices``, default the first ``k``)."""
+  """The measured records of ``schemes`` on ``k`` devices (``devices``, default the first ``k``).
+
+  ``compiler_options``: the steps' (``make_train_step``'s; ``None``: its defaults).
+  """
   import jax
 
   devices = (devices or jax.devices())[:k]
@@ -141,7 +158,7 @@ def measure(
   y = rng.integers(0, sizes[-1], size=(PER_REPLICA_BATCH * k,)).astype(np.int32)
   records = []
   for scheme in schemes:
-    step, params = _step(scheme, sizes, mesh)
+    step, params = _step(scheme, sizes, mesh, compiler_options)
     state = step.init(params)
     batch = step.shard_batch((x, y))
     start = time.perf_counter()
@@ -297,7 +314,7 @@ def run(quick: bool) -> list[dict]:
 
     if len(jax.devices()) < 2:
       return _harness.skipped("needs 2 devices (python -m benchmarks simulates 8 CPU devices)")
-    measured = measure(2, SCHEMES, sizes=(64, 128, 10), steps=1)
+    measured = measure(2, SCHEMES, sizes=(16, 10), steps=1, compiler_options=_harness.compile_options(quick))
   else:
     ks = [int(k) for k in os.environ.get("BENCH_REPLICA_SCALE_KS", "8,16,32,64").split(",")]
     value = os.environ.get("BENCH_REPLICA_SCALE_SCHEMES")

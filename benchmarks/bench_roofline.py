@@ -70,7 +70,6 @@ COLUMNS = (
   "repeats",
 )
 GPU_CHIPS = ("H100 SXM", "H200")
-_QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 COMPARED = ("float32", "mixed_bfloat16", "mixed_float8")
 
 
@@ -183,7 +182,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
   repeats = 3 if quick else 20
   # --quick is a smoke test of the code: its steps are compiled without
   # XLA's expensive optimizations (their times say little).
-  options = _QUICK_COMPILE if quick else None
+  options = dict(_harness.QUICK_COMPILE) if quick else None
   cases = _cases(quick)
   built, calls = {}, {}
   for name, (model, batch) in cases.items():

@@ -79,12 +79,19 @@ def _narrow(entry, policy: str) -> bool:
   return np.dtype(entry.lhs_dtype).name in names and np.dtype(entry.rhs_dtype).name in names
 
 
-def policy_record(model, params, batch, policy: str, *, repeats: int, warmup: int) -> dict[str, Any]:
-  """One policy's step: products by format, GEMM calls, step time and the roofline's time."""
+def policy_record(
+  model, params, batch, policy: str, *, repeats: int, warmup: int, compiler_options=None
+) -> dict[str, Any]:
+  """One policy's step: products by format, GEMM calls, step time and the roofline's time.
+
+  ``compiler_options``: ``make_train_step``'s (``None``: its defaults).
+  """
   import jmp_train
   from jmp_train.diagnostics import fp8_products, roofline
 
-  step = jmp_train.make_train_step(model.apply, _loss, optax.adam(1e-4), policy=policy)
+  step = jmp_train.make_train_step(
+    model.apply, _loss, optax.adam(1e-4), policy=policy, compiler_options=compiler_options
+  )
   state = step.init(jax.tree.map(jnp.copy, params), inputs=batch[0])
   batch = step.shard_batch(batch)
   t0 = time.perf_counter()
@@ -142,7 +149,15 @@ def records(quick: bool = False) -> Iterator[dict[str, Any]]:
   base = None
   for policy in POLICIES[:2] if quick else POLICIES:
     try:
-      row = policy_record(model, params, batch, policy, repeats=s["repeats"], warmup=s["warmup"])
+      row = policy_record(
+        model,
+        params,
+        batch,
+        policy,
+        repeats=s["repeats"],
+        warmup=s["warmup"],
+        compiler_options=_harness.compile_options(quick),
+      )
     except Exception as e:  # One policy's failure (INT8 on XLA:CPU) is a result; the others still run.
       yield {"policy": policy, "model": label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
       continue

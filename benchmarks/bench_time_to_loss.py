@@ -118,19 +118,30 @@ def _records(link: dict, rows: list[dict]) -> list[dict]:
 
 
 def launch(
-  processes: int, modes, steps: int, d_model: int, learning_rate: float, seed: int = 0, timeout: float = 1800
+  processes: int,
+  modes,
+  steps: int,
+  d_model: int,
+  learning_rate: float,
+  seed: int = 0,
+  timeout: float = 1800,
+  xla_flags: str = "",
 ) -> list[dict]:
-  """Trains every mode in ``processes`` processes; returns process 0's rows."""
+  """Trains every mode in ``processes`` processes (``xla_flags``: their ``XLA_FLAGS``); returns process 0's rows."""
   args = ["--modes", ",".join(modes), "--steps", str(steps), "--d-model", str(d_model)]
   args += ["--learning-rate", repr(learning_rate), "--seed", str(seed)]
-  return mp.launch_workers("benchmarks.bench_time_to_loss", args, processes, pin=mp._CAN_PIN, env={}, timeout=timeout)
+  return mp.launch_workers(
+    "benchmarks.bench_time_to_loss", args, processes, pin=mp._CAN_PIN, env={}, timeout=timeout, xla_flags=xla_flags
+  )
 
 
 def run(quick: bool) -> list[dict]:
   from benchmarks.bench_diloco import LR, PEAK_LR
 
+  xla_flags = ""
   if quick:
     processes, links, steps, d_model, modes, lr, seeds = 1, (None,), 16, 16, ("adam_float32",), LR, 1
+    xla_flags = _harness.QUICK_XLA_FLAGS
   else:
     processes, modes = PROCESSES, MODES
     seeds = _harness.env_int("BENCH_TIME_TO_LOSS_SEEDS", 3)
@@ -149,7 +160,7 @@ def run(quick: bool) -> list[dict]:
   for rate in links:
     with mp.loopback_cap(rate) as link:
       for seed in range(seeds):
-        rows = launch(processes, modes, steps, d_model, lr, seed)
+        rows = launch(processes, modes, steps, d_model, lr, seed, xla_flags=xla_flags)
         records += _records({**link, "seed": seed}, rows)
         for r in records[-len(rows) :]:
           print(json.dumps({k: r[k] for k in COLUMNS if k in r}), flush=True)

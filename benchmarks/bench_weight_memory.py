@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks import _harness
 from jmp_train_examples import models
 from jmp_train_examples.half_weights import with_float32_state
 from jmp_train import adam_8bit, kahan_compensation, modified_momentum_sgd
@@ -166,7 +167,7 @@ def run(quick: bool) -> list[dict]:
     params = jax.tree.map(lambda p: p.astype(dtype), params32)
     # The state as built; tests/test_low_precision_modes.py checks that an update
     # returns a state of the same shapes and dtypes.
-    state = jax.jit(opt.init)(params)
+    state = jax.jit(opt.init, compiler_options=_harness.compile_options(quick))(params)
     params_bytes = _nbytes(params)
     copy_bytes = _nbytes(jax.tree.map(lambda p: p.astype(BF16), params)) if half_copy else 0
     state_bytes = _nbytes(state)

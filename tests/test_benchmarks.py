@@ -407,6 +407,19 @@ def test_roofline_prediction_of_a_step_and_where_there_is_none():
   assert _harness.with_measured(unknown, 3.0) == {**unknown, "roofline_over_measured": None}
 
 
+def test_quick_compile_options_on_cpu_only_in_a_quick_run():
+  # A full run compiles with the defaults; --quick (here, on CPU) with XLA's
+  # quickest options, a copy each time, the same values. Its workers get them
+  # as XLA_FLAGS (the multiprocess quick run starts processes with them).
+  assert _harness.compile_options(False) is None
+  options = _harness.compile_options(True)
+  assert options == _harness.QUICK_COMPILE and options is not _harness.compile_options(True)
+  assert "--xla_cpu_use_fusion_emitters=false" in _harness.QUICK_XLA_FLAGS.split()
+  f = lambda x: jnp.tanh(x) @ x.T
+  x = jnp.arange(12.0).reshape(3, 4) / 10
+  assert jnp.allclose(jax.jit(f, compiler_options=options)(x), jax.jit(f)(x), rtol=1e-6)
+
+
 def test_skipped_records():
   records = _harness.skipped("no GPU here")
   assert _harness.is_skipped(records) and records[0]["reason"] == "no GPU here"
@@ -448,7 +461,7 @@ def test_time_to_loss_trains_at_the_widths_tuned_learning_rate(monkeypatch):
   from benchmarks.bench_diloco import PEAK_LR
 
   launched, row = [], {"mode": "adam_float32", "val_loss": 2.0, "trajectory": [(0.0, 3.0), (1.0, 2.0)]}
-  monkeypatch.setattr(bench, "launch", lambda *args: launched.append(args) or [dict(row)])
+  monkeypatch.setattr(bench, "launch", lambda *args, **kwargs: launched.append(args) or [dict(row)])
   monkeypatch.setenv("BENCH_TIME_TO_LOSS_LINKS", "none")
   for width in (64, 256):
     monkeypatch.setenv("BENCH_TIME_TO_LOSS_WIDTH", str(width))
@@ -534,8 +547,9 @@ def test_one_bit_wire_ratio_counts_every_step_but_the_exact_branch():
   params = {"b": jnp.zeros((256,)), "w": jnp.zeros((64, 256))}
   make = lambda **kw: one_bit_adam(1e-3, axis_name=bench.AXIS, warmup_steps=2, **{"rescale_variance": False, **kw})
   # 4 replicas (the benchmark uses 8): the ring's factor 2 * (K - 1) / K is
-  # not 1, and each compile is cheaper than with 8.
-  plain, rescaled = bench.wire_ratio(make(), params, 4), bench.wire_ratio(make(rescale_variance=True), params, 4)
+  # not 1, and each compile is cheaper than with 8 (and quicker with --quick's options).
+  ratio = lambda tx: bench.wire_ratio(tx, params, 4, _harness.QUICK_COMPILE)
+  plain, rescaled = ratio(make()), ratio(make(rescale_variance=True))
   n = 64 * 256 + 256
   assert 1 / 32 < plain < 1 / 28
   # Two float32 scalars in a ring all-reduce: 2 * (K - 1) / K * 8 bytes.
