@@ -63,9 +63,11 @@ def test_shard_map_equals_pmap(name):
   # The moments are replicated, the residuals per replica.
   assert specs.compression == SignCompressionState(P(), P(AXIS), P(AXIS))
   assert all(s == P() for s in jax.tree.leaves(specs[1]))
-  params = {n: jnp.full(s, 0.1) for n, s in SHAPES.items()}
+  # float32, not weakly typed (as jnp.full(s, 0.1) is): as the step returns
+  # them, so that the step is compiled once.
+  params = {n: np.full(s, 0.1, np.float32) for n, s in SHAPES.items()}
   p_sm, s_sm = jax.device_put(params, NamedSharding(mesh, P())), init(params)
-  p_pm = jax.tree.map(lambda x: jnp.broadcast_to(x, (k,) + x.shape), params)
+  p_pm = jax.tree.map(lambda x: np.broadcast_to(x, (k,) + x.shape), params)
   devices = jax.devices()[:k]
   s_pm = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(p_pm)
 
@@ -78,8 +80,11 @@ def test_shard_map_equals_pmap(name):
     grads = make_tree(k, seed=90 + t)
     p_sm, s_sm = jax.block_until_ready(step(p_sm, s_sm, jax.device_put(grads, NamedSharding(mesh, P(AXIS)))))
     p_pm, s_pm = jax.block_until_ready(pm_step(p_pm, s_pm, grads))
+    # NumPy, as at the first step: the pmapped step, given device arrays
+    # instead, would be compiled again.
+    p_pm = jax.tree.map(np.asarray, p_pm)
   for n in SHAPES:
-    np.testing.assert_allclose(np.asarray(p_sm[n]), np.asarray(p_pm[n][0]), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(p_sm[n]), p_pm[n][0], rtol=1e-6, atol=1e-7)
   for r_sm, r_pm in zip(s_sm.compression.worker_residual, s_pm.compression.worker_residual, strict=True):
     np.testing.assert_allclose(np.asarray(r_sm).reshape(k, -1), np.asarray(r_pm).reshape(k, -1), rtol=1e-5, atol=1e-6)
 
@@ -173,7 +178,7 @@ def test_loss_scaled_overflow_on_one_replica_keeps_state_bit_for_bit(factory):
   assert max(np.abs(np.asarray(r)).max() for r in before.compression.worker_residual) > 0
   assert np.abs(np.asarray(before.compression.server_residual)).max() > 0
   bad = make_tree(k, seed=110)
-  bad["w"] = bad["w"].at[2, 0, 0].set(np.inf)  # replica 2 only
+  bad["w"][2, 0, 0] = np.inf  # replica 2 only
   updates, after_state = update(scaled(bad, scale), state, params)
   for leaf in jax.tree.leaves(updates):
     np.testing.assert_array_equal(np.asarray(leaf), 0.0)
@@ -200,7 +205,7 @@ def test_checkpoint_after_warmup_resumes_bit_for_bit(tmp_path, name):
 
   k = 4
   _, mesh, specs, init, step = shard_mapped(name, k)
-  params = jax.device_put({n: jnp.full(s, 0.1) for n, s in SHAPES.items()}, NamedSharding(mesh, P()))
+  params = jax.device_put({n: np.full(s, 0.1, np.float32) for n, s in SHAPES.items()}, NamedSharding(mesh, P()))
   opt_state = init(params)
   grads = [jax.device_put(make_tree(k, seed=120 + t), NamedSharding(mesh, P(AXIS))) for t in range(4)]
   for t in range(2):
@@ -229,9 +234,9 @@ def test_checkpoint_after_warmup_resumes_bit_for_bit(tmp_path, name):
 def test_state_for_another_replica_count_raises(factory):
   tx4, init4, _ = pmapped(4, factory, warmup_steps=1)
   _, _, update2 = pmapped(2, factory, warmup_steps=1)
-  state4 = init4(jax.tree.map(jnp.zeros_like, make_tree(4, seed=0)))
+  state4 = init4(jax.tree.map(np.zeros_like, make_tree(4, seed=0)))
   # Two replicas' copies of a 4-replica state (as a restore onto 2 devices gives).
-  moved = jax.tree.map(lambda x: x[:2], state4)
+  moved = jax.tree.map(lambda x: np.asarray(x)[:2], state4)
   with pytest.raises(ValueError, match="replica count"):
     update2(make_tree(2, seed=1), moved, make_tree(2, seed=2))
 
@@ -329,7 +334,7 @@ def test_injected_hyperparameters_step_as_plain_ones(factory, kwargs, static):
     (u_plain, states[0]), (u_injected, states[1]) = (step(grads, state, params) for step, state in zip(steps, states))
     for a, b in zip(jax.tree.leaves(u_plain), jax.tree.leaves(u_injected)):
       np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-9)
-  assert int(states[1].count[0]) == 4
+  assert int(np.asarray(states[1].count)[0]) == 4
 
 
 def test_a_structural_argument_injected_as_an_array_is_named():
@@ -403,10 +408,12 @@ def test_make_train_step_with_one_bit_optimizer_as_the_whole_optimizer(make, sta
 # loss scaling, killed and restarted) equals one process in
 # tests/test_killed_process.py, and sign_compression over two processes in
 # tests/test_sign_compression_multiprocess.py. Here 1-bit momentum SGD with
-# 8 replicas as 4 processes of 2 devices, equal bit for bit to the same
-# replicas as the 8 devices of this one process.
+# 8 replicas as 2 processes of 4 devices (several devices in each process,
+# and every chunk's owner sending to devices of its own process and of the
+# other), equal bit for bit to the same replicas as the 8 devices of this
+# one process.
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, num_processes, per_process", [("momentum", 4, 2)])
+@pytest.mark.parametrize("optimizer, num_processes, per_process", [("momentum", 2, 4)])
 def test_processes_equal_one_process(tmp_path, optimizer, num_processes, per_process):
   from helpers import one_bit_multiprocess_worker as worker
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -16,7 +18,14 @@ K = 4
 BUCKETS = (("i",), ("g", "h"), ("a", "b", "c", "d", "e", "f"))
 
 
+# Compiling an exchange takes most of each test's time: the tests below
+# share their programs, each pmapped (and compiled) once per module.
 def _pmapped(k=K, **kwargs):
+  return _pmapped_once(k, **kwargs)
+
+
+@functools.cache
+def _pmapped_once(k, **kwargs):
   tx = sign_compression(AXIS, **kwargs)
   devices = jax.devices()[:k]
   return jax.pmap(tx.init, axis_name=AXIS, devices=devices), jax.pmap(tx.update, axis_name=AXIS, devices=devices)
@@ -24,8 +33,8 @@ def _pmapped(k=K, **kwargs):
 
 # Column scales: the layout with the most cases (leaves split by columns,
 # word-packed or not, by rows and by entries); bucketing itself is
-# scale-blind. Two replicas: the program's size does not depend on them.
-def test_buckets_equal_separate_exchanges_bit_for_bit(scale="column", k=2):
+# scale-blind. Two tests below take its bucketed program.
+def test_buckets_equal_separate_exchanges_bit_for_bit(scale="column", k=K):
   init, update = _pmapped(k, scale=scale, bucket_bytes=2000)
   state = init(replicated_zeros(k, WIDE_SHAPES))
   sub = {names: _pmapped(k, scale=scale) for names in BUCKETS}
@@ -52,14 +61,15 @@ def test_buckets_equal_separate_exchanges_bit_for_bit(scale="column", k=2):
 
 
 def test_each_bucket_has_its_own_packed_collectives():
-  tx = sign_compression(AXIS, scale="l1", bucket_bytes=2000)
+  # Column scales, the most reconstruction pairs: the program of
+  # test_buckets_equal_separate_exchanges_bit_for_bit.
+  init, update = _pmapped(K, scale="column", bucket_bytes=2000)
   params = replicated_zeros(K, WIDE_SHAPES)
-  devices = jax.devices()[:K]
-  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
-  compiled = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(params, state).compile()
+  compiled = update.lower(params, init(params)).compile()
   ops = collective_ops(compiled)
   # One uint8 all-to-all and one uint8 all-gather per bucket, nothing else:
-  # the bits with their few reconstruction pairs (8 bytes each) appended.
+  # the bits with their reconstruction pairs (8 bytes each, at most 16 per
+  # owner here) appended.
   assert sorted(op.kind for op in ops) == ["all-gather"] * len(BUCKETS) + ["all-to-all"] * len(BUCKETS)
   assert all(op.dtypes == ("u8",) for op in ops)
   packed = sorted(op.operand_bytes for op in ops if op.kind == "all-to-all")
@@ -68,7 +78,7 @@ def test_each_bucket_has_its_own_packed_collectives():
   for got, want in zip(packed, bits):
     assert want < got <= want + 8 * K * 16
   # The bytes predicted without compiling are those of the compiled program.
-  predicted = sign_compression_wire_bytes(WIDE_SHAPES_TREE, K, scale="l1", bucket_bytes=2000)
+  predicted = sign_compression_wire_bytes(WIDE_SHAPES_TREE, K, scale="column", bucket_bytes=2000)
   assert predicted == collective_bytes(compiled, wire=True)["total"]
 
 
@@ -76,7 +86,8 @@ WIDE_SHAPES_TREE = {n: np.zeros(s, np.float32) for n, s in WIDE_SHAPES.items()}
 
 
 def test_wire_bytes_without_buckets_are_the_compiled_programs():
-  # Column scales: the most reconstruction pairs per chunk.
+  # Column scales: the most reconstruction pairs per chunk (the program of
+  # test_buckets_change_neither_the_results_nor_the_state).
   init, update = _pmapped(scale="column")
   params = replicated_zeros(K, WIDE_SHAPES)
   compiled = update.lower(params, init(params)).compile()
@@ -111,9 +122,9 @@ def test_bad_bucket_bytes_is_a_value_error(bad):
 def test_buckets_change_neither_the_results_nor_the_state():
   # A leaf's part of each chunk does not depend on the buckets: the same
   # results and state bit for bit, and a state made with other buckets (or
-  # none) serves.
-  init, update = _pmapped(scale="l1")
-  _, bucketed = _pmapped(scale="l1", bucket_bytes=1000)
+  # none) serves. Column scales, as the two tests above (their programs).
+  init, update = _pmapped(scale="column")
+  _, bucketed = _pmapped(scale="column", bucket_bytes=2000)
   params = replicated_zeros(K, WIDE_SHAPES)
   state = b_state = init(params)
   for step in range(2):
@@ -131,27 +142,30 @@ OPT_SHAPES = {n: WIDE_SHAPES[n] for n in ("a", "b", "i")}
 OPT_BUCKETS = (("i",), ("a", "b"))
 
 
+@functools.cache
+def _momentum(bucket_bytes=None):
+  """(init, update) of 1-bit momentum SGD pmapped over K devices, once per module."""
+  tx = one_bit_momentum(0.1, 0.9, axis_name=AXIS, bucket_bytes=bucket_bytes)
+  devices = jax.devices()[:K]
+  return jax.pmap(tx.init, axis_name=AXIS, devices=devices), jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+
+
 def test_one_bit_momentum_with_buckets_equals_one_optimizer_per_bucket():
   # Momentum SGD is elementwise around the exchange, so bucketing its
   # exchange must equal running one optimizer on each bucket's leaves.
-  devices = jax.devices()[:K]
-  pmap = lambda f: jax.pmap(f, axis_name=AXIS, devices=devices)
-  make = lambda **kw: one_bit_momentum(0.1, 0.9, axis_name=AXIS, **kw)
-  tx = make(bucket_bytes=2000)
+  init, update = _momentum(bucket_bytes=2000)
+  sub_init, sub_update = _momentum()
   params = replicated_zeros(K, OPT_SHAPES)
-  state = pmap(tx.init)(params)
-  sub = {names: make() for names in OPT_BUCKETS}
-  sub_states = {names: pmap(sub[names].init)({n: params[n] for n in names}) for names in OPT_BUCKETS}
-  update = pmap(tx.update)
-  sub_updates = {names: pmap(sub[names].update) for names in OPT_BUCKETS}
+  state = init(params)
+  sub_states = {names: sub_init({n: params[n] for n in names}) for names in OPT_BUCKETS}
   for step in range(2):
     grads = make_grads(K, seed=70 + step, shapes=OPT_SHAPES)
     out, state = update(grads, state)
     for names in OPT_BUCKETS:
-      sub_out, sub_states[names] = sub_updates[names]({n: grads[n] for n in names}, sub_states[names])
+      sub_out, sub_states[names] = sub_update({n: grads[n] for n in names}, sub_states[names])
       for n in names:
         np.testing.assert_array_equal(np.asarray(out[n]), np.asarray(sub_out[n]), err_msg=n)
-  assert int(state.count[0]) == 2
+  assert int(np.asarray(state.count)[0]) == 2
 
 
 def test_one_bit_adam_with_buckets_exchanges_each_bucket_on_its_own():
@@ -170,10 +184,10 @@ def test_one_bit_adam_with_buckets_exchanges_each_bucket_on_its_own():
 
 
 def test_one_bit_optimizer_state_serves_other_buckets():
-  devices = jax.devices()[:K]
-  params = replicated_zeros(K, WIDE_SHAPES)
-  state = jax.pmap(one_bit_momentum(0.1, axis_name=AXIS).init, axis_name=AXIS, devices=devices)(params)
-  tx = one_bit_momentum(0.1, axis_name=AXIS, bucket_bytes=1000)
-  other = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
+  # The optimizers of the test above (their programs).
+  params = replicated_zeros(K, OPT_SHAPES)
+  state = _momentum()[0](params)
+  init, update = _momentum(bucket_bytes=2000)
+  other = init(params)
   assert jax.tree.map(np.shape, other) == jax.tree.map(np.shape, state)
-  jax.pmap(tx.update, axis_name=AXIS, devices=devices)(params, state)
+  update(params, state)

@@ -58,7 +58,7 @@ def test_matches_numpy_reference_and_conserves(k, scale):
     assert (np.abs(v - (decoded + r_new)) <= tol + 1e-30).all()
     # Owner side: u = decode(u) + e, for every chunk, with the actual output
     # (to a few roundings: the reference sums the K chunks in another order).
-    flat_out = np.asarray(ref_flatten([np.asarray(out[n][0]) for n in SHAPES], scale)[0])
+    flat_out = np.asarray(ref_flatten([np.asarray(out[n])[0] for n in SHAPES], scale)[0])
     chunk_out = ref_to_chunks(flat_out, SHAPES, scale, k)
     tol = 8 * np.float32(2.0**-23) * (np.abs(u) + np.abs(chunk_out) + np.abs(e_old))
     assert (np.abs(u - (chunk_out + e_new)) <= tol + 1e-30).all()
@@ -112,7 +112,7 @@ def test_without_error_feedback_residuals_stay_zero():
       server_error_feedback=False,
     )
     for name, ref_leaf in zip(SHAPES, ref_out):
-      np.testing.assert_allclose(np.asarray(out[name][0]), ref_leaf, rtol=2e-5, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(out[name])[0], ref_leaf, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("scale", ["column", "l1", "l2"])
@@ -142,7 +142,7 @@ def test_warmup_is_exact_pmean_then_compressed():
     out, state = update(grads, state)
     if step < 2:
       for name in SHAPES:
-        np.testing.assert_allclose(np.asarray(out[name][0]), np.asarray(grads[name]).mean(0), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(out[name])[0], np.asarray(grads[name]).mean(0), rtol=1e-6, atol=1e-7)
       assert_residual_zero(state.worker_residual)
       np.testing.assert_array_equal(np.asarray(state.server_residual), 0.0)
     else:
@@ -153,7 +153,7 @@ def test_warmup_is_exact_pmean_then_compressed():
         "column",
       )
       for name, ref_leaf in zip(SHAPES, ref_out):
-        np.testing.assert_allclose(np.asarray(out[name][0]), ref_leaf, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(out[name])[0], ref_leaf, rtol=2e-5, atol=1e-6)
       np.testing.assert_allclose(buffer_residual(state.worker_residual, SHAPES, "column"), ref_r, rtol=2e-5, atol=2e-6)
   assert np.asarray(state.count)[0] == 3
 
@@ -170,7 +170,8 @@ def test_non_finite_gradient_keeps_residuals(bad):
   state = init(replicated_zeros(k))
   _, state = update(make_grads(k, seed=40), state)
   grads = make_grads(k, seed=41)
-  grads["dense"] = grads["dense"].at[1, 2, 0].set(bad)
+  grads["dense"] = np.array(grads["dense"])
+  grads["dense"][1, 2, 0] = bad
   r_old = buffer_residual(state.worker_residual, SHAPES, "column")
   e_old = np.asarray(state.server_residual)
   out, new_state = update(grads, state)
@@ -187,7 +188,7 @@ def test_non_finite_gradient_keeps_residuals(bad):
   # The non-finite value reaches the output, on every replica alike.
   assert not np.isfinite(np.asarray(out["dense"])).all()
   for j in range(k):
-    np.testing.assert_array_equal(np.isfinite(np.asarray(out["dense"][j])), np.isfinite(np.asarray(out["dense"][0])))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(out["dense"])[j]), np.isfinite(np.asarray(out["dense"])[0]))
 
 
 @pytest.mark.parametrize("k", [3, 8])

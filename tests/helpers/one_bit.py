@@ -17,12 +17,16 @@ B1, B2, EPS = 0.9, 0.999, 1e-8
 
 
 def make_tree(k, seed, dtype=jnp.float32, scale=1.0):
+  # NumPy arrays (the values jnp.asarray would give): pmap puts them on the
+  # devices as they are, where a device array would first be split by a
+  # program compiled for each leaf shape.
   rng = np.random.default_rng(seed)
-  return {n: jnp.asarray(rng.normal(size=(k,) + s) * scale, dtype) for n, s in SHAPES.items()}
+  return {n: (rng.normal(size=(k,) + s) * scale).astype(dtype) for n, s in SHAPES.items()}
 
 
 def leaves_of(tree, j=None):
-  return [np.asarray(tree[n] if j is None else tree[n][j], np.float32) for n in SHAPES]
+  # Indexed on the host: indexing a device array compiles a program per leaf shape.
+  return [np.asarray(tree[n], np.float32) if j is None else np.asarray(tree[n], np.float32)[j] for n in SHAPES]
 
 
 @functools.lru_cache(maxsize=None)

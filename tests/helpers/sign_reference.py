@@ -227,17 +227,18 @@ def ref_step(grads, r, e, scale, error_feedback=True, server_error_feedback=True
   return ref_unflatten(flat_out, grads[0], scale), r_new, e_new, v, u, out
 
 
+# NumPy arrays (the values jnp.asarray would give): pmap and shard_map put
+# them on the devices as they are, where a device array would first be
+# split by a program compiled for each leaf shape.
 def make_grads(k, seed, dtypes=None, shapes=SHAPES):
   rng = np.random.default_rng(seed)
   dtypes = dtypes or {}
-  return {
-    name: jnp.asarray(rng.normal(size=(k,) + shape), dtypes.get(name, jnp.float32)) for name, shape in shapes.items()
-  }
+  return {name: rng.normal(size=(k,) + shape).astype(dtypes.get(name, jnp.float32)) for name, shape in shapes.items()}
 
 
 def replicated_zeros(k, shapes=SHAPES, dtypes=None):
   dtypes = dtypes or {}
-  return {n: jnp.zeros((k,) + s, dtypes.get(n, jnp.float32)) for n, s in shapes.items()}
+  return {n: np.zeros((k,) + s, dtypes.get(n, jnp.float32)) for n, s in shapes.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -250,4 +251,5 @@ def pmapped(k, **kwargs):
 
 
 def per_replica_leaves(tree, j):
-  return [np.asarray(tree[n][j], np.float32) for n in sorted(tree)]
+  # Indexed on the host: indexing a device array compiles a program per leaf shape.
+  return [np.asarray(tree[n], np.float32)[j] for n in sorted(tree)]
